@@ -1,0 +1,1 @@
+"""dbo: the ubatch runtime for Dual Batch Overlap."""

@@ -1,0 +1,310 @@
+"""Streams and events: one small interface, two devices (real CUDA and the simulated GPU).
+
+The ubatch runtime speaks only to `Device`, `Stream` and `Event` below. `CudaDevice` wraps
+`torch.cuda`; `dbo.sim.SimDevice` places the same calls on a virtual-time timeline. Nothing
+outside this module and `dbo.sim` knows which one runs.
+
+Semantics follow CUDA: work issued to one stream runs in issue order; `stream.wait_event(e)`
+makes later work on that stream wait for the work recorded before `e`; `synchronize()` blocks
+the host. The *current stream* is per thread, as in torch.cuda.
+
+Documented registry: the process-wide default device (`set_default_device`), used by threads
+that have not entered `use_device`.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+__all__ = [
+    "Event",
+    "Stream",
+    "Device",
+    "CudaDevice",
+    "current_device",
+    "current_stream",
+    "set_default_device",
+    "get_default_device",
+    "use_device",
+    "stream_context",
+    "resolve_device",
+]
+
+
+class Event(ABC):
+    """A marker in a stream's work; `record` captures everything issued before it."""
+
+    device: "Device"
+
+    @abstractmethod
+    def record(self, stream: "Stream | None" = None) -> None:
+        """Capture the work issued so far on `stream` (default: the thread's current one)."""
+
+    def wait(self, stream: "Stream | None" = None) -> None:
+        """Make `stream` (default: current) wait for this event."""
+        (stream or self.device.current_stream()).wait_event(self)
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the recorded work is done."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True when the recorded work is done (never blocks)."""
+
+
+class Stream(ABC):
+    """An in-order queue of device work."""
+
+    device: "Device"
+    name: str
+
+    @abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Later work on this stream waits for `event`'s recorded work."""
+
+    def wait_stream(self, other: "Stream") -> None:
+        """Later work on this stream waits for everything issued on `other` so far."""
+        self.wait_event(other.record_event())
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event if event is not None else self.device.Event()
+        event.record(self)
+        return event
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until all work issued on this stream is done."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True when all work issued on this stream is done."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} on {self.device.kind}>"
+
+
+class Device(ABC):
+    """Where ubatch work runs: a factory of streams and events, and the per-thread current stream.
+
+    `thread_scope` is entered by every thread that issues device work (each ubatch thread and
+    the serial runner); the simulated device attributes ops there, CUDA needs nothing.
+    `on_handoff` is called once per baton pass, so the simulator can charge its host cost.
+    """
+
+    kind: str
+    torch_device: torch.device
+
+    @abstractmethod
+    def Stream(self, name: str = "") -> Stream: ...
+
+    @abstractmethod
+    def Event(self) -> Event: ...
+
+    @abstractmethod
+    def default_stream(self) -> Stream: ...
+
+    @abstractmethod
+    def current_stream(self) -> Stream:
+        """The calling thread's current stream on this device."""
+
+    @abstractmethod
+    def set_stream(self, stream: Stream) -> None:
+        """Make `stream` the calling thread's current stream."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until all work on every stream is done."""
+
+    @contextmanager
+    def thread_scope(self, ubatch_id: int | None = None) -> Iterator[None]:
+        """Entered around the work of one thread (`ubatch_id` None for a serial run)."""
+        yield
+
+    def on_handoff(self) -> None:
+        """One baton pass between ubatch threads happened."""
+
+    def check_stream(self, stream: Stream, what: str = "stream") -> Stream:
+        if not isinstance(stream, Stream) or stream.device is not self:
+            raise TypeError(
+                f"{what} must be a Stream of {self!r}, got {stream!r}; create it with "
+                f"device.Stream()"
+            )
+        return stream
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.torch_device}>"
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA
+
+
+class _CudaEvent(Event):
+    def __init__(self, device: "CudaDevice") -> None:
+        self.device = device
+        self.raw = torch.cuda.Event()
+
+    def record(self, stream: Stream | None = None) -> None:
+        stream = stream or self.device.current_stream()
+        self.raw.record(stream.raw)  # type: ignore[attr-defined]
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def query(self) -> bool:
+        return self.raw.query()
+
+
+class _CudaStream(Stream):
+    def __init__(self, device: "CudaDevice", raw: "torch.cuda.Stream", name: str) -> None:
+        self.device = device
+        self.raw = raw
+        self.name = name
+
+    def wait_event(self, event: Event) -> None:
+        self.raw.wait_event(event.raw)  # type: ignore[attr-defined]
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def query(self) -> bool:
+        return self.raw.query()
+
+
+class CudaDevice(Device):
+    """Real CUDA streams and events on one GPU."""
+
+    kind = "cuda"
+
+    def __init__(self, index: int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "CudaDevice needs a CUDA GPU and a CUDA build of torch; none is present here. "
+                "Use the simulated device (device='sim') instead."
+            )
+        self.index = torch.cuda.current_device() if index is None else index
+        self.torch_device = torch.device("cuda", self.index)
+        # Wrappers keyed by the raw stream so `current_stream()` returns the same object that
+        # was set (the runtime compares streams by identity, as vLLM does).
+        self._wrappers: dict[int, _CudaStream] = {}
+        self._lock = threading.Lock()
+
+    def _wrap(self, raw: "torch.cuda.Stream", name: str = "") -> _CudaStream:
+        key = raw.cuda_stream
+        with self._lock:
+            wrapper = self._wrappers.get(key)
+            if wrapper is None:
+                wrapper = _CudaStream(self, raw, name or f"cuda-stream-{key:#x}")
+                self._wrappers[key] = wrapper
+            return wrapper
+
+    def Stream(self, name: str = "") -> Stream:
+        return self._wrap(torch.cuda.Stream(device=self.torch_device), name)
+
+    def Event(self) -> Event:
+        return _CudaEvent(self)
+
+    def default_stream(self) -> Stream:
+        return self._wrap(torch.cuda.default_stream(self.torch_device), "default")
+
+    def current_stream(self) -> Stream:
+        return self._wrap(torch.cuda.current_stream(self.torch_device))
+
+    def set_stream(self, stream: Stream) -> None:
+        torch.cuda.set_stream(stream.raw)  # type: ignore[attr-defined]
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+
+# --------------------------------------------------------------------------------------------
+# Which device a thread uses
+
+_DEFAULT_DEVICE: Device | None = None
+_DEFAULT_LOCK = threading.Lock()
+_THREAD_DEVICE = threading.local()
+
+
+def set_default_device(device: Device | None) -> None:
+    """Set the process-wide device used by threads outside `use_device` (None: choose again)."""
+    global _DEFAULT_DEVICE
+    if device is not None and not isinstance(device, Device):
+        raise TypeError(f"expected a dbo.streams.Device or None, got {type(device).__name__}")
+    _DEFAULT_DEVICE = device
+
+
+def get_default_device() -> Device:
+    """The process default: set by `set_default_device`, else the simulated H200."""
+    global _DEFAULT_DEVICE
+    with _DEFAULT_LOCK:
+        if _DEFAULT_DEVICE is None:
+            from dbo.sim import SimDevice
+
+            _DEFAULT_DEVICE = SimDevice()
+        return _DEFAULT_DEVICE
+
+
+def current_device() -> Device:
+    """The calling thread's device (`use_device`), else the process default."""
+    device = getattr(_THREAD_DEVICE, "device", None)
+    return device if device is not None else get_default_device()
+
+
+@contextmanager
+def use_device(device: Device) -> Iterator[Device]:
+    """Make `device` the calling thread's device for the duration of the block."""
+    if not isinstance(device, Device):
+        raise TypeError(f"expected a dbo.streams.Device, got {type(device).__name__}")
+    previous = getattr(_THREAD_DEVICE, "device", None)
+    _THREAD_DEVICE.device = device
+    try:
+        yield device
+    finally:
+        _THREAD_DEVICE.device = previous
+
+
+def current_stream() -> Stream:
+    """The calling thread's current stream on its device."""
+    return current_device().current_stream()
+
+
+@contextmanager
+def stream_context(stream: Stream) -> Iterator[Stream]:
+    """Issue the block's work on `stream`, then restore the thread's previous stream."""
+    device = stream.device
+    previous = device.current_stream()
+    device.set_stream(stream)
+    try:
+        yield stream
+    finally:
+        device.set_stream(previous)
+
+
+def resolve_device(device: "Device | str | None", **sim_options: Any) -> Device:
+    """Turn a user's device argument into a Device.
+
+    None -> the calling thread's device; "sim" -> a new simulated device (sim_options go to it);
+    "cuda" / "cuda:N" -> a CudaDevice; a Device passes through.
+    """
+    if device is None:
+        return current_device()
+    if isinstance(device, Device):
+        return device
+    if isinstance(device, str):
+        if device == "sim":
+            from dbo.sim import SimDevice
+
+            return SimDevice(**sim_options)
+        if device == "cuda" or device.startswith("cuda:"):
+            index = int(device.split(":", 1)[1]) if ":" in device else None
+            return CudaDevice(index)
+    raise ValueError(
+        f"device must be 'sim', 'cuda', 'cuda:N' or a dbo.streams.Device, got {device!r}"
+    )
+
