@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "Event",
     "Stream",
     "Device",
+    "CommHandle",
     "CudaDevice",
     "current_device",
     "current_stream",
@@ -89,6 +91,16 @@ class Stream(ABC):
         return f"<{type(self).__name__} {self.name!r} on {self.device.kind}>"
 
 
+@dataclass
+class CommHandle:
+    """What a `comm_region` gives back: `event` marks when the data is usable."""
+
+    kind: str
+    nbytes: int
+    mode: str
+    event: Event
+
+
 class Device(ABC):
     """Where ubatch work runs: a factory of streams and events, and the per-thread current stream.
 
@@ -128,6 +140,29 @@ class Device(ABC):
 
     def on_handoff(self) -> None:
         """One baton pass between ubatch threads happened."""
+
+    @contextmanager
+    def comm_region(
+        self,
+        kind: str,
+        *,
+        nbytes: int,
+        mode: str = "ht",
+        ep_size: int = 1,
+        link: str | None = None,
+    ) -> Iterator["CommHandle"]:
+        """Mark the block as one communication op (dispatch, combine, all-to-all, ...).
+
+        The block does the real data movement with ordinary torch ops (or torch.distributed);
+        the simulated device costs the whole block by its communication model instead of by
+        its ops. mode "ht" (high-throughput) runs on the current stream, normally the comm
+        stream, and occupies SMs; mode "ll" (low-latency) is sent from the current stream and
+        arrives later: `handle.event` marks arrival, and a recv hook must wait on it before
+        reading the data. On CUDA the block simply runs; `handle.event` is recorded after it.
+        """
+        handle = CommHandle(kind=kind, nbytes=nbytes, mode=mode, event=self.Event())
+        yield handle
+        handle.event.record(self.current_stream())
 
     def check_stream(self, stream: Stream, what: str = "stream") -> Stream:
         if not isinstance(stream, Stream) or stream.device is not self:
