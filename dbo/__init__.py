@@ -1,1 +1,74 @@
-"""dbo: the ubatch runtime for Dual Batch Overlap."""
+"""dbo: a reference runtime for Dual Batch Overlap (DBO) micro-batching.
+
+The names mirror vLLM's (`make_ubatch_contexts`, `dbo_yield`, ...), so code written against
+this package reads like an engine's. Streams come from `dbo.streams` (real CUDA or the simulated
+device in `dbo.sim`); `run_ubatches` runs one ubatched step and always comes back.
+"""
+
+from dbo.errors import UBatchError, UBatchTimeoutError, YieldMismatchError
+from dbo.runner import DEFAULT_TIMEOUT_S, merge_outputs, run_ubatches
+from dbo.streams import (
+    CudaDevice,
+    Device,
+    Event,
+    Stream,
+    current_device,
+    current_stream,
+    get_default_device,
+    set_default_device,
+    stream_context,
+    use_device,
+)
+from dbo.ubatching import (
+    UBatchContext,
+    current_forward_context,
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_get_previous_event,
+    dbo_maybe_run_recv_hook,
+    dbo_register_recv_hook,
+    dbo_switch_to_comm,
+    dbo_switch_to_comm_sync,
+    dbo_switch_to_compute,
+    dbo_switch_to_compute_sync,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+    make_ubatch_contexts,
+    set_forward_context,
+)
+
+__all__ = [
+    "UBatchError",
+    "UBatchTimeoutError",
+    "YieldMismatchError",
+    "DEFAULT_TIMEOUT_S",
+    "merge_outputs",
+    "run_ubatches",
+    "CudaDevice",
+    "Device",
+    "Event",
+    "Stream",
+    "current_device",
+    "current_stream",
+    "get_default_device",
+    "set_default_device",
+    "stream_context",
+    "use_device",
+    "UBatchContext",
+    "current_forward_context",
+    "dbo_current_ubatch_id",
+    "dbo_enabled",
+    "dbo_get_previous_event",
+    "dbo_maybe_run_recv_hook",
+    "dbo_register_recv_hook",
+    "dbo_switch_to_comm",
+    "dbo_switch_to_comm_sync",
+    "dbo_switch_to_compute",
+    "dbo_switch_to_compute_sync",
+    "dbo_yield",
+    "dbo_yield_and_switch_from_comm_to_compute",
+    "dbo_yield_and_switch_from_compute_to_comm",
+    "make_ubatch_contexts",
+    "set_forward_context",
+]

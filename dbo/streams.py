@@ -27,6 +27,7 @@ __all__ = [
     "Stream",
     "Device",
     "CommHandle",
+    "GraphCapture",
     "CudaDevice",
     "current_device",
     "current_stream",
@@ -164,6 +165,10 @@ class Device(ABC):
         yield handle
         handle.event.record(self.current_stream())
 
+    def graph(self) -> "GraphCapture":
+        """A capture of device work: enter it, issue work, exit; then `replay()` it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot capture graphs")
+
     def check_stream(self, stream: Stream, what: str = "stream") -> Stream:
         if not isinstance(stream, Stream) or stream.device is not self:
             raise TypeError(
@@ -256,6 +261,47 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+    def graph(self) -> "GraphCapture":
+        return _CudaGraphCapture(self)
+
+
+class GraphCapture(ABC):
+    """Records the device work issued while it is entered; `replay()` issues it again.
+
+    `capture_stream` is the stream the capture begins on (the runner sets its compute stream);
+    other streams join the capture by waiting on events recorded there, as on CUDA.
+    """
+
+    capture_stream: Stream | None = None
+
+    @abstractmethod
+    def __enter__(self) -> "GraphCapture": ...
+
+    @abstractmethod
+    def __exit__(self, *exc: Any) -> None: ...
+
+    @abstractmethod
+    def replay(self) -> None: ...
+
+
+class _CudaGraphCapture(GraphCapture):
+    def __init__(self, device: CudaDevice) -> None:
+        self.device = device
+        self.graph = torch.cuda.CUDAGraph()
+        self._ctx: Any = None
+
+    def __enter__(self) -> "GraphCapture":
+        stream = self.capture_stream or self.device.current_stream()
+        self._ctx = torch.cuda.graph(self.graph, stream=stream.raw)  # type: ignore[attr-defined]
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)
+
+    def replay(self) -> None:
+        self.graph.replay()
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,13 +1,525 @@
-"""Ubatch thread registry and the dbo_* helpers (filled in by the runtime work)."""
+"""The ubatch contexts and the dbo_* helpers: who may run, on which stream, and when to yield.
+
+N ubatch threads share one compute stream and one comm stream and pass a single baton round a
+ring: context i waits on its own CPU signal and, when it yields, sets signal (i + 1) mod N.
+Only the holder of the baton runs Python, which is what lets each ubatch own a workspace slot
+without locks. Each context also owns a compute-done and a comm-done device event, used by the
+yield-and-switch helpers to order the two streams for that ubatch.
+
+Documented registries (the only module state):
+- `_THREAD_ID_TO_CONTEXT`: thread ident -> ubatch id, for the threads of the running step;
+- `_CURRENT_CONTEXTS`: ubatch id -> its `UBatchContext` while it runs, else None;
+- `_NUM_UBATCHES`: the ubatch count of the current step;
+- `_forward_context`: the running ubatch's forward context, restored on every resume.
+
+Differences from vLLM's `vllm/v1/worker/ubatching.py`, all on failure paths: an exception or an
+early exit in one ubatch releases its peers (`UBatchStep.abort`), a yield count that differs
+between ubatches is reported instead of hanging, `dbo_current_ubatch_id()` answers 0 for a
+thread that is not a ubatch, and `dbo_enabled()` answers for the calling thread.
+"""
 
 from __future__ import annotations
 
+import sys
 import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
-# thread ident -> ubatch id, for every live ubatch thread of the running step
+from dbo.errors import UBatchError, YieldMismatchError, _StepAborted
+from dbo.streams import Device, Event, Stream, stream_context
+
+__all__ = [
+    "UBatchContext",
+    "UBatchStep",
+    "make_ubatch_contexts",
+    "dbo_enabled",
+    "dbo_current_ubatch_id",
+    "dbo_yield",
+    "dbo_yield_and_switch_from_compute_to_comm",
+    "dbo_yield_and_switch_from_comm_to_compute",
+    "dbo_switch_to_comm",
+    "dbo_switch_to_compute",
+    "dbo_switch_to_comm_sync",
+    "dbo_switch_to_compute_sync",
+    "dbo_register_recv_hook",
+    "dbo_maybe_run_recv_hook",
+    "dbo_get_previous_event",
+    "current_forward_context",
+    "set_forward_context",
+]
+
 _THREAD_ID_TO_CONTEXT: dict[int, int] = {}
+_CURRENT_CONTEXTS: list["UBatchContext | None"] = []
+_NUM_UBATCHES: int = 0
+_forward_context: Any = None
+
+_get_ident = threading.get_ident
+
+
+# --------------------------------------------------------------------------------------------
+# The baton
+
+
+class CpuSignal:
+    """A one-shot wake-up for one parked thread: the baton primitive of the ring.
+
+    A bare `threading.Lock` used as a binary semaphore (held = not signalled). Measured against
+    vLLM's `threading.Event` ring in `python -m scenarios bench`: an Event wait builds a fresh
+    lock and condition per call, a Lock acquire does not, so a pass costs about what a raw lock
+    ping-pong costs. Any thread may `set` it; only its owner `wait`s.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:
+            pass  # already signalled: an abort may set every signal, some twice
+
+    def wait(self, timeout: float = -1) -> bool:
+        return self._lock.acquire(timeout=timeout)
+
+    def is_set(self) -> bool:
+        return not self._lock.locked()
+
+
+# Ubatch states, for error reports ("where it waits").
+NOT_STARTED = "not started"
+RUNNING = "running"
+PARKED = "parked"
+FINISHED = "finished"
+FAILED = "failed"
+ABORTED = "aborted"
+
+
+@dataclass
+class _UBatchState:
+    status: str = NOT_STARTED
+    yields: int = 0
+    # The caller's frame while parked at a yield; formatted only when an error needs it, so the
+    # hot path stores a reference instead of building a string.
+    parked_frame: Any = None
+
+
+class UBatchStep:
+    """The shared state of one ubatched step: yield counts, status, and the first failure.
+
+    Every context of the step holds it. `abort` records the first error and wakes every parked
+    thread, which then unwinds with `_StepAborted` instead of running on.
+    """
+
+    def __init__(self, num_ubatches: int, ready_barrier: threading.Barrier) -> None:
+        self.num_ubatches = num_ubatches
+        self.ready_barrier = ready_barrier
+        self.signals = [CpuSignal() for _ in range(num_ubatches)]
+        self.states = [_UBatchState() for _ in range(num_ubatches)]
+        self.error: BaseException | None = None
+        self.aborted = False
+        self._lock = threading.Lock()
+
+    def release_first(self) -> None:
+        """The launcher's part: let ubatch 0 run."""
+        self.signals[0].set()
+
+    def abort(self, error: BaseException) -> None:
+        """Record `error` (the first one wins) and release every peer."""
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            self.aborted = True
+        try:
+            self.ready_barrier.abort()
+        except Exception:  # pragma: no cover - abort on a broken barrier is harmless
+            pass
+        for signal in self.signals:
+            signal.set()
+
+    def describe(self) -> str:
+        lines = []
+        for i, state in enumerate(self.states):
+            where = ""
+            if state.status == PARKED and state.parked_frame is not None:
+                where = f" at {_frame_site(state.parked_frame)}"
+            lines.append(f"  ubatch {i}: {state.yields} yield(s), {state.status}{where}")
+        return "\n".join(lines)
+
+    def yield_counts(self) -> list[int]:
+        return [state.yields for state in self.states]
+
+    def _mismatch(self, reason: str) -> YieldMismatchError:
+        return YieldMismatchError(
+            f"ubatches yielded a different number of times ({reason}); every ubatch must "
+            f"yield the same number of times per step, or the ring hangs:\n{self.describe()}",
+            yield_counts=self.yield_counts(),
+        )
+
+
+def _frame_site(frame: Any) -> str:
+    code = frame.f_code
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}:{code.co_name}"
+
+
+def _user_frame() -> Any:
+    """The first frame outside this module (where the user called a dbo_* helper)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame
+
+
+# --------------------------------------------------------------------------------------------
+# Contexts
+
+
+class UBatchContext:
+    """One ubatch's seat in the ring: its streams, events, forward context and recv hook."""
+
+    def __init__(
+        self,
+        id: int,
+        step: UBatchStep,
+        compute_stream: Stream,
+        comm_stream: Stream,
+        forward_context: Any,
+        cpu_wait_event: CpuSignal,
+        cpu_signal_event: CpuSignal,
+        gpu_compute_done_event: Event,
+        gpu_comm_done_event: Event,
+        schedule: str = "default",
+    ) -> None:
+        self.id = id
+        self.step = step
+        self.device: Device = compute_stream.device
+        self.compute_stream = compute_stream
+        self.comm_stream = comm_stream
+        self.forward_context = forward_context
+        self.ready_barrier = step.ready_barrier
+        self.cpu_wait_event = cpu_wait_event
+        self.cpu_signal_event = cpu_signal_event
+        self.gpu_compute_done_event = gpu_compute_done_event
+        self.gpu_comm_done_event = gpu_comm_done_event
+        self.schedule = schedule
+        self.current_stream = compute_stream
+        self.recv_hook: Callable[[], Any] | None = None
+        self._state = step.states[id]
+
+    # -- enter / exit ------------------------------------------------------------------------
+
+    def __enter__(self) -> "UBatchContext":
+        _THREAD_ID_TO_CONTEXT[_get_ident()] = self.id
+        _CURRENT_CONTEXTS[self.id] = self
+        try:
+            self.ready_barrier.wait()
+        except threading.BrokenBarrierError:
+            self._unregister()
+            raise _StepAborted() from None
+        self._wait_for_baton()
+        self._state.status = RUNNING
+        self._restore_context()
+        self.update_stream(self.compute_stream)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        step = self.step
+        if exc_type is None and not step.aborted:
+            try:
+                self.maybe_run_recv_hook()
+                self._check_counts_at_exit()
+            except BaseException as error:  # noqa: BLE001 - reported through the step
+                self._state.status = FAILED
+                self._unregister()
+                step.abort(error if isinstance(error, UBatchError) else _as_ubatch_error(self.id, error))
+                return False
+            self._state.status = FINISHED
+            self._unregister()
+            self.device.on_handoff()
+            self.cpu_signal_event.set()
+            return False
+        self._state.status = ABORTED if exc_type is _StepAborted else FAILED
+        self._unregister()
+        if exc_type is not None and exc_type is not _StepAborted:
+            step.abort(exc if isinstance(exc, UBatchError) else _as_ubatch_error(self.id, exc))
+        return False
+
+    def _unregister(self) -> None:
+        _THREAD_ID_TO_CONTEXT.pop(_get_ident(), None)
+        if self.id < len(_CURRENT_CONTEXTS) and _CURRENT_CONTEXTS[self.id] is self:
+            _CURRENT_CONTEXTS[self.id] = None
+
+    def _check_counts_at_exit(self) -> None:
+        mine = self._state.yields
+        for i, state in enumerate(self.step.states):
+            if i != self.id and state.yields != mine:
+                raise self.step._mismatch(f"ubatch {self.id} finished after {mine}")
+
+    # -- the baton ---------------------------------------------------------------------------
+
+    def _wait_for_baton(self) -> None:
+        self.cpu_wait_event.wait()
+        if self.step.aborted:
+            raise _StepAborted()
+
+    def _restore_context(self) -> None:
+        global _forward_context
+        _forward_context = self.forward_context
+
+    def _cpu_yield(self) -> None:
+        state = self._state
+        step = self.step
+        if step.aborted:
+            raise _StepAborted()
+        state.yields += 1
+        nxt = step.states[(self.id + 1) % step.num_ubatches]
+        if nxt.status in (FINISHED, FAILED):
+            raise step._mismatch(f"ubatch {self.id} yielded to a finished ubatch")
+        state.status = PARKED
+        state.parked_frame = _user_frame()
+        self.device.on_handoff()
+        self.cpu_signal_event.set()
+        self._wait_for_baton()
+        state.parked_frame = None
+        state.status = RUNNING
+        self._restore_context()
+
+    # -- streams -----------------------------------------------------------------------------
+
+    def update_stream(self, stream: Stream) -> None:
+        self.current_stream = stream
+        if self.device.current_stream() is not stream:
+            self.device.set_stream(stream)
+
+    def _signal_comm_done(self) -> None:
+        self.gpu_comm_done_event.record(self.comm_stream)
+
+    def _signal_compute_done(self) -> None:
+        self.gpu_compute_done_event.record(self.compute_stream)
+
+    def _wait_compute_done(self) -> None:
+        self.comm_stream.wait_event(self.gpu_compute_done_event)
+
+    def _wait_comm_done(self) -> None:
+        self.compute_stream.wait_event(self.gpu_comm_done_event)
+
+    def switch_to_comm(self) -> None:
+        self.update_stream(self.comm_stream)
+
+    def switch_to_compute(self) -> None:
+        self.update_stream(self.compute_stream)
+
+    def switch_to_comm_sync(self) -> None:
+        self._signal_compute_done()
+        self.update_stream(self.comm_stream)
+        self._wait_compute_done()
+
+    def switch_to_compute_sync(self) -> None:
+        self._signal_comm_done()
+        self.update_stream(self.compute_stream)
+        self._wait_comm_done()
+
+    def maybe_run_recv_hook(self) -> None:
+        hook = self.recv_hook
+        if hook is not None:
+            self.recv_hook = None
+            hook()
+
+    def yield_(self) -> None:
+        self.current_stream = self.device.current_stream()
+        self._cpu_yield()
+        self.update_stream(self.current_stream)
+
+    def yield_and_switch_from_compute_to_comm(self) -> None:
+        self._expect_stream(self.compute_stream, "dbo_yield_and_switch_from_compute_to_comm")
+        self._signal_compute_done()
+        self._cpu_yield()
+        self.update_stream(self.comm_stream)
+        self._wait_compute_done()
+
+    def yield_and_switch_from_comm_to_compute(self) -> None:
+        self._expect_stream(self.comm_stream, "dbo_yield_and_switch_from_comm_to_compute")
+        self._signal_comm_done()
+        self._cpu_yield()
+        self.update_stream(self.compute_stream)
+        self._wait_comm_done()
+
+    def _expect_stream(self, stream: Stream, helper: str) -> None:
+        current = self.device.current_stream()
+        if current is not stream:
+            raise RuntimeError(
+                f"{helper}() called in ubatch {self.id} on stream {current.name!r}, but it "
+                f"must be called on {stream.name!r}; switch streams first"
+            )
+
+    def __repr__(self) -> str:
+        return f"<UBatchContext {self.id}/{self.step.num_ubatches} {self._state.status}>"
+
+
+def _as_ubatch_error(ubatch_id: int, error: BaseException) -> UBatchError:
+    wrapped = UBatchError(
+        f"ubatch {ubatch_id} raised {type(error).__name__}: {error}", ubatch_id=ubatch_id
+    )
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def make_ubatch_contexts(
+    num_micro_batches: int,
+    compute_stream: Stream,
+    comm_stream: Stream,
+    forward_contexts: Sequence[Any],
+    ready_barrier: threading.Barrier,
+    schedule: str = "default",
+) -> list[UBatchContext]:
+    """Build the ring of N contexts (vLLM's signature). The launcher then calls
+    `contexts[0].step.release_first()` (or `contexts[0].cpu_wait_event.set()`) after the
+    barrier to let ubatch 0 run."""
+    global _NUM_UBATCHES
+    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int):
+        raise TypeError(f"num_micro_batches must be an int, got {num_micro_batches!r}")
+    if num_micro_batches < 2:
+        raise ValueError(
+            f"num_micro_batches must be >= 2 for DBO, got {num_micro_batches}; run the step "
+            f"without ubatching instead"
+        )
+    device = compute_stream.device
+    device.check_stream(compute_stream, "compute_stream")
+    device.check_stream(comm_stream, "comm_stream")
+    if len(forward_contexts) != num_micro_batches:
+        raise ValueError(
+            f"forward_contexts has {len(forward_contexts)} entries, expected one per ubatch "
+            f"({num_micro_batches})"
+        )
+    if ready_barrier.parties != num_micro_batches + 1:
+        raise ValueError(
+            f"ready_barrier must have num_micro_batches + 1 = {num_micro_batches + 1} parties "
+            f"(the ubatch threads and the launcher), got {ready_barrier.parties}"
+        )
+    if any(ctx is not None for ctx in _CURRENT_CONTEXTS):
+        raise RuntimeError(
+            "another ubatched step is still running in this process; DBO runs one step at a "
+            "time (the registries are process-wide)"
+        )
+    step = UBatchStep(num_micro_batches, ready_barrier)
+    _NUM_UBATCHES = num_micro_batches
+    if len(_CURRENT_CONTEXTS) < num_micro_batches:
+        _CURRENT_CONTEXTS.extend([None] * (num_micro_batches - len(_CURRENT_CONTEXTS)))
+    return [
+        UBatchContext(
+            id=i,
+            step=step,
+            compute_stream=compute_stream,
+            comm_stream=comm_stream,
+            forward_context=forward_contexts[i],
+            cpu_wait_event=step.signals[i],
+            cpu_signal_event=step.signals[(i + 1) % num_micro_batches],
+            gpu_compute_done_event=device.Event(),
+            gpu_comm_done_event=device.Event(),
+            schedule=schedule,
+        )
+        for i in range(num_micro_batches)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers: each is a no-op on a thread that is not a ubatch thread, as in vLLM.
+
+
+def _current_context() -> UBatchContext | None:
+    ubatch_id = _THREAD_ID_TO_CONTEXT.get(_get_ident())
+    if ubatch_id is None:
+        return None
+    return _CURRENT_CONTEXTS[ubatch_id]
+
+
+def dbo_enabled() -> bool:
+    """True on a thread that runs a ubatch of the current step."""
+    return _get_ident() in _THREAD_ID_TO_CONTEXT
 
 
 def dbo_current_ubatch_id() -> int:
-    """The calling thread's ubatch id; 0 for a thread that is not a ubatch thread."""
-    return _THREAD_ID_TO_CONTEXT.get(threading.get_ident(), 0)
+    """The calling thread's ubatch id; 0 for any other thread (it is not a ubatch)."""
+    return _THREAD_ID_TO_CONTEXT.get(_get_ident(), 0)
+
+
+def _ubatch_helper(method: Callable[[UBatchContext], None]) -> Callable[[], None]:
+    def helper() -> None:
+        ctx = _current_context()
+        if ctx is not None:
+            method(ctx)
+
+    helper.__name__ = f"dbo_{method.__name__.rstrip('_')}"
+    helper.__doc__ = f"`UBatchContext.{method.__name__}` for the calling ubatch; no-op elsewhere."
+    return helper
+
+
+dbo_yield = _ubatch_helper(UBatchContext.yield_)
+dbo_yield_and_switch_from_compute_to_comm = _ubatch_helper(
+    UBatchContext.yield_and_switch_from_compute_to_comm
+)
+dbo_yield_and_switch_from_comm_to_compute = _ubatch_helper(
+    UBatchContext.yield_and_switch_from_comm_to_compute
+)
+dbo_switch_to_comm = _ubatch_helper(UBatchContext.switch_to_comm)
+dbo_switch_to_compute = _ubatch_helper(UBatchContext.switch_to_compute)
+dbo_switch_to_comm_sync = _ubatch_helper(UBatchContext.switch_to_comm_sync)
+dbo_switch_to_compute_sync = _ubatch_helper(UBatchContext.switch_to_compute_sync)
+dbo_maybe_run_recv_hook = _ubatch_helper(UBatchContext.maybe_run_recv_hook)
+
+
+def dbo_register_recv_hook(recv_hook: Callable[[], Any]) -> None:
+    """Store `recv_hook` on the next ubatch's context; it runs when that ubatch calls
+    `dbo_maybe_run_recv_hook()` (normally right after it resumes) or exits."""
+    ctx = _current_context()
+    if ctx is None:
+        return
+    if not callable(recv_hook):
+        raise TypeError(f"recv_hook must be callable, got {type(recv_hook).__name__}")
+    next_id = (ctx.id + 1) % _NUM_UBATCHES
+    nxt = _CURRENT_CONTEXTS[next_id]
+    if nxt is None:
+        raise RuntimeError(
+            f"ubatch {ctx.id} registered a recv hook on ubatch {next_id}, which has already "
+            f"finished; the hook would never run"
+        )
+    if nxt.recv_hook is not None:
+        raise RuntimeError(
+            f"ubatch {ctx.id} registered a recv hook on ubatch {next_id}, which still has an "
+            f"unrun one; call dbo_maybe_run_recv_hook() in ubatch {next_id} after it resumes"
+        )
+    nxt.recv_hook = recv_hook
+
+
+def dbo_get_previous_event(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run `func` with this ubatch's compute stream current (to record or wait on events
+    there); returns its result. No-op (None) outside a ubatch thread, as in vLLM."""
+    ctx = _current_context()
+    if ctx is None:
+        return None
+    with stream_context(ctx.compute_stream):
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward context
+
+
+def current_forward_context() -> Any:
+    """The forward context of the running ubatch (or the one set by `set_forward_context`)."""
+    return _forward_context
+
+
+@contextmanager
+def set_forward_context(context: Any) -> Iterator[Any]:
+    """Set the forward context for a serial (non-ubatched) step."""
+    global _forward_context
+    previous = _forward_context
+    _forward_context = context
+    try:
+        yield context
+    finally:
+        _forward_context = previous

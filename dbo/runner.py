@@ -1,0 +1,213 @@
+"""Run one ubatched step: N threads in the ring, started together, joined, and never left hung.
+
+`run_ubatches(fn, inputs)` is the launcher half of vLLM's `UBatchWrapper`: it builds the
+contexts, starts one thread per ubatch, waits for all of them at the ready barrier, releases
+ubatch 0, and joins. Unlike the reference it always comes back: a raising ubatch, a yield-count
+mismatch or a stuck thread ends the step with one error (`dbo.errors`), the peers released and
+the registries empty.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dbo import ubatching
+from dbo.errors import UBatchError, UBatchTimeoutError, _StepAborted
+from dbo.streams import Device, Stream, resolve_device, use_device
+from dbo.ubatching import UBatchContext, _as_ubatch_error, make_ubatch_contexts
+
+__all__ = ["run_ubatches", "merge_outputs", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def run_ubatches(
+    fn: Callable[[Any], Any],
+    ubatch_inputs: Sequence[Any],
+    *,
+    device: Device | str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    forward_contexts: Sequence[Any] | None = None,
+    compute_stream: Stream | None = None,
+    comm_stream: Stream | None = None,
+    schedule: str = "default",
+    graph: Any = None,
+) -> list[Any]:
+    """Run `fn(ubatch_inputs[i])` in ubatch i's thread and return the outputs in ubatch order.
+
+    `device`: a `dbo.streams.Device`, "sim", "cuda" or None (the calling thread's device).
+    `timeout`: seconds for the whole step; past it, `UBatchTimeoutError` with every thread's
+    stack. `graph`: a capture from `device.graph()`, entered after every thread is ready (so
+    threads create their handles before capture, as vLLM does) and exited after they finish.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    num = len(ubatch_inputs)
+    if num < 2:
+        raise ValueError(
+            f"run_ubatches needs >= 2 ubatch inputs, got {num}; call fn directly for one"
+        )
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    device = resolve_device(device)
+    compute_stream = compute_stream or device.Stream("compute")
+    comm_stream = comm_stream or device.Stream("comm")
+    barrier = threading.Barrier(num + 1)
+    contexts = make_ubatch_contexts(
+        num,
+        compute_stream,
+        comm_stream,
+        list(forward_contexts) if forward_contexts is not None else [None] * num,
+        barrier,
+        schedule,
+    )
+    step = contexts[0].step
+    outputs: list[Any] = [None] * num
+    remaining = [num]
+    all_done = threading.Event()
+    done_lock = threading.Lock()
+
+    def on_done() -> None:
+        with done_lock:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                all_done.set()
+
+    threads = [
+        threading.Thread(
+            target=_ubatch_main,
+            args=(ctx, fn, ubatch_inputs[ctx.id], outputs, device, on_done),
+            name=f"dbo-ubatch-{ctx.id}",
+            daemon=True,  # a thread stuck in user code must not keep the process alive
+        )
+        for ctx in contexts
+    ]
+    deadline = time.monotonic() + timeout
+    launch_stream = device.current_stream()
+    # The ubatches' streams start after whatever the launcher issued before the step.
+    compute_stream.wait_stream(launch_stream)
+    comm_stream.wait_stream(launch_stream)
+    try:
+        for thread in threads:
+            thread.start()
+        try:
+            barrier.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except threading.BrokenBarrierError:
+            if step.error is None:
+                step.abort(_timeout_error(step, threads, timeout, "at the ready barrier"))
+        if step.error is None:
+            if graph is not None:
+                graph.capture_stream = compute_stream
+                with graph:
+                    _release_and_wait(step, comm_stream, compute_stream, all_done, deadline)
+            else:
+                _release_and_wait(step, comm_stream, compute_stream, all_done, deadline)
+        if not all_done.is_set() and step.error is None:
+            step.abort(_timeout_error(step, threads, timeout, "while running"))
+        # Peers wake promptly after an abort; a thread stuck in user code cannot be stopped,
+        # so it is left behind as a daemon instead of hanging the caller.
+        for thread in threads:
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
+    finally:
+        _clear_registries(contexts, threads)
+    if step.error is not None:
+        raise step.error
+    launch_stream.wait_stream(compute_stream)
+    launch_stream.wait_stream(comm_stream)
+    return outputs
+
+
+def _release_and_wait(
+    step: ubatching.UBatchStep,
+    comm_stream: Stream,
+    compute_stream: Stream,
+    all_done: threading.Event,
+    deadline: float,
+) -> None:
+    # Under graph capture the comm stream must fork from, and join back into, the capturing
+    # stream; outside capture these waits are free ordering.
+    comm_stream.wait_stream(compute_stream)
+    step.release_first()
+    all_done.wait(timeout=max(deadline - time.monotonic(), 0.0))
+    if all_done.is_set():
+        compute_stream.wait_stream(comm_stream)
+
+
+def _ubatch_main(
+    ctx: UBatchContext,
+    fn: Callable[[Any], Any],
+    ubatch_input: Any,
+    outputs: list[Any],
+    device: Device,
+    on_done: Callable[[], None],
+) -> None:
+    try:
+        with use_device(device), device.thread_scope(ctx.id):
+            with ctx:
+                outputs[ctx.id] = fn(ubatch_input)
+    except _StepAborted:
+        pass  # a peer failed; the step already holds that error
+    except BaseException as error:  # noqa: BLE001 - every failure ends the step, never a thread
+        # ctx.__exit__ has recorded errors raised inside the context; this catches failures
+        # around it (entering the device scope, say).
+        if ctx.step.error is None:
+            ctx.step.abort(
+                error if isinstance(error, UBatchError) else _as_ubatch_error(ctx.id, error)
+            )
+    finally:
+        on_done()
+
+
+def _timeout_error(
+    step: ubatching.UBatchStep, threads: list[threading.Thread], timeout: float, where: str
+) -> UBatchTimeoutError:
+    frames = sys._current_frames()
+    stacks: dict[int, str] = {}
+    for i, thread in enumerate(threads):
+        frame = frames.get(thread.ident) if thread.ident is not None else None
+        stacks[i] = "".join(traceback.format_stack(frame)) if frame is not None else "(exited)"
+    detail = "\n".join(f"--- ubatch {i} ---\n{stack}" for i, stack in stacks.items())
+    return UBatchTimeoutError(
+        f"ubatched step did not finish within {timeout:g} s ({where}); a ubatch is stuck "
+        f"outside the dbo primitives:\n{step.describe()}\n{detail}",
+        stacks=stacks,
+    )
+
+
+def _clear_registries(contexts: list[UBatchContext], threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        if thread.ident is not None:
+            ubatching._THREAD_ID_TO_CONTEXT.pop(thread.ident, None)
+    for ctx in contexts:
+        if ubatching._CURRENT_CONTEXTS[ctx.id] is ctx:
+            ubatching._CURRENT_CONTEXTS[ctx.id] = None
+
+
+def merge_outputs(outputs: Sequence[Any]) -> Any:
+    """Concatenate per-ubatch outputs along dim 0: tensors, and tuples/lists of tensors
+    (element-wise); None stays None."""
+    if len(outputs) == 0:
+        raise ValueError("merge_outputs needs at least one output")
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(o, torch.Tensor) for o in outputs):
+            raise TypeError("merge_outputs: every ubatch must return a tensor when ubatch 0 does")
+        return torch.cat(list(outputs), dim=0)
+    if isinstance(first, (tuple, list)):
+        if not all(isinstance(o, (tuple, list)) and len(o) == len(first) for o in outputs):
+            raise TypeError(
+                "merge_outputs: every ubatch must return a tuple/list of the same length, got "
+                f"lengths {[len(o) if isinstance(o, (tuple, list)) else None for o in outputs]}"
+            )
+        return type(first)(merge_outputs([o[k] for o in outputs]) for k in range(len(first)))
+    if first is None and all(o is None for o in outputs):
+        return None
+    raise TypeError(
+        f"merge_outputs handles tensors and tuples/lists of tensors, got {type(first).__name__}"
+    )
