@@ -114,8 +114,9 @@ def _site_args(s: OpSite) -> dict[str, Any]:
     }
 
 
-def _meta(name: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
-    return {"ph": "M", "name": name, "pid": pid, "tid": tid, "args": args}
+def _meta(event: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
+    """A metadata event; `args` may hold "name", hence the other parameter's name."""
+    return {"ph": "M", "name": event, "pid": pid, "tid": tid, "args": args}
 
 
 def _assign_lanes(records: Sequence[OpRecord]) -> list[int]:
