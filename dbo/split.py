@@ -366,15 +366,19 @@ def slice_query_start_loc(
         raise TypeError(f"ubatch_slice must be a UBatchSlice, got {type(ubatch_slice).__name__}")
     reqs, toks = ubatch_slice.request_slice, ubatch_slice.token_slice
     num_requests = len(qsl) - 1
-    if reqs.step not in (None, 1) or toks.step not in (None, 1):
-        raise ValueError(f"ubatch_slice must use contiguous slices, got {ubatch_slice}")
+    bounds = (reqs.start, reqs.stop, toks.start, toks.stop)
+    if reqs.step not in (None, 1) or toks.step not in (None, 1) or None in bounds:
+        raise ValueError(
+            f"ubatch_slice must use contiguous slices with explicit bounds, got {ubatch_slice}"
+        )
     if not 0 <= reqs.start <= reqs.stop <= num_requests:
         raise ValueError(
             f"ubatch_slice.request_slice {reqs} is outside the {num_requests} requests"
         )
     if not 0 <= toks.start <= toks.stop <= qsl[-1]:
         raise ValueError(f"ubatch_slice.token_slice {toks} is outside the {qsl[-1]} tokens")
-    if reqs.stop > reqs.start and not (qsl[reqs.start] <= toks.start and toks.stop <= qsl[reqs.stop]):
+    covered = qsl[reqs.start] <= toks.start and toks.stop <= qsl[reqs.stop]
+    if reqs.stop > reqs.start and not covered:
         raise ValueError(
             f"ubatch_slice {ubatch_slice} does not match query_start_loc: its requests hold "
             f"tokens [{qsl[reqs.start]}, {qsl[reqs.stop]})"
@@ -382,7 +386,8 @@ def slice_query_start_loc(
     if isinstance(query_start_loc, torch.Tensor):
         source = query_start_loc
     elif isinstance(query_start_loc, np.ndarray):
-        source = torch.from_numpy(np.ascontiguousarray(query_start_loc))
+        # A copy: from_numpy shares memory and warns on a read-only array.
+        source = torch.from_numpy(np.array(query_start_loc))
     else:
         source = torch.tensor(qsl, dtype=torch.int32)
     part = source[reqs.start : reqs.stop + 1]
