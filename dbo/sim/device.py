@@ -1,0 +1,639 @@
+"""The simulated GPU: a virtual-time `dbo.streams.Device` (host clock, stream timelines, events).
+
+One host clock per device (only one ubatch thread runs Python at a time, so one is right), one
+in-order timeline per stream, plus a link track for low-latency communication in flight. An op
+issued on stream S at host time h costs the host `launch_us` (none inside a replayed graph),
+then runs from max(h + launch, S.free_at) for its cost; events carry the time of the work
+recorded before them. Beside times, every timeline keeps a vector clock (one entry per
+timeline) so the race checker can tell which accesses are ordered: an op's epoch is its
+timeline's entry right after it; event record/wait and host syncs join clocks as CUDA orders
+work. Ops reach `place_op` from the dispatch mode (`dbo.sim.intercept`), from `comm_region`,
+and from graph replay (`dbo.sim.graph`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from dbo.sim.cost import COMM_MODES, comm_link, comm_time_us
+from dbo.sim.hardware import HardwareProfile, profile_from_name
+from dbo.sim.races import RaceChecker, RaceReport, user_stack
+from dbo.sim.records import COMM, COMPUTE, HANDOFF, SYNC, Access, OpRecord
+from dbo.streams import CommHandle, Device, Event, Stream
+
+__all__ = ["SimDevice", "SimMark", "SimStream", "SimEvent"]
+
+VectorClock = list[int]
+
+
+def _join(into: VectorClock, other: Sequence[int]) -> bool:
+    """into = max(into, other) elementwise; True when `into` changed."""
+    changed = False
+    if len(into) < len(other):
+        into.extend([0] * (len(other) - len(into)))
+    for i, v in enumerate(other):
+        if v > into[i]:
+            into[i] = v
+            changed = True
+    return changed
+
+
+class _Track:
+    """One in-order timeline: a stream, or the link track of low-latency transfers."""
+
+    __slots__ = ("index", "name", "free_at", "vc", "host_gen")
+
+    def __init__(self, index: int, name: str) -> None:
+        self.index = index
+        self.name = name
+        self.free_at = 0.0
+        self.vc: VectorClock = [0] * (index + 1)
+        self.host_gen = 0  # the host-sync generation already joined into vc
+
+    def reset(self) -> None:
+        self.free_at = 0.0
+        self.vc = [0] * (self.index + 1)
+        self.host_gen = 0
+
+
+class SimStream(Stream):
+    """A stream of the simulated device (a handle on one `_Track`)."""
+
+    def __init__(self, device: "SimDevice", track: _Track) -> None:
+        self.device = device
+        self.name = track.name
+        self._track = track
+
+    def wait_event(self, event: Event) -> None:
+        self.device._wait_event(self, event)
+
+    def synchronize(self) -> None:
+        self.device._sync_stream(self)
+
+    def query(self) -> bool:
+        with self.device._lock:
+            return self._track.free_at <= self.device._host_us
+
+    @property
+    def free_at_us(self) -> float:
+        """Virtual time at which the work issued so far on this stream is done."""
+        return self._track.free_at
+
+
+class SimEvent(Event):
+    """An event of the simulated device: the time and vector clock of its last record."""
+
+    def __init__(self, device: "SimDevice") -> None:
+        self.device = device
+        self.time_us: float | None = None  # None until recorded
+        self.vc: VectorClock = []
+        self.stream_name: str | None = None
+        self._generation = -1  # device.reset() generation of the last record
+
+    @property
+    def recorded(self) -> bool:
+        return self.time_us is not None and self._generation == self.device._generation
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.device._record_event(self, stream or self.device.current_stream())
+
+    def synchronize(self) -> None:
+        self.device._sync_event(self)
+
+    def query(self) -> bool:
+        with self.device._lock:
+            return not self.recorded or self.time_us <= self.device._host_us  # type: ignore
+
+    def __repr__(self) -> str:
+        return f"<SimEvent t={self.time_us} on {self.stream_name!r}>"
+
+
+@dataclass(frozen=True)
+class SimMark:
+    """A point of a measurement window: `device.mark()` now, `device.since(mark)` later."""
+
+    index: int  # position in device.timeline
+    host_us: float
+    frontier_us: float  # latest virtual time of any host or stream work at the mark
+
+
+@dataclass
+class _CommRegion:
+    """A `comm_region` block being entered: its ops' accesses accumulate here."""
+
+    kind: str
+    nbytes: int
+    mode: str
+    ep_size: int
+    link: str | None
+    stream: SimStream
+    reads: list[Access]
+    writes: list[Access]
+    fresh: list[int]  # storages the block allocated
+    graph_ops: list[Any]  # (func, args, kwargs, out) of the block while a graph is captured
+
+
+class SimDevice(Device):
+    """A virtual-time GPU on which ops run eagerly (for their values) and are placed on a
+    timeline (for their time). See DESIGN.md, "The simulated device"."""
+
+    kind = "sim"
+
+    def __init__(
+        self,
+        profile: "str | HardwareProfile" = "h200",
+        *,
+        rank: int = 0,
+        tensor_device: "str | torch.device" = "cpu",
+        check_races: bool = True,
+        capture_stacks: bool = True,
+        record_timeline: bool = True,
+        launch_us: float | None = None,
+        handoff_us: float | None = None,
+        comm_sms: int | None = None,
+        kernel_fixed_us: float | None = None,
+        race_action: str = "record",
+    ) -> None:
+        base = profile_from_name(profile)
+        overrides = {
+            k: v
+            for k, v in (
+                ("launch_us", launch_us),
+                ("handoff_us", handoff_us),
+                ("comm_sms", comm_sms),
+                ("kernel_fixed_us", kernel_fixed_us),
+            )
+            if v is not None
+        }
+        self.profile: HardwareProfile = replace(base, **overrides) if overrides else base
+        self.rank = int(rank)
+        self.torch_device = torch.device(tensor_device)
+        if self.torch_device.type not in ("cpu", "meta"):
+            raise ValueError(
+                f"tensor_device must be 'cpu' (real values) or 'meta' (shapes only), got "
+                f"{tensor_device!r}"
+            )
+        if race_action not in ("record", "raise", "warn"):
+            raise ValueError(f"race_action must be 'record', 'raise' or 'warn', got {race_action!r}")
+        self.record_timeline = record_timeline
+        self.capture_stacks = capture_stacks
+        self.race_action = race_action
+
+        # RLock: event and stream calls nest inside placement paths of the same thread.
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._tracks: list[_Track] = []
+        self._streams: dict[str, SimStream] = {}
+        self._host_us = 0.0
+        self._host_vc: VectorClock = []
+        self._host_gen = 0  # bumped whenever a host sync adds ordering
+        self._seq = 0
+        self._generation = 0
+        # High-throughput comm kernels occupying SMs: (start, end, share of SMs).
+        self._sm_busy: list[tuple[float, float, float]] = []
+        self.timeline: list[OpRecord] = []
+        self.races: list[RaceReport] = []
+        self._default = self.Stream("default")
+        self._link = self._new_track("link")
+        # Race bookkeeping needs real storages; a meta run has none.
+        self._checker: RaceChecker | None = None
+        if check_races and self.torch_device.type != "meta":
+            self._checker = RaceChecker(self)
+        self._graph: Any = None  # the SimGraph being captured, if any
+        self._buffer_owners: list[Any] = []
+
+    # ---------------------------------------------------------------------------- factories
+
+    def _new_track(self, name: str) -> _Track:
+        track = _Track(len(self._tracks), name)
+        self._tracks.append(track)
+        return track
+
+    def Stream(self, name: str = "") -> SimStream:
+        with self._lock:
+            base = name or f"stream-{len(self._tracks)}"
+            unique, n = base, 1
+            while unique in self._streams or unique in ("link", "host"):
+                n += 1
+                unique = f"{base}#{n}"
+            stream = SimStream(self, self._new_track(unique))
+            self._streams[unique] = stream
+            return stream
+
+    def Event(self) -> SimEvent:
+        return SimEvent(self)
+
+    def default_stream(self) -> SimStream:
+        return self._default
+
+    @property
+    def streams(self) -> list[SimStream]:
+        return list(self._streams.values())
+
+    # --------------------------------------------------------------------- per-thread state
+
+    def _state(self) -> threading.local:
+        tls = self._tls
+        if not hasattr(tls, "stream"):
+            tls.stream = self._default
+            tls.ubatches = []  # thread_scope stack
+            tls.modes = None  # ExitStack of the interception modes while in scope
+            tls.comm = None  # the _CommRegion being entered
+            tls.replaying = False
+            tls.suspended = 0  # >0: ops run without being placed (graph replay, internals)
+        return tls
+
+    def current_stream(self) -> SimStream:
+        return self._state().stream
+
+    def set_stream(self, stream: Stream) -> None:
+        self._state().stream = self.check_stream(stream)
+
+    def current_ubatch(self) -> int | None:
+        ubatches = self._state().ubatches
+        return ubatches[-1] if ubatches else None
+
+    @contextmanager
+    def thread_scope(self, ubatch_id: int | None = None) -> Iterator[None]:
+        """Attribute this thread's ops to `ubatch_id` and intercept them (dispatch mode for
+        placement, function mode for host reads). Nested scopes only change the attribution."""
+        tls = self._state()
+        tls.ubatches.append(ubatch_id)
+        entered_here = tls.modes is None
+        try:
+            if entered_here:
+                from dbo.sim.intercept import enter_modes
+
+                tls.modes = ExitStack()
+                enter_modes(self, tls.modes)
+            yield
+        finally:
+            if entered_here and tls.modes is not None:
+                modes, tls.modes = tls.modes, None
+                modes.close()
+            tls.ubatches.pop()
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Run the block's torch ops unplaced (bookkeeping that is no device work)."""
+        tls = self._state()
+        tls.suspended += 1
+        try:
+            yield
+        finally:
+            tls.suspended -= 1
+
+    # ------------------------------------------------------------------------------- clocks
+
+    @property
+    def host_time_us(self) -> float:
+        return self._host_us
+
+    @property
+    def frontier_us(self) -> float:
+        """The latest virtual time anything (host or any stream) has reached."""
+        with self._lock:
+            return max([self._host_us] + [t.free_at for t in self._tracks])
+
+    def mark(self) -> SimMark:
+        with self._lock:
+            return SimMark(len(self.timeline), self._host_us, self.frontier_us)
+
+    def since(self, mark: SimMark) -> list[OpRecord]:
+        """The records placed after `mark`."""
+        with self._lock:
+            return self.timeline[mark.index :]
+
+    def elapsed_us(self, mark: SimMark) -> float:
+        """Virtual time from the host at `mark` to the latest work placed since (a step time
+        when the caller synchronizes before marking and after the step)."""
+        return self.frontier_us - mark.host_us
+
+    def reset(self) -> None:
+        """Start a new measurement: clocks at 0, empty timeline and race list, no history.
+        Events recorded before the reset count as never recorded."""
+        with self._lock:
+            self._host_us = 0.0
+            self._host_vc = []
+            self._host_gen = 0
+            self._seq = 0
+            self._generation += 1
+            self._sm_busy.clear()
+            for track in self._tracks:
+                track.reset()
+            self.timeline = []
+            self.races = []
+            if self._checker is not None:
+                self._checker.clear()
+
+    # ---------------------------------------------------------------------------- placement
+
+    def _append(self, record: OpRecord) -> OpRecord:
+        self._seq += 1
+        if self.record_timeline:
+            self.timeline.append(record)
+        return record
+
+    def _join_host(self, track: _Track) -> None:
+        # Work launched after a host sync is ordered after what the host waited for.
+        if track.host_gen != self._host_gen:
+            _join(track.vc, self._host_vc)
+            track.host_gen = self._host_gen
+
+    def _stretch(self, start: float, work: float) -> float:
+        """End time of `work` us of compute starting at `start` while high-throughput comm
+        kernels hold part of the SMs: progress runs at rate 1 - (SM share held by comm)."""
+        busy = [b for b in self._sm_busy if b[1] > start]
+        if not busy or work <= 0:
+            return start + work
+        t, remaining = start, work
+        cap = self.profile.max_comm_sm_share
+        while True:
+            share = min(sum(sh for s, e, sh in busy if s <= t < e), cap)
+            later = [p for s, e, _ in busy for p in (s, e) if p > t]
+            nxt = min(later) if later else math.inf
+            rate = 1.0 - share
+            if t + remaining / rate <= nxt:
+                return t + remaining / rate
+            remaining -= (nxt - t) * rate
+            t = nxt
+
+    def place_op(
+        self,
+        name: str,
+        cost_us: float,
+        *,
+        kind: str = COMPUTE,
+        stream: SimStream | None = None,
+        track: _Track | None = None,
+        flops: float = 0.0,
+        nbytes: float = 0.0,
+        reads: Sequence[Access] = (),
+        writes: Sequence[Access] = (),
+        fresh: Sequence[int] = (),
+        args: dict | None = None,
+        launch: bool = True,
+        not_before: float = 0.0,
+        sm_share: float = 0.0,
+        ubatch: Any = "current",
+        stack: Any = None,
+    ) -> OpRecord:
+        """Place one op on a timeline and check its accesses; returns its record.
+
+        `launch` charges the host launch overhead (skipped while replaying a graph); compute
+        ops are stretched by concurrent comm SM occupancy; an op with `sm_share` > 0 holds
+        that share of the SMs for its duration; `fresh` storages were just allocated.
+        """
+        tls = self._state()
+        if track is None:
+            track = (stream or tls.stream)._track
+        if ubatch == "current":
+            ubatch = tls.ubatches[-1] if tls.ubatches else None
+        replayed = tls.replaying
+        with self._lock:
+            issue = self._host_us
+            if launch and not replayed:
+                self._host_us += self.profile.launch_us
+            self._join_host(track)
+            track.vc[track.index] += 1
+            epoch = track.vc[track.index]
+            start = max(self._host_us, track.free_at, not_before)
+            end = self._stretch(start, cost_us) if kind == COMPUTE else start + cost_us
+            track.free_at = end
+            if sm_share > 0 and end > start:
+                horizon = self._host_us  # no later op can start before the host clock
+                self._sm_busy = [b for b in self._sm_busy if b[1] > horizon]
+                self._sm_busy.append((start, end, sm_share))
+            if args is None:
+                args = {}
+            if kind == COMPUTE and end - start > cost_us + 1e-9:
+                args["sm_slowdown_us"] = (end - start) - cost_us
+            record = OpRecord(
+                seq=self._seq,
+                name=name,
+                kind=kind,
+                rank=self.rank,
+                ubatch=ubatch,
+                stream=track.name,
+                issue_us=issue,
+                start_us=start,
+                end_us=end,
+                flops=flops,
+                bytes=nbytes,
+                replayed=replayed,
+                args=args,
+            )
+            self._append(record)
+            if self._checker is not None and (reads or writes):
+                for key in fresh:
+                    self._checker.fresh(key)
+                if stack is None and self.capture_stacks:
+                    stack = user_stack()
+                self._checker.on_op(record, track, epoch, reads, writes, stack)
+            return record
+
+    # ------------------------------------------------------------------------ events, syncs
+
+    def _check_event(self, event: Event) -> SimEvent:
+        if not isinstance(event, SimEvent) or event.device is not self:
+            raise TypeError(f"event must be an Event of {self!r}, got {event!r}")
+        return event
+
+    def _record_event(self, event: Event, stream: Stream) -> None:
+        event = self._check_event(event)
+        stream = self.check_stream(stream)
+        self._record_on_track(event, stream._track)  # type: ignore[attr-defined]
+        if self._graph is not None and not self._state().replaying:
+            self._graph.on_record(event, stream)
+
+    def _record_on_track(self, event: SimEvent, track: _Track) -> None:
+        with self._lock:
+            self._join_host(track)
+            event.time_us = track.free_at
+            event.vc = list(track.vc)
+            event.stream_name = track.name
+            event._generation = self._generation
+
+    def _wait_event(self, stream: SimStream, event: Event) -> None:
+        event = self._check_event(event)
+        track = self.check_stream(stream)._track  # type: ignore[attr-defined]
+        with self._lock:
+            if event.recorded:  # as in CUDA, waiting on a never-recorded event is a no-op
+                track.free_at = max(track.free_at, event.time_us)  # type: ignore[arg-type]
+                _join(track.vc, event.vc)
+        if self._graph is not None and not self._state().replaying:
+            self._graph.on_wait(stream, event)
+
+    def _host_wait(self, until_us: float, vc: Sequence[int], what: str) -> None:
+        """The host blocks until `until_us`; what it waited for is ordered before later
+        launches. A SYNC record is placed only when the host actually waits."""
+        with self._lock:
+            if _join(self._host_vc, vc):
+                self._host_gen += 1
+            if until_us > self._host_us:
+                start = self._host_us
+                self._host_us = until_us
+                tls = self._state()
+                self._append(
+                    OpRecord(
+                        seq=self._seq,
+                        name="host-sync",
+                        kind=SYNC,
+                        rank=self.rank,
+                        ubatch=tls.ubatches[-1] if tls.ubatches else None,
+                        stream="host",
+                        issue_us=start,
+                        start_us=start,
+                        end_us=until_us,
+                        replayed=tls.replaying,
+                        args={"on": what},
+                    )
+                )
+
+    def _sync_stream(self, stream: SimStream, what: str | None = None) -> None:
+        track = stream._track
+        with self._lock:
+            self._host_wait(track.free_at, track.vc, what or f"stream {track.name}")
+
+    def _sync_event(self, event: SimEvent) -> None:
+        with self._lock:
+            if event.recorded:
+                self._host_wait(event.time_us, event.vc, f"event on {event.stream_name}")  # type: ignore[arg-type]
+
+    def host_read(self, what: str = "host read") -> None:
+        """A host read of device data (.item(), .tolist(), .cpu()): as a CUDA sync, the host
+        waits for the calling thread's current stream."""
+        stream = self.current_stream()
+        self._sync_stream(stream, f"{what} on stream {stream.name}")
+
+    def synchronize(self) -> None:
+        with self._lock:
+            until = max(t.free_at for t in self._tracks)
+            vc: VectorClock = []
+            for track in self._tracks:
+                _join(vc, track.vc)
+            self._host_wait(until, vc, "device")
+            if self._checker is not None:
+                # Everything issued so far is now ordered before everything issued later.
+                self._checker.clear()
+
+    def on_handoff(self) -> None:
+        with self._lock:
+            start = self._host_us
+            self._host_us += self.profile.handoff_us
+            tls = self._state()
+            self._append(
+                OpRecord(
+                    seq=self._seq,
+                    name="handoff",
+                    kind=HANDOFF,
+                    rank=self.rank,
+                    ubatch=tls.ubatches[-1] if tls.ubatches else None,
+                    stream="host",
+                    issue_us=start,
+                    start_us=start,
+                    end_us=self._host_us,
+                )
+            )
+
+    # --------------------------------------------------------------------------------- comm
+
+    @contextmanager
+    def comm_region(
+        self,
+        kind: str,
+        *,
+        nbytes: int,
+        mode: str = "ht",
+        ep_size: int = 1,
+        link: str | None = None,
+    ) -> Iterator[CommHandle]:
+        """The block is one comm op costed by `comm_time_us`; its torch ops are not placed
+        themselves, but their accesses belong to the comm op (see Device.comm_region)."""
+        if mode not in COMM_MODES:
+            raise ValueError(f"mode must be one of {COMM_MODES}, got {mode!r}")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+            raise ValueError(f"ep_size must be a positive int, got {ep_size!r}")
+        comm_link(self.profile, ep_size, link)  # validates `link`
+        tls = self._state()
+        if tls.comm is not None:
+            raise RuntimeError(
+                f"comm_region({kind!r}) entered inside comm_region({tls.comm.kind!r}); "
+                f"one communication op cannot contain another"
+            )
+        region = _CommRegion(kind, nbytes, mode, ep_size, link, tls.stream, [], [], [], [])
+        handle = CommHandle(kind=kind, nbytes=nbytes, mode=mode, event=self.Event())
+        tls.comm = region
+        try:
+            yield handle
+        finally:
+            tls.comm = None
+        self.place_comm(region, handle.event)  # type: ignore[arg-type]
+
+    def place_comm(self, region: _CommRegion, event: SimEvent) -> None:
+        """Place a finished comm region: "ht" as one op on its stream holding SMs; "ll" as a
+        send on its stream plus a transfer on the link track, `event` marking arrival."""
+        profile = self.profile
+        cost = comm_time_us(
+            profile, region.kind, region.nbytes, region.ep_size, region.mode, region.link
+        )
+        which = comm_link(profile, region.ep_size, region.link)
+        args: dict[str, Any] = {"mode": region.mode, "ep_size": region.ep_size, "link": which}
+        name = f"comm::{region.kind}"
+        with self._lock:
+            if region.mode == "ht":
+                share = profile.comm_sms / profile.num_sms
+                args["sm_share"] = share
+                self.place_op(
+                    name, cost, kind=COMM, stream=region.stream, nbytes=region.nbytes,
+                    reads=region.reads, writes=region.writes, fresh=region.fresh, args=args,
+                    sm_share=share,
+                )  # fmt: skip
+                self._record_on_track(event, region.stream._track)
+            else:
+                send = self.place_op(
+                    f"{name}.send", profile.ll_send_us, kind=COMM, stream=region.stream,
+                    reads=region.reads, fresh=region.fresh, args=dict(args),
+                )  # fmt: skip
+                link = self._link
+                # The transfer leaves after the send: order it after the sending stream.
+                _join(link.vc, region.stream._track.vc)
+                self.place_op(
+                    name, cost, kind=COMM, track=link, nbytes=region.nbytes,
+                    writes=region.writes, args=args, launch=False, not_before=send.end_us,
+                )  # fmt: skip
+                self._record_on_track(event, link)
+        if self._graph is not None and not self._state().replaying:
+            self._graph.on_comm(region, event)
+
+    # ---------------------------------------------------------------------- graphs, buffers
+
+    def graph(self) -> Any:
+        """Capture the ops of a step for replay: `with device.graph() as g: ...; g.replay()`."""
+        from dbo.sim.graph import SimGraph
+
+        return SimGraph(self)
+
+    def add_buffer_owner(self, owner: Any) -> None:
+        """Register an object with `describe_buffer(data_ptr) -> info | None` (info has
+        `label` and `live`), consulted by graph replay's pointer-stability check."""
+        if not callable(getattr(owner, "describe_buffer", None)):
+            raise TypeError(f"{owner!r} has no describe_buffer(data_ptr) method")
+        with self._lock:
+            if not any(o is owner for o in self._buffer_owners):
+                self._buffer_owners.append(owner)
+
+    def remove_buffer_owner(self, owner: Any) -> None:
+        with self._lock:
+            self._buffer_owners = [o for o in self._buffer_owners if o is not owner]
+
+    def __repr__(self) -> str:
+        return f"<SimDevice {self.profile.name} rank={self.rank} tensors on {self.torch_device}>"

@@ -1,0 +1,170 @@
+"""Hardware profiles of the simulated GPU: the numbers every cost in the simulator comes from.
+
+A profile is a frozen dataclass; a user makes their own with `dataclasses.replace(H200, ...)`
+or by constructing `HardwareProfile` directly. Datasheet numbers carry their source in a
+comment; numbers that are modelling assumptions say so. Nothing here is fitted to the DeepEP
+or SGLang measurements quoted in DESIGN.md: those are for a later fidelity check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "HardwareProfile",
+    "H200",
+    "H100",
+    "H800",
+    "B200",
+    "PROFILES",
+    "profile_from_name",
+    "dtype_class",
+]
+
+
+def dtype_class(dtype: torch.dtype) -> str:
+    """The peak-throughput class of a dtype: one of the keys of `HardwareProfile.peak_tflops`."""
+    return _DTYPE_CLASS.get(dtype, "fp32")
+
+
+_DTYPE_CLASS: dict[torch.dtype, str] = {
+    torch.float64: "fp64",
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "bf16",  # fp16 and bf16 share the tensor-core peak on Hopper and Blackwell
+    torch.int8: "int8",
+    torch.uint8: "int8",
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _DTYPE_CLASS[getattr(torch, _name)] = "fp8"
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One GPU model as the simulator sees it. Units: TFLOP/s, GB/s (1e9 B/s), microseconds."""
+
+    name: str
+    num_sms: int
+    # Dense (no sparsity) peak per dtype class, TFLOP/s. Keys: fp64, fp32, bf16, fp8, int8.
+    peak_tflops: dict[str, float]
+    hbm_gbps: float  # HBM bandwidth, GB/s
+    nvlink_total_gbps: float  # NVLink bandwidth per GPU as datasheets quote it (both directions)
+    rdma_gbps: float  # inter-node RDMA bandwidth per GPU, one direction
+    gpus_per_node: int = 8  # EP groups larger than this cross nodes (RDMA)
+    # Achieved fraction of the peaks above. A roofline at 100% of peak is an upper bound no
+    # real kernel reaches; the factors turn it into a typical large-kernel rate.
+    compute_efficiency: float = 0.8  # DESIGN.md anchor: H200 ~790 of 989 TFLOP/s measured
+    memory_efficiency: float = 0.85  # assumption: large streaming kernels reach ~85% of HBM peak
+    nvlink_efficiency: float = 1.0  # kept at 1.0: the fidelity issue will decide, not a guess
+    rdma_efficiency: float = 1.0
+    # Host and per-kernel costs (assumptions in the ranges the vLLM maintainers describe for
+    # eager decode being launch bound; adjust per machine).
+    launch_us: float = 5.0  # host time to launch one kernel eagerly (Python + CUDA launch)
+    kernel_fixed_us: float = 2.5  # fixed device time of any kernel (ramp-up, tail, sync)
+    handoff_us: float = 10.0  # host time of one baton pass between ubatch threads
+    graph_launch_us: float = 8.0  # host time of one CUDA graph launch (whole graph)
+    # Communication. Latency is the fixed cost of one collective/dispatch kernel before bytes
+    # flow (signalling, barriers): assumption, order of magnitude only.
+    nvlink_latency_us: float = 5.0
+    rdma_latency_us: float = 10.0
+    ll_send_us: float = 2.5  # device time of the tiny "send" kernel of a low-latency op
+    # SMs a high-throughput comm kernel occupies while it runs. DeepEP's README example sets
+    # `Buffer.set_num_sms(24)` for its normal (high-throughput) kernels.
+    comm_sms: int = 24
+    max_comm_sm_share: float = 0.9  # concurrent comm kernels never starve compute completely
+    extra: dict = field(default_factory=dict)  # free-form notes for reports
+
+    def __post_init__(self) -> None:
+        if self.num_sms <= 0:
+            raise ValueError(f"num_sms must be positive, got {self.num_sms}")
+        if not 0 <= self.comm_sms < self.num_sms:
+            raise ValueError(
+                f"comm_sms must be in [0, num_sms={self.num_sms}), got {self.comm_sms}"
+            )
+        for key in ("fp32", "bf16"):
+            if self.peak_tflops.get(key, 0) <= 0:
+                raise ValueError(f"peak_tflops needs a positive {key!r} entry")
+        for name in ("hbm_gbps", "nvlink_total_gbps", "rdma_gbps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def nvlink_gbps(self) -> float:
+        """One direction of NVLink: a rank's sends use half of the datasheet's total."""
+        return self.nvlink_total_gbps / 2
+
+    def peak_flops_per_us(self, dtype: torch.dtype) -> float:
+        """Achievable FLOPs per microsecond for matmul-like work in `dtype`."""
+        cls = dtype_class(dtype)
+        tflops = self.peak_tflops.get(cls) or self.peak_tflops["fp32"]
+        return tflops * 1e6 * self.compute_efficiency  # 1 TFLOP/s = 1e6 FLOP/us
+
+    @property
+    def hbm_bytes_per_us(self) -> float:
+        return self.hbm_gbps * 1e3 * self.memory_efficiency  # 1 GB/s = 1e3 B/us
+
+
+# NVIDIA H200 SXM datasheet: FP64 34 TF, FP32 67 TF, BF16/FP16 989 TF dense (1979 with
+# sparsity), FP8/INT8 1979 dense, HBM3e 4.8 TB/s, NVLink 900 GB/s; 132 SMs (GH100 SXM5 config).
+H200 = HardwareProfile(
+    name="h200",
+    num_sms=132,
+    peak_tflops={"fp64": 34.0, "fp32": 67.0, "bf16": 989.0, "fp8": 1979.0, "int8": 1979.0},
+    hbm_gbps=4800.0,
+    nvlink_total_gbps=900.0,
+    rdma_gbps=50.0,  # ConnectX-7 400 Gb/s per GPU = 50 GB/s
+)
+
+# NVIDIA H100 SXM datasheet: same tensor-core peaks as H200 (989 TF BF16 dense, FP8 2x),
+# HBM3 3.35 TB/s, NVLink 900 GB/s, 132 SMs.
+H100 = HardwareProfile(
+    name="h100",
+    num_sms=132,
+    peak_tflops={"fp64": 34.0, "fp32": 67.0, "bf16": 989.0, "fp8": 1979.0, "int8": 1979.0},
+    hbm_gbps=3350.0,
+    nvlink_total_gbps=900.0,
+    rdma_gbps=50.0,  # ConnectX-7 400 Gb/s
+)
+
+# NVIDIA H800 SXM: the H100 SXM die with NVLink cut to 400 GB/s total (export variant);
+# compute and HBM3 3.35 TB/s as H100 SXM.
+H800 = HardwareProfile(
+    name="h800",
+    num_sms=132,
+    peak_tflops={"fp64": 34.0, "fp32": 67.0, "bf16": 989.0, "fp8": 1979.0, "int8": 1979.0},
+    hbm_gbps=3350.0,
+    nvlink_total_gbps=400.0,
+    rdma_gbps=50.0,  # ConnectX-7 400 Gb/s
+)
+
+# NVIDIA B200 (HGX B200 datasheet, per GPU = 1/8 of the 8-GPU board, dense): BF16 ~2.25 PF,
+# FP8 ~4.5 PF, FP32 ~75 TF, FP64 ~37 TF; HBM3e 8 TB/s; NVLink 5 1.8 TB/s; 148 SMs.
+B200 = HardwareProfile(
+    name="b200",
+    num_sms=148,
+    peak_tflops={"fp64": 37.0, "fp32": 75.0, "bf16": 2250.0, "fp8": 4500.0, "int8": 4500.0},
+    hbm_gbps=8000.0,
+    nvlink_total_gbps=1800.0,
+    rdma_gbps=50.0,  # ConnectX-7 400 Gb/s (the same NIC class on HGX B200)
+)
+
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H200, H100, H800, B200)}
+
+
+def profile_from_name(name: "str | HardwareProfile") -> HardwareProfile:
+    """Look a profile up by name (case-insensitive); a HardwareProfile passes through."""
+    if isinstance(name, HardwareProfile):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"profile must be a name or a HardwareProfile, got {type(name).__name__}")
+    key = name.strip().lower().replace("-sxm", "").replace("_sxm", "")
+    try:
+        return PROFILES[key]
+    except KeyError:
+        raise ValueError(
+            f"unknown hardware profile {name!r}; valid names: {', '.join(sorted(PROFILES))} "
+            f"(or pass a HardwareProfile)"
+        ) from None

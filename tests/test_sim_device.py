@@ -1,0 +1,189 @@
+"""SimDevice clocks: hand-computed schedules on a profile with round numbers."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+import dbo.streams
+from dbo.sim import H200, HANDOFF, SYNC, SimDevice, profile_from_name
+
+# launch 1 us, no fixed kernel time, handoff 10 us: every time below is exact arithmetic.
+ROUND = replace(H200, name="round", launch_us=1.0, kernel_fixed_us=0.0, handoff_us=10.0)
+
+
+def make() -> SimDevice:
+    return SimDevice(ROUND)
+
+
+def test_default_device_is_sim_h200() -> None:
+    device = SimDevice()
+    assert device.kind == "sim" and device.profile is H200
+    assert device.torch_device == torch.device("cpu")
+    assert isinstance(dbo.streams.resolve_device("sim"), SimDevice)
+
+
+def test_two_streams_overlap_without_wait() -> None:
+    d = make()
+    s1, s2 = d.Stream("a"), d.Stream("b")
+    a = d.place_op("A", 10.0, stream=s1)
+    b = d.place_op("B", 10.0, stream=s2)
+    assert (a.issue_us, a.start_us, a.end_us) == (0.0, 1.0, 11.0)
+    assert (b.issue_us, b.start_us, b.end_us) == (1.0, 2.0, 12.0)
+    assert d.host_time_us == 2.0
+
+
+def test_wait_event_orders_streams() -> None:
+    d = make()
+    s1, s2 = d.Stream("a"), d.Stream("b")
+    d.place_op("A", 10.0, stream=s1)
+    e = s1.record_event()
+    assert e.time_us == 11.0
+    s2.wait_event(e)
+    b = d.place_op("B", 10.0, stream=s2)
+    assert (b.start_us, b.end_us) == (11.0, 21.0)
+    # work recorded after the event is not waited for
+    d.place_op("A2", 100.0, stream=s1)
+    c = d.place_op("C", 1.0, stream=s2)
+    assert c.start_us == 21.0
+
+
+def test_same_stream_is_in_order() -> None:
+    d = make()
+    s = d.Stream("a")
+    d.place_op("A", 10.0, stream=s)
+    b = d.place_op("B", 5.0, stream=s)
+    assert (b.start_us, b.end_us) == (11.0, 16.0)
+
+
+def test_host_sync_advances_host_and_is_recorded() -> None:
+    d = make()
+    s = d.Stream("a")
+    d.place_op("A", 10.0, stream=s)
+    assert not s.query()
+    s.synchronize()
+    assert d.host_time_us == 11.0 and s.query()
+    sync = d.timeline[-1]
+    assert sync.kind == SYNC and sync.stream == "host" and (sync.start_us, sync.end_us) == (1.0, 11.0)
+    b = d.place_op("B", 1.0, stream=s)
+    assert (b.issue_us, b.start_us) == (11.0, 12.0)
+    # a second sync waits for nothing and records nothing
+    n = len(d.timeline)
+    d.place_op("C", 5.0, stream=s)
+    d.synchronize()
+    d.synchronize()
+    assert sum(r.kind == SYNC for r in d.timeline[n:]) == 1
+
+
+def test_event_synchronize_and_query() -> None:
+    d = make()
+    s = d.Stream("a")
+    e = d.Event()
+    assert e.query()  # never recorded: nothing to wait for
+    e.synchronize()
+    assert d.host_time_us == 0.0
+    d.place_op("A", 10.0, stream=s)
+    e.record(s)
+    d.place_op("B", 10.0, stream=s)
+    assert not e.query()
+    e.synchronize()
+    assert d.host_time_us == 11.0 and e.query() and not s.query()
+
+
+def test_wait_on_unrecorded_event_is_noop() -> None:
+    d = make()
+    s = d.Stream("a")
+    s.wait_event(d.Event())
+    assert d.place_op("A", 1.0, stream=s).start_us == 1.0
+
+
+def test_handoff_costs_host_time() -> None:
+    d = make()
+    s = d.Stream("a")
+    with d.thread_scope(1):
+        d.on_handoff()
+    h = d.timeline[-1]
+    assert h.kind == HANDOFF and h.ubatch == 1 and (h.start_us, h.end_us) == (0.0, 10.0)
+    assert d.place_op("A", 1.0, stream=s).start_us == 11.0
+
+
+def test_current_stream_is_per_thread() -> None:
+    d = make()
+    s = d.Stream("mine")
+    d.set_stream(s)
+    seen: list = []
+    t = threading.Thread(target=lambda: seen.append(d.current_stream()))
+    t.start()
+    t.join()
+    assert d.current_stream() is s and seen == [d.default_stream()]
+    with dbo.streams.stream_context(d.default_stream()):
+        assert d.current_stream() is d.default_stream()
+    assert d.current_stream() is s
+
+
+def test_stream_names_unique_and_checked() -> None:
+    d = make()
+    assert d.Stream("x").name == "x" and d.Stream("x").name == "x#2"
+    with pytest.raises(TypeError):
+        d.set_stream(SimDevice(ROUND).Stream("other"))
+    with pytest.raises(TypeError):
+        d.Stream("y").wait_event(SimDevice(ROUND).Event())
+
+
+def test_mark_since_elapsed_and_reset() -> None:
+    d = make()
+    s = d.Stream("a")
+    d.place_op("warm", 5.0, stream=s)
+    d.synchronize()
+    m = d.mark()
+    d.place_op("A", 10.0, stream=s)
+    d.synchronize()
+    assert [r.name for r in d.since(m)] == ["A", "host-sync"]
+    assert d.elapsed_us(m) == 11.0
+    e = s.record_event()
+    d.reset()
+    assert d.timeline == [] and d.host_time_us == 0.0 and not e.recorded
+    assert d.place_op("B", 1.0, stream=s).start_us == 1.0
+
+
+def test_profiles_by_name() -> None:
+    assert profile_from_name("H100-SXM").name == "h100"
+    with pytest.raises(ValueError, match="b200, h100, h200, h800"):
+        profile_from_name("a100")
+    d = SimDevice("h800", launch_us=7.0, handoff_us=3.0, comm_sms=20)
+    assert (d.profile.launch_us, d.profile.handoff_us, d.profile.comm_sms) == (7.0, 3.0, 20)
+    with pytest.raises(ValueError, match="tensor_device"):
+        SimDevice(tensor_device="cuda")
+
+
+@pytest.mark.timeout(30)
+def test_many_threads_place_consistently() -> None:
+    d = make()
+    streams = [d.Stream(f"s{i}") for i in range(4)]
+    n_threads, n_ops = 8, 200
+
+    def work(i: int) -> None:
+        s = streams[i % 4]
+        with d.thread_scope(i):
+            d.set_stream(s)
+            for _ in range(n_ops):
+                d.place_op("op", 1.0)
+                e = s.record_event()
+                streams[(i + 1) % 4].wait_event(e)
+                d.on_handoff()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seqs = [r.seq for r in d.timeline]
+    assert seqs == list(range(len(seqs)))
+    assert sum(r.name == "op" for r in d.timeline) == n_threads * n_ops
+    assert d.host_time_us == n_threads * n_ops * (1.0 + 10.0)
+    for s in streams:  # each stream's ops are in order and never overlap
+        ops = [r for r in d.timeline if r.stream == s.name]
+        assert all(a.end_us <= b.start_us for a, b in zip(ops, ops[1:]))
