@@ -524,21 +524,26 @@ class SimDevice(Device):
                 self._checker.clear()
 
     def on_handoff(self) -> None:
+        self._host_launch("handoff", self.profile.handoff_us, HANDOFF)
+
+    def _host_launch(self, name: str, cost_us: float, kind: str) -> None:
+        """Host-only time (a baton pass, a graph launch), drawn on the host track."""
         with self._lock:
             start = self._host_us
-            self._host_us += self.profile.handoff_us
+            self._host_us += cost_us
             tls = self._state()
             self._append(
                 OpRecord(
                     seq=self._seq,
-                    name="handoff",
-                    kind=HANDOFF,
+                    name=name,
+                    kind=kind,
                     rank=self.rank,
                     ubatch=tls.ubatches[-1] if tls.ubatches else None,
                     stream="host",
                     issue_us=start,
                     start_us=start,
                     end_us=self._host_us,
+                    replayed=tls.replaying,
                 )
             )
 
@@ -588,20 +593,22 @@ class SimDevice(Device):
         which = comm_link(profile, region.ep_size, region.link)
         args: dict[str, Any] = {"mode": region.mode, "ep_size": region.ep_size, "link": which}
         name = f"comm::{region.kind}"
+        # A replayed graph writes the storages it captured: nothing is freshly allocated.
+        fresh = () if self._state().replaying else region.fresh
         with self._lock:
             if region.mode == "ht":
                 share = profile.comm_sms / profile.num_sms
                 args["sm_share"] = share
                 self.place_op(
                     name, cost, kind=COMM, stream=region.stream, nbytes=region.nbytes,
-                    reads=region.reads, writes=region.writes, fresh=region.fresh, args=args,
+                    reads=region.reads, writes=region.writes, fresh=fresh, args=args,
                     sm_share=share,
                 )  # fmt: skip
                 self._record_on_track(event, region.stream._track)
             else:
                 send = self.place_op(
                     f"{name}.send", profile.ll_send_us, kind=COMM, stream=region.stream,
-                    reads=region.reads, fresh=region.fresh, args=dict(args),
+                    reads=region.reads, fresh=fresh, args=dict(args),
                 )  # fmt: skip
                 link = self._link
                 # The transfer leaves after the send: order it after the sending stream.

@@ -14,6 +14,8 @@ COMPUTE = "compute"
 COMM = "comm"
 SYNC = "sync"
 HANDOFF = "handoff"
+# Host time spent launching a whole replayed graph (one launch instead of one per op).
+GRAPH_LAUNCH = "graph-launch"
 
 
 @dataclass(frozen=True, slots=True)

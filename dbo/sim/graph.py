@@ -1,0 +1,232 @@
+"""Graph capture and replay on the simulated device, as a CUDA graph would record a step.
+
+`with device.graph() as g:` records, in issue order and from every thread, each placed op
+(its op overload, argument and output tensors, stream, ubatch and cost), every event record
+and wait, and every comm region. The graph keeps strong references to those tensors, as a
+CUDA graph's private pool keeps its memory. `g.replay()` re-executes the recorded ops on the
+recorded tensors (values recomputed from their current contents; a fresh output is copied into
+the tensor captured as that op's output, so later ops read it) and places them again on the
+same streams with the same event dependencies, with no per-op host launch cost: the host pays
+one `graph_launch_us`.
+
+Before replaying, every recorded data pointer is shown to the device's buffer owners
+(`device.add_buffer_owner`): a pointer an owner no longer calls live (a workspace slot that
+grew and was replaced) raises `GraphReplayError` naming the buffer and the op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+from dbo.sim.records import GRAPH_LAUNCH, Access, OpRecord
+
+if TYPE_CHECKING:
+    from dbo.sim.device import SimDevice, SimEvent, SimStream, _CommRegion
+
+__all__ = ["SimGraph", "GraphReplayError"]
+
+
+class GraphReplayError(RuntimeError):
+    """A captured graph refers to memory that is no longer the live buffer."""
+
+
+@dataclass
+class _Op:
+    func: Any
+    args: tuple
+    kwargs: dict
+    out: Any
+    name: str
+    stream: "SimStream"
+    ubatch: int | None
+    cost_us: float
+    flops: float
+    nbytes: float
+    reads: list[Access]
+    writes: list[Access]
+    trace_args: dict
+
+
+@dataclass
+class _Record:
+    event: "SimEvent"
+    stream: "SimStream"
+
+
+@dataclass
+class _Wait:
+    stream: "SimStream"
+    event: "SimEvent"
+
+
+@dataclass
+class _Comm:
+    region: "_CommRegion"
+    event: "SimEvent"
+    ubatch: int | None
+    ops: list[tuple[Any, tuple, dict, Any]] = field(default_factory=list)
+
+
+def _tensor_list(values: Iterable[Any]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(w for w in v if isinstance(w, torch.Tensor))
+    return found
+
+
+def _rerun(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Recompute one op and leave its result in the tensors captured as its output."""
+    new = func(*args, **kwargs)
+    if isinstance(out, torch.Tensor):
+        if new is not out:
+            out.copy_(new)
+    elif isinstance(out, (list, tuple)):
+        for old, fresh in zip(out, new):
+            if isinstance(old, torch.Tensor) and fresh is not old:
+                old.copy_(fresh)
+
+
+class SimGraph:
+    """One captured step; a context manager while capturing, then `replay()` at will."""
+
+    def __init__(self, device: "SimDevice") -> None:
+        self.device = device
+        self.items: list[_Op | _Record | _Wait | _Comm] = []
+        self.notes: list[str] = []  # things a real CUDA graph would refuse (host syncs)
+        self.replays = 0
+        self._pointers: list[tuple[int, str]] = []  # (data_ptr, which op) checked at replay
+        self._capturing = False
+
+    # ----------------------------------------------------------------------------- capture
+
+    def __enter__(self) -> "SimGraph":
+        device = self.device
+        with device._lock:
+            if device._graph is not None:
+                raise RuntimeError("a graph is already being captured on this device")
+            if self.items:
+                raise RuntimeError("this graph was captured already; make a new one")
+            device._graph = self
+            self._capturing = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.device._lock:
+            self.device._graph = None
+            self._capturing = False
+        self._pointers = self._collect_pointers()
+
+    def on_op(
+        self, func: Any, args: tuple, kwargs: dict, out: Any, record: OpRecord, cost_us: float,
+        reads: list[Access], writes: list[Access],
+    ) -> None:  # fmt: skip
+        if record.kind == "compute" and func._schema.name.endswith("_local_scalar_dense"):
+            self.notes.append(f"host read {record.name} during capture (not replayed as a sync)")
+        self.items.append(
+            _Op(
+                func, args, kwargs, out, record.name, self.device.current_stream(),
+                record.ubatch, cost_us, record.flops, record.bytes, list(reads), list(writes),
+                dict(record.args),
+            )  # fmt: skip
+        )
+
+    def on_record(self, event: "SimEvent", stream: "SimStream") -> None:
+        self.items.append(_Record(event, stream))
+
+    def on_wait(self, stream: "SimStream", event: "SimEvent") -> None:
+        self.items.append(_Wait(stream, event))
+
+    def on_comm(self, region: "_CommRegion", event: "SimEvent") -> None:
+        self.items.append(_Comm(region, event, self.device.current_ubatch(), list(region.graph_ops)))
+
+    @property
+    def num_ops(self) -> int:
+        return sum(isinstance(i, (_Op, _Comm)) for i in self.items)
+
+    def _collect_pointers(self) -> list[tuple[int, str]]:
+        seen: set[int] = set()
+        pointers: list[tuple[int, str]] = []
+
+        def add(tensors: list[torch.Tensor], what: str) -> None:
+            for t in tensors:
+                if t.device.type == "meta":
+                    continue
+                ptr = t.data_ptr()
+                if ptr and ptr not in seen:
+                    seen.add(ptr)
+                    pointers.append((ptr, what))
+
+        for item in self.items:
+            if isinstance(item, _Op):
+                where = f"{item.name} (ubatch {item.ubatch}, stream {item.stream.name!r})"
+                add(_tensor_list((*item.args, *item.kwargs.values(), item.out)), where)
+            elif isinstance(item, _Comm):
+                where = (
+                    f"comm::{item.region.kind} (ubatch {item.ubatch}, stream "
+                    f"{item.region.stream.name!r})"
+                )
+                for func, args, kwargs, out in item.ops:
+                    add(_tensor_list((*args, *kwargs.values(), out)), where)
+        return pointers
+
+    # ------------------------------------------------------------------------------ replay
+
+    def check_pointers(self) -> None:
+        """Raise GraphReplayError if a buffer owner says a recorded pointer is not live."""
+        owners = list(self.device._buffer_owners)
+        if not owners:
+            return
+        for ptr, where in self._pointers:
+            for owner in owners:
+                info = owner.describe_buffer(ptr)
+                if info is not None and not info.live:
+                    raise GraphReplayError(
+                        f"graph replay would use {info.label} at {ptr:#x}, which is no longer "
+                        f"the live buffer (it was replaced after capture); recorded by {where}. "
+                        f"Capture the graph again after the buffer changes, or lock the "
+                        f"workspace before capturing."
+                    )
+
+    def replay(self) -> None:
+        """Re-execute the captured step: values recomputed, ops re-placed without launch cost."""
+        if self._capturing:
+            raise RuntimeError("cannot replay a graph while it is being captured")
+        self.check_pointers()
+        device = self.device
+        tls = device._state()
+        saved_stream, saved_replaying = tls.stream, tls.replaying
+        device._host_launch("graph-launch", device.profile.graph_launch_us, GRAPH_LAUNCH)
+        tls.replaying = True
+        tls.suspended += 1  # values are recomputed here; placement is ours, not the mode's
+        try:
+            for item in self.items:
+                if isinstance(item, _Op):
+                    _rerun(item.func, item.args, item.kwargs, item.out)
+                    device.place_op(
+                        item.name, item.cost_us, stream=item.stream, flops=item.flops,
+                        nbytes=item.nbytes, reads=item.reads, writes=item.writes,
+                        args=dict(item.trace_args), ubatch=item.ubatch,
+                    )  # fmt: skip
+                elif isinstance(item, _Record):
+                    item.event.record(item.stream)
+                elif isinstance(item, _Wait):
+                    item.stream.wait_event(item.event)
+                else:
+                    for func, args, kwargs, out in item.ops:
+                        _rerun(func, args, kwargs, out)
+                    tls.ubatches.append(item.ubatch)
+                    try:
+                        device.place_comm(item.region, item.event)
+                    finally:
+                        tls.ubatches.pop()
+        finally:
+            tls.suspended -= 1
+            tls.replaying = saved_replaying
+            tls.stream = saved_stream
+        self.replays += 1
