@@ -1,0 +1,5 @@
+"""`python -m scenarios ...`: see scenarios.cli."""
+
+from scenarios.cli import main
+
+raise SystemExit(main())

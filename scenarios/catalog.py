@@ -1,0 +1,520 @@
+"""The scenarios: each runs a workload or a fault and returns one verdict.
+
+A positive scenario passes when outputs match the serial run, no race is reported, and its own
+memory relation holds. A negative scenario injects a fault and passes only when the fault is
+caught with the right error, promptly, with nothing left registered.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+import dbo
+from dbo import ubatching
+from dbo.sim import SimDevice
+from dbo.split import split_batch
+from scenarios.harness import Comparison, RunOptions, compare_serial_dbo, new_device, write_artifacts, run_step
+from scenarios.model import Batch, MoEModel, preset
+from workspace import (
+    WorkspaceLockedError,
+    current_workspace_manager,
+    init_workspace_manager,
+    lock_workspace,
+    reset_workspace_manager,
+    unlock_workspace,
+)
+
+__all__ = ["ScenarioResult", "Scenario", "SCENARIOS", "DEFAULT_SCENARIOS", "run_scenario"]
+
+
+@dataclass
+class ScenarioResult:
+    """One scenario's verdict; `to_dict()` is the `--json` schema (see README)."""
+
+    scenario: str
+    passed: bool
+    negative: bool = False
+    outputs_match: bool | None = None
+    max_abs_diff: float | None = None
+    races: int = 0
+    error: str | None = None
+    step_us_serial: float | None = None
+    step_us_dbo: float | None = None
+    speedup: float | None = None
+    overlap_fraction: float | None = None
+    exposed_comm_us: float | None = None
+    workspace_peak_bytes: int | None = None
+    trace: str | None = None
+    timeline_png: str | None = None
+    wall_s: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        def clean(v: Any) -> Any:
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+
+        return {k: clean(v) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    summary: str
+    run: Callable[[RunOptions], ScenarioResult]
+    negative: bool = False
+    default: bool = True
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def scenario(name: str, summary: str, *, negative: bool = False, default: bool = True):
+    def register(fn: Callable[[RunOptions], ScenarioResult]) -> Callable[[RunOptions], ScenarioResult]:
+        SCENARIOS[name] = Scenario(name, summary, fn, negative, default)
+        return fn
+
+    return register
+
+
+def run_scenario(name: str, opts: RunOptions) -> ScenarioResult:
+    """Run one scenario; an unexpected exception is a failed verdict, never a crash."""
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; `python -m scenarios list` shows them")
+    start = time.monotonic()
+    try:
+        result = SCENARIOS[name].run(opts)
+    except Exception as error:  # noqa: BLE001 - reported as the verdict
+        result = ScenarioResult(name, passed=False, negative=SCENARIOS[name].negative, error=f"{type(error).__name__}: {error}")
+    finally:
+        reset_workspace_manager()
+    result.wall_s = time.monotonic() - start
+    return result
+
+
+def _from_comparison(name: str, c: Comparison, **details: Any) -> ScenarioResult:
+    races = len(c.dbo.races) + len(c.serial.races)
+    summary = c.dbo.summary
+    passed = c.outputs_match and races == 0 and c.dbo.allocations_during_step == 0
+    return ScenarioResult(
+        scenario=name,
+        passed=passed,
+        outputs_match=c.outputs_match,
+        max_abs_diff=c.max_abs_diff,
+        races=races,
+        error=None if passed else _why(c, races),
+        step_us_serial=c.serial.step_us,
+        step_us_dbo=c.dbo.step_us,
+        speedup=c.speedup,
+        overlap_fraction=summary.overlap_fraction if summary else None,
+        exposed_comm_us=summary.exposed_comm_us if summary else None,
+        workspace_peak_bytes=c.dbo.workspace_peak_bytes,
+        trace=c.trace,
+        timeline_png=c.timeline_png,
+        details=details,
+    )
+
+
+def _why(c: Comparison, races: int) -> str:
+    reasons = []
+    if not c.outputs_match:
+        reasons.append(f"outputs differ (max abs diff {c.max_abs_diff:.3g} > {c.tolerance:g})")
+    if races:
+        first = (c.dbo.races or c.serial.races)[0]
+        reasons.append(f"{races} race(s), first: {first.describe()}")
+    if c.dbo.allocations_during_step:
+        reasons.append(f"{c.dbo.allocations_during_step} workspace allocation(s) after lock")
+    return "; ".join(reasons)
+
+
+# --------------------------------------------------------------------------------------------
+# Overlap correctness on the MoE workload
+
+TINY_DECODE = Batch.decode(num_requests=64, context_len=16)
+TINY_PREFILL = Batch(query_start_loc=(0, 40, 70, 128, 160), context_lens=(0, 0, 0, 0))
+
+
+@scenario("moe-decode-ll", "MoE decode, DeepEP low-latency style: recv hooks, 2 yields per layer")
+def _moe_decode_ll(opts: RunOptions) -> ScenarioResult:
+    c = compare_serial_dbo("moe-decode-ll", preset("tiny"), TINY_DECODE, "ll", opts)
+    return _from_comparison("moe-decode-ll", c, mode="ll", tokens=TINY_DECODE.num_tokens)
+
+
+@scenario("moe-prefill-ht", "MoE prefill, DeepEP high-throughput style: comm stream, 3 yields per layer; a request is cut by the ubatch boundary")
+def _moe_prefill_ht(opts: RunOptions) -> ScenarioResult:
+    c = compare_serial_dbo("moe-prefill-ht", preset("tiny"), TINY_PREFILL, "ht", opts)
+    return _from_comparison("moe-prefill-ht", c, mode="ht", tokens=TINY_PREFILL.num_tokens)
+
+
+@scenario("three-ubatches", "The prefill workload split into 3 ubatches round the ring")
+def _three_ubatches(opts: RunOptions) -> ScenarioResult:
+    three = RunOptions(**{**opts.__dict__, "num_ubatches": 3})
+    c = compare_serial_dbo("three-ubatches", preset("tiny"), TINY_PREFILL, "ht", three)
+    return _from_comparison("three-ubatches", c, num_ubatches=3)
+
+
+# --------------------------------------------------------------------------------------------
+# The seed's workspace usage cases (6.1-6.4) under DBO
+
+
+def _ubatched(opts: RunOptions, fn: Callable[[int], Any], *, slots: int | None = None) -> tuple[SimDevice, list[Any]]:
+    device = new_device(opts)
+    reset_workspace_manager()
+    init_workspace_manager(device.torch_device, slots or opts.num_ubatches)
+    outs = dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s)
+    device.synchronize()
+    return device, outs
+
+
+def _case_result(name: str, device: Any, checks: dict[str, bool], opts: RunOptions, **details: Any) -> ScenarioResult:
+    races = list(getattr(device, "races", []))
+    failed = [k for k, ok in checks.items() if not ok]
+    passed = not failed and not races
+    error = None
+    if failed:
+        error = "failed: " + ", ".join(failed)
+    elif races:
+        error = races[0].describe()
+    result = ScenarioResult(name, passed=passed, outputs_match=checks.get("outputs match"), races=len(races), error=error, workspace_peak_bytes=current_workspace_manager().stats().peak_bytes, details={**details, "checks": checks})
+    if opts.out_dir is not None and getattr(device, "timeline", None):
+        from scenarios.harness import StepRun
+
+        run = StepRun(torch.empty(0), 0.0, None, list(device.timeline), races)
+        result.trace, result.timeline_png = write_artifacts(name, run, opts.out_dir)
+    return result
+
+
+@scenario("dcp-attention", "Seed 6.1: two DCP attention buffers from two calls alias, per ubatch slot")
+def _dcp_attention(opts: RunOptions) -> ScenarioResult:
+    n, heads, dim = 24, 4, 16
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(opts.num_ubatches, n, heads, dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(opts.num_ubatches, n, heads, dim, generator=gen, dtype=torch.float64)
+    ptrs: dict[int, tuple[int, int]] = {}
+
+    def attend(qq: torch.Tensor, kk: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        out.copy_(torch.einsum("nhm,mhd->nhd", torch.einsum("nhd,mhd->nhm", qq, kk).softmax(-1), kk))
+        return out
+
+    def fn(u: int) -> torch.Tensor:
+        ws = current_workspace_manager()
+        (context_out,) = ws.get_simultaneous(((n, heads, dim), torch.float64))
+        context = attend(q[u], k[u], context_out).sum()  # consumed before the next call
+        dbo.dbo_yield()
+        (query_out,) = ws.get_simultaneous(((n, heads, dim), torch.float64))
+        query = attend(q[u] * 2, k[u], query_out)
+        ptrs[u] = (context_out.data_ptr(), query_out.data_ptr())
+        return query + context
+
+    device, outs = _ubatched(opts, fn)
+    expected = [attend(q[u] * 2, k[u], torch.empty(n, heads, dim, dtype=torch.float64)) + attend(q[u], k[u], torch.empty(n, heads, dim, dtype=torch.float64)).sum() for u in range(opts.num_ubatches)]
+    checks = {
+        "two calls alias within a ubatch": all(a == b for a, b in ptrs.values()),
+        "ubatch slots are distinct": len({a for a, _ in ptrs.values()}) == opts.num_ubatches,
+        "outputs match": all(torch.allclose(o, e, rtol=0, atol=1e-12) for o, e in zip(outs, expected)),
+    }
+    return _case_result("dcp-attention", device, checks, opts)
+
+
+@scenario("fused-moe-workspace", "Seed 6.2: one call gives a shared region (workspace13 / fused_out views) and an independent workspace2")
+def _fused_moe(opts: RunOptions) -> ScenarioResult:
+    m, hidden, inter = 32, 48, 64
+    gen = torch.Generator().manual_seed(1)
+    w1 = torch.randn(hidden, inter, generator=gen, dtype=torch.float64)
+    w2 = torch.randn(inter, hidden, generator=gen, dtype=torch.float64)
+    xs = [torch.randn(m, hidden, generator=gen, dtype=torch.float64) for _ in range(opts.num_ubatches)]
+    relations: dict[int, dict[str, bool]] = {}
+
+    def fn(u: int) -> torch.Tensor:
+        shared_elems = max(m * inter, m * hidden)
+        common, workspace2 = current_workspace_manager().get_simultaneous(((shared_elems,), torch.float64), ((m, inter), torch.float64))
+        workspace13 = common[: m * inter].view(m, inter)
+        fused_out = common[: m * hidden].view(m, hidden)
+        torch.mm(xs[u], w1, out=workspace13)  # cache1
+        torch.nn.functional.silu(workspace13, inplace=False).mul_(1.0)
+        workspace2.copy_(torch.nn.functional.silu(workspace13))  # cache2, independent
+        dbo.dbo_yield()
+        torch.mm(workspace2, w2, out=fused_out)  # reuses cache1's memory: cache1 is dead
+        relations[u] = {
+            "workspace13 and fused_out alias": workspace13.data_ptr() == fused_out.data_ptr(),
+            "workspace2 is independent": workspace2.data_ptr() >= common.data_ptr() + common.numel() * 8,
+        }
+        return fused_out.clone()
+
+    device, outs = _ubatched(opts, fn)
+    expected = [torch.nn.functional.silu(x @ w1) @ w2 for x in xs]
+    checks = {k: all(r[k] for r in relations.values()) for k in next(iter(relations.values()))}
+    checks["outputs match"] = all(torch.allclose(o, e, rtol=0, atol=1e-9) for o, e in zip(outs, expected))
+    return _case_result("fused-moe-workspace", device, checks, opts)
+
+
+@scenario("sparse-indexer", "Seed 6.3: a profile call reserves three buffers; prefill and decode calls then allocate nothing")
+def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
+    total_seq, head_dim, topk_ws = 96, 32, 4096
+    allocations = {"profile": 0, "run": 0}
+    phase = ["profile"]
+    outputs: dict[int, torch.Tensor] = {}
+    aliases: dict[int, bool] = {}
+
+    def fn(u: int) -> torch.Tensor:
+        ws = current_workspace_manager()
+        original = ws._allocate
+
+        def counting(nbytes: int) -> torch.Tensor:
+            allocations[phase[0]] += 1
+            return original(nbytes)
+
+        if phase[0] == "profile":
+            ws.get_simultaneous(((total_seq, head_dim), torch.float8_e4m3fn), ((total_seq, 4), torch.uint8), ((topk_ws,), torch.uint8))
+            return torch.zeros(1)
+        ws._allocate = counting  # type: ignore[method-assign]
+        try:
+            k_fp8, k_scale = ws.get_simultaneous(((total_seq, head_dim), torch.float8_e4m3fn), ((total_seq, 4), torch.uint8))
+            for chunk in (40, total_seq):  # chunks slice the full-size buffers
+                k_fp8[:chunk].view(torch.uint8).fill_(u + 1)
+                k_scale[:chunk].fill_(u + 2)
+            outputs[u] = k_scale[:, 0].clone()  # consumed before the decode path reuses the slot
+            dbo.dbo_yield()
+            (topk,) = ws.get_simultaneous(((topk_ws,), torch.uint8))
+            topk.fill_(7)
+            aliases[u] = topk.data_ptr() == k_fp8.data_ptr()
+        finally:
+            ws._allocate = original  # type: ignore[method-assign]
+        return torch.zeros(1)
+
+    device = new_device(opts)
+    reset_workspace_manager()
+    init_workspace_manager(device.torch_device, opts.num_ubatches)
+    manager = current_workspace_manager()
+    original = manager._allocate
+
+    def count_profile(nbytes: int) -> torch.Tensor:
+        allocations["profile"] += 1
+        return original(nbytes)
+
+    manager._allocate = count_profile  # type: ignore[method-assign]
+    dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s)
+    manager._allocate = original  # type: ignore[method-assign]
+    lock_workspace()
+    phase[0] = "run"
+    dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s)
+    checks = {
+        "profile grew the workspace": allocations["profile"] >= opts.num_ubatches,
+        "run allocated nothing": allocations["run"] == 0,
+        "each ubatch kept its own scale buffer": len(outputs) == opts.num_ubatches and all(bool((outputs[u] == u + 2).all()) for u in outputs),
+        "decode topk workspace aliases the prefill key buffer": len(aliases) == opts.num_ubatches and all(aliases.values()),
+    }
+    return _case_result("sparse-indexer", device, checks, opts, allocations=allocations)
+
+
+@scenario("mla-init-reservation", "Seed 6.4: a buffer reserved at init and held as an attribute; later calls alias it and never grow")
+def _mla_init(opts: RunOptions) -> ScenarioResult:
+    max_tokens, heads, head_size = 64, 4, 32
+    device = new_device(opts)
+    reset_workspace_manager()
+    init_workspace_manager(device.torch_device, opts.num_ubatches)
+    manager = current_workspace_manager()
+
+    class FlashMLASparseLike:
+        def __init__(self) -> None:
+            # Reserved outside any ubatch thread: slot 0, as at engine init.
+            (self.q_concat_buffer,) = manager.get_simultaneous(((max_tokens, heads, head_size), torch.bfloat16))
+
+        def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+            buf = self.q_concat_buffer[: q_nope.shape[0]]
+            buf[..., : q_nope.shape[-1]].copy_(q_nope)
+            buf[..., q_nope.shape[-1]:].copy_(q_pe)
+            return buf.float().sum(dim=(1, 2))
+
+    impl = FlashMLASparseLike()
+    generation_before = manager.slot_generation(0)
+    q_nope = torch.randn(16, heads, 24).to(torch.bfloat16)
+    q_pe = torch.randn(16, heads, 8).to(torch.bfloat16)
+    with dbo.use_device(device), device.thread_scope(None):
+        out = impl.forward(q_nope, q_pe)
+        (later,) = manager.get_simultaneous(((max_tokens // 2, heads, head_size), torch.bfloat16))
+    expected = torch.cat([q_nope, q_pe], dim=-1).float().sum(dim=(1, 2))
+    checks = {
+        "later call aliases the reservation": later.data_ptr() == impl.q_concat_buffer.data_ptr(),
+        "no growth after init": manager.slot_generation(0) == generation_before,
+        "all slots reserved equally": len(set(manager.slot_capacities())) == 1,
+        "outputs match": torch.equal(out, expected),
+        "no orphaned bytes": manager.orphaned_bytes() == 0,
+    }
+    return _case_result("mla-init-reservation", device, checks, opts)
+
+
+# --------------------------------------------------------------------------------------------
+# Graphs and elastic EP
+
+
+def _graph_step(opts: RunOptions, device: SimDevice, width: int) -> tuple[Any, list[torch.Tensor], torch.Tensor]:
+    """Capture one ubatched step that takes its scratch from the workspace."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(32, width, generator=gen, dtype=torch.float64)
+    xs = [torch.randn(8, 32, generator=gen, dtype=torch.float64) for _ in range(opts.num_ubatches)]
+    outs = [torch.empty(8, width, dtype=torch.float64) for _ in range(opts.num_ubatches)]
+
+    def fn(u: int) -> None:
+        (scratch,) = current_workspace_manager().get_simultaneous(((8, width), torch.float64))
+        torch.mm(xs[u], w, out=scratch)
+        dbo.dbo_yield()
+        torch.mul(scratch, 2.0, out=outs[u])
+
+    dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device)  # warm-up grows the workspace
+    graph = device.graph()
+    dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, graph=graph)
+    return graph, xs, w, outs  # type: ignore[return-value]
+
+
+@scenario("graph-pointer-stability", "Seed section 8: warm up, capture, lock; replays reuse the captured workspace pointers and recompute from new inputs")
+def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
+    device = new_device(opts)
+    reset_workspace_manager()
+    init_workspace_manager(device.torch_device, opts.num_ubatches)
+    manager = current_workspace_manager()
+    device.add_buffer_owner(manager)
+    graph, xs, w, outs = _graph_step(opts, device, width=16)
+    lock_workspace()
+    ok_values = True
+    for _ in range(3):
+        for x in xs:
+            x.copy_(torch.randn_like(x))
+        graph.replay()
+        ok_values &= all(torch.allclose(o, (x @ w) * 2, rtol=0, atol=1e-12) for o, x in zip(outs, xs))
+    replayed = [r for r in device.timeline if r.replayed]
+    checks = {
+        "outputs match": ok_values,
+        "replays issue no host launch cost": bool(replayed) and all(r.issue_us <= r.start_us for r in replayed),
+        "workspace never regrew": all(g == 1 for g in (manager.slot_generation(k) for k in range(opts.num_ubatches))),
+    }
+    return _case_result("graph-pointer-stability", device, checks, opts, replayed_ops=len(replayed))
+
+
+@scenario("elastic-ep", "Seed 6.5: unlock, re-warm with larger experts (growth), relock; the stale graph is refused and a recaptured one replays")
+def _elastic_ep(opts: RunOptions) -> ScenarioResult:
+    from dbo.sim import GraphReplayError
+
+    device = new_device(opts)
+    reset_workspace_manager()
+    init_workspace_manager(device.torch_device, opts.num_ubatches)
+    manager = current_workspace_manager()
+    device.add_buffer_owner(manager)
+    old_graph, *_ = _graph_step(opts, device, width=16)
+    lock_workspace()
+    capacity_before = manager.capacity
+    unlock_workspace()  # the expert count changed: re-warm-up may grow
+    new_graph, xs, w, outs = _graph_step(opts, device, width=64)
+    lock_workspace()
+    stale_error = None
+    try:
+        old_graph.replay()
+    except GraphReplayError as error:
+        stale_error = str(error)
+    new_graph.replay()
+    checks = {
+        "grew while unlocked": manager.capacity > capacity_before,
+        "locked again": manager.is_locked(),
+        "all slots equal after growth": len(set(manager.slot_capacities())) == 1,
+        "stale graph refused, naming the slot": stale_error is not None and "workspace slot" in stale_error,
+        "outputs match": all(torch.allclose(o, (x @ w) * 2, rtol=0, atol=1e-12) for o, x in zip(outs, xs)),
+    }
+    return _case_result("elastic-ep", device, checks, opts, stale_graph_error=stale_error)
+
+
+# --------------------------------------------------------------------------------------------
+# Negative scenarios: they pass only when the fault is caught
+
+
+def _registries_empty() -> bool:
+    return not ubatching._THREAD_ID_TO_CONTEXT and all(c is None for c in ubatching._CURRENT_CONTEXTS)
+
+
+class _NoWaitModel(MoEModel):
+    """The seeded bug: switch to the comm stream without waiting for this ubatch's compute."""
+
+    def _yield_to_comm(self) -> None:
+        dbo.dbo_yield()
+        dbo.dbo_switch_to_comm()
+
+
+@scenario("missing-wait-race", "Negative: dispatch switches to the comm stream without waiting for compute; the race checker must report it", negative=True)
+def _missing_wait(opts: RunOptions) -> ScenarioResult:
+    device = new_device(opts)
+    model = _NoWaitModel(preset("tiny"), TINY_PREFILL)
+    run = run_step(model, model.inputs(), device=device, num_ubatches=opts.num_ubatches, mode="ht", timeout_s=opts.timeout_s)
+    caught = [r for r in run.races if r.second.op.endswith("dispatch") and r.second.stream.startswith("comm")]
+    result = ScenarioResult("missing-wait-race", passed=bool(caught), negative=True, races=len(run.races), error=None if caught else "the missing wait was not reported as a race", details={"first_race": caught[0].describe() if caught else None})
+    if opts.out_dir is not None:
+        result.trace, result.timeline_png = write_artifacts("missing-wait-race", run, opts.out_dir)
+    return result
+
+
+def _expect_failure(name: str, opts: RunOptions, fn: Callable[[int], Any], expected: type[BaseException], check: Callable[[BaseException], bool]) -> ScenarioResult:
+    device = new_device(opts)
+    reset_workspace_manager()
+    init_workspace_manager(device.torch_device, opts.num_ubatches)
+    start = time.monotonic()
+    caught: BaseException | None = None
+    try:
+        dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s)
+    except BaseException as error:  # noqa: BLE001 - the fault under test
+        caught = error
+    elapsed = time.monotonic() - start
+    prompt = elapsed < min(5.0, opts.timeout_s)
+    ok = isinstance(caught, expected) and check(caught) and _registries_empty() and prompt
+    return ScenarioResult(
+        name,
+        passed=ok,
+        negative=True,
+        error=None if ok else f"expected {expected.__name__} within 5 s with empty registries, got {type(caught).__name__ if caught else 'no error'} after {elapsed:.2f} s",
+        details={"caught": f"{type(caught).__name__}: {caught}" if caught else None, "seconds": round(elapsed, 3), "threads_alive": threading.active_count()},
+    )
+
+
+@scenario("yield-mismatch", "Negative: one ubatch yields once more than the others; a YieldMismatchError must name every count", negative=True)
+def _yield_mismatch(opts: RunOptions) -> ScenarioResult:
+    def fn(u: int) -> None:
+        for _ in range(3 + (1 if u == 0 else 0)):
+            dbo.dbo_yield()
+
+    return _expect_failure("yield-mismatch", opts, fn, dbo.YieldMismatchError, lambda e: all(f"ubatch {i}:" in str(e) for i in range(opts.num_ubatches)))
+
+
+@scenario("exception-in-ubatch", "Negative: the last ubatch raises mid-step; every peer is released and one UBatchError names it", negative=True)
+def _exception_in_ubatch(opts: RunOptions) -> ScenarioResult:
+    last = opts.num_ubatches - 1
+
+    def fn(u: int) -> None:
+        dbo.dbo_yield()
+        if u == last:
+            raise RuntimeError("expert kernel failed")
+        dbo.dbo_yield()
+
+    return _expect_failure("exception-in-ubatch", opts, fn, dbo.UBatchError, lambda e: getattr(e, "ubatch_id", None) == last and isinstance(e.__cause__, RuntimeError))
+
+
+@scenario("locked-growth", "Negative: after warm-up and lock, a larger batch needs more workspace; the error names the caller and both sizes", negative=True)
+def _locked_growth(opts: RunOptions) -> ScenarioResult:
+    device = new_device(opts)
+    small = MoEModel(preset("tiny"), Batch.decode(64, 16))
+    run_step(small, small.inputs(), device=device, num_ubatches=opts.num_ubatches, mode="ll", timeout_s=opts.timeout_s)
+    # run_step left the workspace warmed for 64 tokens and locked; now 128 tokens arrive.
+    big = MoEModel(preset("tiny"), Batch.decode(128, 16))
+    slices = split_batch(big.batch.query_start_loc, big.batch.num_tokens, opts.num_ubatches)
+    x = big.inputs()
+    caught: BaseException | None = None
+    try:
+        dbo.run_ubatches(lambda s: big.forward(x[s.token_slice], s, mode="ll"), slices, device=device, timeout=opts.timeout_s)
+    except dbo.UBatchError as error:
+        caught = error.__cause__
+    ok = isinstance(caught, WorkspaceLockedError) and "model.py" in str(caught) and "MB" in str(caught) and _registries_empty()
+    return ScenarioResult("locked-growth", passed=ok, negative=True, error=None if ok else f"expected WorkspaceLockedError naming model.py, got {caught!r}", details={"caught": str(caught) if caught else None})
+
+
+DEFAULT_SCENARIOS = [name for name, s in SCENARIOS.items() if s.default]

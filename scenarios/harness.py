@@ -1,0 +1,187 @@
+"""Run one workload serially and with DBO on a fresh device, and compare the two runs.
+
+Every measured run follows the engine's life cycle from the seed (section 4): init the
+workspace, warm up eagerly (the workspace grows to its largest need), lock it, then run the
+measured step, which must allocate nothing. The serial run is the same model code with every
+dbo_* call a no-op; the DBO run splits the batch with `dbo.split` and runs the ubatch threads
+with `dbo.run_ubatches`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import dbo
+from dbo.sim import SimDevice
+from dbo.sim.records import OpRecord, RaceReport
+from dbo.sim.report import StepSummary, plot_timeline, summarize, write_chrome_trace
+from dbo.split import split_batch
+from dbo.streams import Device, resolve_device
+from scenarios.model import Batch, MoEModel, ModelConfig
+from workspace import (
+    current_workspace_manager,
+    init_workspace_manager,
+    lock_workspace,
+    reset_workspace_manager,
+)
+
+__all__ = ["RunOptions", "StepRun", "Comparison", "new_device", "run_step", "compare_serial_dbo"]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the CLI passes to every scenario."""
+
+    num_ubatches: int = 2
+    device: str = "sim"  # "sim" or "cuda"
+    profile: str = "h200"
+    out_dir: Path | None = None  # traces and PNGs go here; None writes nothing
+    timeout_s: float = 60.0
+
+
+@dataclass
+class StepRun:
+    """One measured step: its output, and on the simulated device its timeline."""
+
+    output: torch.Tensor
+    step_us: float
+    summary: StepSummary | None
+    records: list[OpRecord] = field(default_factory=list)
+    races: list[RaceReport] = field(default_factory=list)
+    workspace_peak_bytes: int = 0
+    allocations_during_step: int = 0
+
+
+@dataclass
+class Comparison:
+    serial: StepRun
+    dbo: StepRun
+    outputs_match: bool
+    max_abs_diff: float
+    tolerance: float
+    trace: str | None = None
+    timeline_png: str | None = None
+
+    @property
+    def speedup(self) -> float:
+        return self.serial.step_us / self.dbo.step_us if self.dbo.step_us > 0 else math.nan
+
+
+def new_device(opts: RunOptions, tensor_device: str = "cpu") -> Device:
+    if opts.device == "sim":
+        return SimDevice(opts.profile, tensor_device=tensor_device)
+    return resolve_device(opts.device)
+
+
+def _count_allocations(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run fn, counting the workspace manager's slot allocations."""
+    manager = current_workspace_manager()
+    original = manager._allocate
+    count = [0]
+
+    def counting(nbytes: int) -> torch.Tensor:
+        count[0] += 1
+        return original(nbytes)
+
+    manager._allocate = counting  # type: ignore[method-assign]
+    try:
+        return fn(), count[0]
+    finally:
+        manager._allocate = original  # type: ignore[method-assign]
+
+
+def run_step(
+    model: MoEModel,
+    x: torch.Tensor,
+    *,
+    device: Device,
+    num_ubatches: int | None,
+    mode: str,
+    timeout_s: float = 60.0,
+    warmups: int = 1,
+) -> StepRun:
+    """Warm up, lock the workspace, and measure one step (serial when num_ubatches is None)."""
+    reset_workspace_manager()
+    init_workspace_manager(device.torch_device, num_ubatches or 1)
+    if num_ubatches is None:
+
+        def step() -> torch.Tensor:
+            with dbo.use_device(device), device.thread_scope(None):
+                return model.forward(x, None, mode=mode)
+
+    else:
+        slices = split_batch(model.batch.query_start_loc, model.batch.num_tokens, num_ubatches)
+
+        def step() -> torch.Tensor:
+            outs = dbo.run_ubatches(
+                lambda s: model.forward(x[s.token_slice], s, mode=mode),
+                slices,
+                device=device,
+                timeout=timeout_s,
+            )
+            return torch.cat(outs)
+
+    for _ in range(warmups):
+        step()
+    lock_workspace()
+    if isinstance(device, SimDevice):
+        device.synchronize()
+        device.reset()
+        output, allocations = _count_allocations(step)
+        device.synchronize()
+        records, races = list(device.timeline), list(device.races)
+        peak = current_workspace_manager().stats().peak_bytes
+        summary = summarize(records, races=races, workspace_peak_bytes=peak)
+        return StepRun(output, summary.step_us, summary, records, races, peak, allocations)
+    # A real GPU: time the step with CUDA events around it.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    device.synchronize()
+    start.record()
+    output, allocations = _count_allocations(step)
+    end.record()
+    device.synchronize()
+    peak = current_workspace_manager().stats().peak_bytes
+    return StepRun(output, start.elapsed_time(end) * 1000.0, None, [], [], peak, allocations)
+
+
+def compare_serial_dbo(
+    name: str,
+    config: ModelConfig,
+    batch: Batch,
+    mode: str,
+    opts: RunOptions,
+    *,
+    tolerance: float = 1e-9,
+) -> Comparison:
+    """The overlap-correctness check: same outputs, no race, and what the overlap buys."""
+    model = MoEModel(config, batch)
+    x = model.inputs()
+    serial = run_step(model, x, device=new_device(opts, config.tensor_device), num_ubatches=None, mode=mode, timeout_s=opts.timeout_s)
+    model = MoEModel(config, batch)  # a fresh KV cache, so both runs start from the same state
+    ubatched = run_step(model, x, device=new_device(opts, config.tensor_device), num_ubatches=opts.num_ubatches, mode=mode, timeout_s=opts.timeout_s)
+    if config.tensor_device == "meta":
+        match, diff = True, 0.0  # shapes only: there are no values to compare
+    else:
+        diff = (serial.output.double() - ubatched.output.double()).abs().max().item()
+        match = diff <= tolerance
+    comparison = Comparison(serial, ubatched, match, diff, tolerance)
+    if opts.out_dir is not None and ubatched.records:
+        comparison.trace, comparison.timeline_png = write_artifacts(name, ubatched, opts.out_dir)
+    return comparison
+
+
+def write_artifacts(name: str, run: StepRun, out_dir: Path) -> tuple[str, str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace = write_chrome_trace(out_dir / f"{name}.trace.json", run.records, races=run.races, metadata={"scenario": name})
+    png = plot_timeline(out_dir / f"{name}.png", run.records, title=f"{name} (DBO)")
+    return str(trace), str(png)
+
+
+def elapsed_since(start: float) -> float:
+    return time.monotonic() - start
