@@ -166,12 +166,13 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
         in_keys: set[int] = set()
         seen: set[tuple[int, int, int]] = set()
         with device._lock:
+            read_spans: list[tuple[int, int, int]] = []
             for t in ins:
                 span = storage_span(t)
                 if span is not None:
                     checker.watch(t)
                     in_keys.add(span[0])
-                    reads.append(Access(span[0], span[1], span[2], False))
+                    read_spans.append(span)
             written: list[torch.Tensor] = []
             for pos, name in info.writes:
                 value = args[pos] if pos < len(args) else kwargs.get(name)
@@ -186,6 +187,12 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
                     checker.watch(t)
                     fresh.append(span[0])
                 writes.append(Access(span[0], span[1], span[2], True))
+            # An argument the op also writes (in place, out=) is checked as the write only:
+            # a write conflicts with everything its read would.
+            for span in read_spans:
+                if span not in seen:
+                    seen.add(span)
+                    reads.append(Access(span[0], span[1], span[2], False))
 
     region = tls.comm
     graph = device._graph

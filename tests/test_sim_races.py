@@ -1,0 +1,229 @@
+"""Race checker: correct schedules report nothing, each seeded bug is caught by name."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from dbo.sim import RaceError, SimDevice
+
+
+def setup() -> tuple[SimDevice, object, object]:
+    d = SimDevice("h200")
+    return d, d.Stream("compute"), d.Stream("comm")
+
+
+def test_correct_ht_schedule_has_no_races() -> None:
+    d, compute, comm = setup()
+    x = torch.randn(64, 64)
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        y = x @ x  # compute writes y
+        e = compute.record_event()
+        d.set_stream(comm)
+        comm.wait_event(e)
+        with d.comm_region("dispatch", nbytes=y.numel() * 4, ep_size=8) as h:
+            recv = y.clone()  # comm reads y, writes recv
+        d.set_stream(compute)
+        compute.wait_event(h.event)
+        z = recv * 2  # compute reads recv after the comm op
+        y.zero_()  # and may now overwrite y: the comm read is ordered before
+        z.sum().item()
+    assert d.races == []
+
+
+def test_a_comm_without_waiting_for_compute() -> None:
+    d, compute, comm = setup()
+    x = torch.randn(64, 64)
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        y = x @ x
+        d.set_stream(comm)  # bug: no wait on compute's event
+        with d.comm_region("dispatch", nbytes=y.numel() * 4, ep_size=8):
+            y.clone()
+    (race,) = d.races
+    assert (race.first.op, race.first.stream, race.first.is_write) == ("aten::mm", "compute", True)
+    assert (race.second.op, race.second.stream, race.second.is_write) == ("comm::dispatch", "comm", False)
+    assert (race.first.start, race.first.end) == (0, 64 * 64 * 4)
+    assert race.first.ubatch == race.second.ubatch == 0
+    # a user stack of each side, pointing into this test
+    assert "test_a_comm_without_waiting_for_compute" in race.first.stack[-1]
+    assert "test_sim_races.py" in race.second.stack[-1]
+    assert "aten::mm" in race.describe() and "comm::dispatch" in race.describe()
+
+
+def test_b_workspace_slot_reissued_while_comm_reads_old_view() -> None:
+    d, compute, comm = setup()
+    slot = torch.zeros(4096, dtype=torch.uint8)  # one workspace slot
+
+    def view(offset: int) -> torch.Tensor:
+        return slot[offset : offset + 1024].view(torch.float32)
+
+    src = torch.ones(256)
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        view(0).copy_(src)
+        e = compute.record_event()
+        d.set_stream(comm)
+        comm.wait_event(e)
+        with d.comm_region("dispatch", nbytes=1024, ep_size=8):
+            sent = view(0).clone()  # comm stream reads bytes [0, 1024)
+        d.set_stream(compute)
+        view(2048).copy_(src)  # other bytes of the same slot: fine
+        assert d.races == []
+        view(512).copy_(src)  # overlaps [512, 1024) of the bytes in flight: race
+        view(0).fill_(3.0)  # the slot reissued from offset 0: race
+    assert len(d.races) == 2
+    partial, reissued = d.races
+    assert (partial.first.op, partial.first.start, partial.first.end) == ("comm::dispatch", 0, 1024)
+    assert (partial.second.op, partial.second.start, partial.second.end) == ("aten::copy_", 512, 1536)
+    assert reissued.second.op == "aten::fill_" and reissued.second.is_write
+    assert not reissued.first.is_write and reissued.first.stream == "comm"
+    assert partial.storage == reissued.storage == slot.untyped_storage()._cdata
+    del sent
+
+
+@pytest.mark.timeout(30)
+def test_c_two_ubatches_write_one_buffer() -> None:
+    d = SimDevice("h200")
+    streams = [d.Stream("compute-0"), d.Stream("compute-1")]
+    shared = torch.zeros(128)
+    turn = [threading.Event(), threading.Event()]
+
+    def ubatch(i: int) -> None:
+        with d.thread_scope(i):
+            d.set_stream(streams[i])
+            if i == 1:
+                turn[1].wait()
+            shared.fill_(float(i))
+            if i == 0:
+                turn[1].set()
+
+    threads = [threading.Thread(target=ubatch, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (race,) = d.races
+    assert (race.first.ubatch, race.second.ubatch) == (0, 1)
+    assert (race.first.stream, race.second.stream) == ("compute-0", "compute-1")
+    assert race.first.is_write and race.second.is_write
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_d_ll_recv_hook_must_wait_for_arrival(waits: bool) -> None:
+    d, compute, _ = setup()
+    x = torch.randn(32, 16)
+    recv = torch.empty(32, 16)
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        with d.comm_region("combine", nbytes=recv.numel() * 4, mode="ll", ep_size=16) as h:
+            recv.copy_(x)  # lands on the link track
+        x.mul_(2)  # other compute on the sending stream meanwhile: no conflict with recv
+
+        def recv_hook() -> torch.Tensor:
+            if waits:
+                compute.wait_event(h.event)
+            return recv + 1
+
+        recv_hook()
+    if waits:
+        assert d.races == []
+    else:
+        (race,) = d.races
+        assert (race.first.op, race.first.stream, race.first.is_write) == ("comm::combine", "link", True)
+        assert (race.second.op, race.second.stream) == ("aten::add", "compute")
+        # the ll send itself read x before x.mul_ on the same stream: ordered, no race
+        assert all(r.second.op != "aten::mul_" for r in d.races)
+
+
+def test_host_sync_orders_later_launches() -> None:
+    for sync in ("device", "stream", "event"):
+        d, compute, comm = setup()
+        x = torch.randn(16)
+        with d.thread_scope(0):
+            d.set_stream(compute)
+            x.mul_(2)
+            e = compute.record_event()
+            if sync == "device":
+                d.synchronize()
+            elif sync == "stream":
+                compute.synchronize()
+            else:
+                e.synchronize()
+            d.set_stream(comm)
+            x.add_(1)  # issued after the host waited for compute: ordered
+        assert d.races == [], sync
+
+
+def test_read_read_is_not_a_race_and_wait_stream_orders() -> None:
+    d, compute, comm = setup()
+    x = torch.randn(16)
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        x + 1
+        d.set_stream(comm)
+        x + 2  # two reads on different streams
+        comm.wait_stream(compute)
+        x.zero_()  # write after waiting for compute's read, and after comm's own read
+    assert d.races == []
+
+
+def test_history_stays_bounded() -> None:
+    d, compute, comm = setup()
+    buf = torch.zeros(1024)
+    with d.thread_scope(0):
+        for i in range(500):
+            d.set_stream(compute if i % 2 else comm)
+            buf.add_(1)  # covers the whole buffer: older ordered entries are pruned
+            (buf * 2).sum()  # temporaries die and take their history with them
+            e = d.current_stream().record_event()
+            (comm if i % 2 else compute).wait_event(e)
+        gc.collect()
+        buf.add_(1)
+    checker = d._checker
+    assert d.races == []
+    assert len(checker._history[buf.untyped_storage()._cdata]) <= 4
+    assert len(checker._history) < 20
+
+
+def test_dead_storage_takes_its_history_along() -> None:
+    """A storage that dies may see its address reused by the next allocation: its history
+    must not outlive it (else the new buffer would race with the old one's accesses)."""
+    d, compute, comm = setup()
+    x = torch.randn(16)
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        y = x * 2
+        key = y.untyped_storage()._cdata
+        assert key in d._checker._history
+        del y
+        gc.collect()
+        d.set_stream(comm)
+        x + 1  # any later op reaps the dead storages first
+    assert key not in d._checker._history or d._checker._history[key][-1].record.name == "aten::add"
+    assert d.races == []
+
+
+def test_race_action_raise_and_meta_has_no_checker() -> None:
+    d = SimDevice("h200", race_action="raise")
+    a, b = d.Stream("a"), d.Stream("b")
+    x = torch.zeros(4)
+    with d.thread_scope(0):
+        d.set_stream(a)
+        x.fill_(1)
+        d.set_stream(b)
+        with pytest.raises(RaceError, match="aten::fill_"):
+            x.fill_(2)
+    m = SimDevice("h200", tensor_device="meta")
+    assert m._checker is None
+    with m.thread_scope(0):
+        m.set_stream(m.Stream("a"))
+        t = torch.zeros(4, device="meta")
+        t.fill_(1)
+        m.set_stream(m.Stream("b"))
+        t.fill_(2)
+    assert m.races == []
