@@ -102,6 +102,7 @@ class SimGraph:
         self.replays = 0
         self._pointers: list[tuple[int, str]] = []  # (data_ptr, which op) checked at replay
         self._capturing = False
+        self._captured = False
 
     # ----------------------------------------------------------------------------- capture
 
@@ -110,10 +111,10 @@ class SimGraph:
         with device._lock:
             if device._graph is not None:
                 raise RuntimeError("a graph is already being captured on this device")
-            if self.items:
+            if self._captured:
                 raise RuntimeError("this graph was captured already; make a new one")
             device._graph = self
-            self._capturing = True
+            self._capturing = self._captured = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
