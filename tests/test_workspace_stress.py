@@ -1,0 +1,253 @@
+"""Concurrent slot access: many ubatch threads hammering one WorkspaceManager with random
+requests, growth, lock windows and allocation failures, checking its invariants and that
+nothing hangs. Threads here run *outside* the DBO baton, the harder case for the manager."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import dbo.ubatching
+from workspace import WorkspaceAllocationError, WorkspaceLockedError, WorkspaceManager
+from workspace.testing import InjectedAllocationError
+
+NUM_THREADS = 8
+JOIN_TIMEOUT_S = 40
+DTYPES = [torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+          torch.float32, torch.float64, torch.bool]
+
+
+def random_request(rng: random.Random, max_bytes: int) -> tuple:
+    """1-4 (shape, dtype) pairs of 0-3 dims, each about max_bytes / n bytes at most."""
+    pairs = []
+    n = rng.randint(1, 4)
+    for _ in range(n):
+        dtype = rng.choice(DTYPES)
+        budget = max(1, max_bytes // (n * dtype.itemsize))
+        ndim = rng.randint(0, 3)
+        if ndim == 0:
+            shape: tuple[int, ...] = ()
+        else:
+            numel = rng.randint(0, budget) if rng.random() < 0.05 else rng.randint(1, budget)
+            first = rng.randint(1, max(1, numel)) if numel else 0
+            rest = numel // first if first else 1
+            shape = (first,) + (1,) * (ndim - 2) + ((rest,) if ndim > 1 else ())
+        pairs.append((shape if rng.random() < 0.8 else list(shape), dtype))
+    return tuple(pairs)
+
+
+class Harness:
+    """One manager, an allocation log, a growth checker and per-thread error capture."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.manager = WorkspaceManager("cpu", num_ubatches=num_slots)
+        self.allocations: list[int] = []
+        self.errors: list[str] = []
+        self.unequal_after_growth: list[list[int]] = []
+        real_allocate = self.manager._allocate
+        real_grow = self.manager._grow
+
+        def allocate(nbytes: int) -> torch.Tensor:
+            self.allocations.append(nbytes)
+            return real_allocate(nbytes)
+
+        def grow(new_bytes: int, caller: str) -> None:
+            try:
+                real_grow(new_bytes, caller)
+            finally:  # still under the manager's lock: nobody else can change the slots
+                caps = [0 if b is None else b.numel() for b in self.manager._slots]
+                if len(set(caps)) != 1:
+                    self.unequal_after_growth.append(caps)
+
+        self.manager._allocate = allocate
+        self.manager._grow = grow
+
+    def run_threads(self, targets: list[Callable[[], None]]) -> None:
+        """Run targets[k] in a thread registered as ubatch k; join with a deadline."""
+
+        def wrap(fn: Callable[[], None], k: int) -> Callable[[], None]:
+            def body() -> None:
+                ident = threading.get_ident()
+                dbo.ubatching._THREAD_ID_TO_CONTEXT[ident] = k
+                try:
+                    fn()
+                except BaseException as exc:  # reported by the test thread
+                    self.errors.append(f"ubatch {k}: {type(exc).__name__}: {exc}")
+                finally:
+                    del dbo.ubatching._THREAD_ID_TO_CONTEXT[ident]
+
+            return body
+
+        threads = [threading.Thread(target=wrap(fn, k), name=f"ubatch-{k}", daemon=True)
+                   for k, fn in enumerate(targets)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        hung = [t.name for t in threads if t.is_alive()]
+        assert not hung, f"threads did not finish: {hung}"
+        assert not self.errors, "\n".join(self.errors[:10])
+        assert not self.unequal_after_growth, self.unequal_after_growth[:5]
+
+
+def check_views(manager: WorkspaceManager, k: int, request: tuple, views: list[torch.Tensor],
+                gen_before: int, gen_after: int) -> None:
+    """Every view: the requested shape and dtype, wholly inside a buffer of slot k that was
+    slot k's buffer at some point during the call, and in no other slot's current buffer."""
+    assert len(views) == len(request)
+    others = [b for j, b in enumerate(manager.slot_buffers()) if j != k and b is not None]
+    for view, (shape, dtype) in zip(views, request):
+        assert tuple(view.shape) == tuple(shape) and view.dtype == dtype
+        if view.numel() == 0:
+            continue
+        start, end = view.data_ptr(), view.data_ptr() + view.numel() * view.element_size()
+        info = manager.describe_buffer(start)
+        assert info is not None, "view outside every slot buffer"
+        assert info.slot == k, f"view of ubatch {k} lies in slot {info.slot}"
+        assert gen_before <= info.generation <= gen_after, (
+            f"slot {k} view from generation {info.generation}, call saw "
+            f"{gen_before}..{gen_after}")
+        assert end <= info.data_ptr + info.nbytes, "view runs past its slot buffer"
+        assert view.untyped_storage().data_ptr() == info.data_ptr
+        for other in others:
+            assert end <= other.data_ptr or start >= other.data_ptr + other.nbytes, (
+                f"slot {k} view overlaps slot {other.slot}")
+
+
+def fill_value(dtype: torch.dtype, k: int) -> int | bool:
+    return True if dtype == torch.bool else k + 1
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_ubatches_with_growth_and_lock_windows_keep_every_invariant():
+    h = Harness(NUM_THREADS)
+    m = h.manager
+    iterations = 500
+    stop = threading.Event()
+    lock_windows: list[int] = []
+    refusals = [0] * NUM_THREADS
+    served = [0] * NUM_THREADS
+
+    def worker(k: int) -> Callable[[], None]:
+        def run() -> None:
+            rng = random.Random(1000 + k)
+            for i in range(iterations):
+                # the size bound creeps up, so growth keeps happening through the whole run
+                request = random_request(rng, 2048 + i * 512)
+                gen_before = m.slot_generation(k)
+                try:
+                    views = m.get_simultaneous(*request)
+                except WorkspaceLockedError:
+                    refusals[k] += 1
+                    continue
+                gen_after = m.slot_generation(k)
+                check_views(m, k, request, views, gen_before, gen_after)
+                # isolation by content: other threads' writes must never land in our views
+                for v in views:
+                    v.fill_(fill_value(v.dtype, k))
+                time.sleep(0)
+                for v in views:
+                    assert bool((v == fill_value(v.dtype, k)).all()), f"slot {k} data clobbered"
+                served[k] += 1
+        return run
+
+    def locker() -> None:
+        rng = random.Random(7)
+        while not stop.is_set():
+            m.lock()
+            before = len(h.allocations)
+            time.sleep(rng.uniform(0.001, 0.004))
+            during = len(h.allocations) - before
+            m.unlock()
+            lock_windows.append(during)
+            time.sleep(rng.uniform(0.0005, 0.002))
+
+    workers = [worker(k) for k in range(NUM_THREADS)]
+    locker_thread = threading.Thread(target=locker, daemon=True)
+    locker_thread.start()
+    try:
+        h.run_threads(workers)
+    finally:
+        stop.set()
+        locker_thread.join(5)
+    assert not locker_thread.is_alive()
+    assert lock_windows and all(n == 0 for n in lock_windows), "allocation while locked"
+    assert sum(served) + sum(refusals) == NUM_THREADS * iterations
+    growths = m.growth_history()
+    assert len(growths) >= 5, "the run did not exercise growth"
+    assert all(g.num_slots == NUM_THREADS and g.new_bytes > g.old_bytes for g in growths)
+    assert len(set(m.slot_capacities())) == 1
+
+
+@pytest.mark.timeout(60)
+def test_simultaneous_first_requests_from_every_ubatch_grow_all_slots_to_the_largest():
+    h = Harness(NUM_THREADS)
+    m = h.manager
+    barrier = threading.Barrier(NUM_THREADS, timeout=20)
+    sizes = [(k + 1) * 4096 for k in range(NUM_THREADS)]
+    got: dict[int, torch.Tensor] = {}
+
+    def worker(k: int) -> Callable[[], None]:
+        def run() -> None:
+            barrier.wait()
+            gen_before = m.slot_generation(k)
+            (v,) = m.get_simultaneous(((sizes[k],), torch.uint8))
+            check_views(m, k, (((sizes[k],), torch.uint8),), [v], gen_before,
+                        m.slot_generation(k))
+            got[k] = v
+        return run
+
+    h.run_threads([worker(k) for k in range(NUM_THREADS)])
+    assert m.slot_capacities() == [max(sizes)] * NUM_THREADS
+    growths = m.growth_history()
+    assert 1 <= len(growths) <= NUM_THREADS
+    assert [g.new_bytes for g in growths] == sorted({g.new_bytes for g in growths})
+    # allocations: NUM_THREADS per growth, nothing else
+    assert len(h.allocations) == NUM_THREADS * len(growths)
+    assert sorted(got) == list(range(NUM_THREADS))
+
+
+@pytest.mark.timeout(60)
+def test_allocation_failures_under_contention_leave_slots_equal_and_nothing_hung():
+    h = Harness(NUM_THREADS)
+    m = h.manager
+    failures = [0] * NUM_THREADS
+    rng_fail = random.Random(3)
+    counting_allocate = m._allocate
+
+    def flaky_allocate(nbytes: int) -> torch.Tensor:
+        if rng_fail.random() < 0.15:  # called under the manager's lock: rng use is serial
+            raise InjectedAllocationError(f"injected ({nbytes} bytes)")
+        return counting_allocate(nbytes)
+
+    m._allocate = flaky_allocate
+
+    def worker(k: int) -> Callable[[], None]:
+        def run() -> None:
+            rng = random.Random(50 + k)
+            for i in range(300):
+                request = random_request(rng, 1024 + i * 256)
+                gen_before = m.slot_generation(k)
+                try:
+                    views = m.get_simultaneous(*request)
+                except WorkspaceAllocationError as exc:
+                    assert isinstance(exc.__cause__, InjectedAllocationError)
+                    failures[k] += 1
+                    continue
+                check_views(m, k, request, views, gen_before, m.slot_generation(k))
+        return run
+
+    h.run_threads([worker(k) for k in range(NUM_THREADS)])
+    assert sum(failures) > 0, "no injected failure was hit"
+    assert m.stats().failed_growths > 0
+    assert len(set(m.slot_capacities())) == 1
+    m._allocate = counting_allocate
+    need = m.capacity + 4096
+    (v,) = m.get_simultaneous(((need,), torch.uint8))  # and it still grows afterwards
+    assert v.numel() == need and m.slot_capacities() == [need] * NUM_THREADS
