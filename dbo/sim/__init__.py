@@ -2,6 +2,18 @@
 
 `SimDevice` implements `dbo.streams.Device`; the records it produces (`OpRecord`,
 `RaceReport`, ...) live in `dbo.sim.records` for the reports to read.
+
+    device = SimDevice("h200", tensor_device="cpu")   # or "meta" for shapes only
+    with device.thread_scope(ubatch_id):              # in each thread that issues work
+        device.set_stream(compute); y = x @ w          # placed on `compute`, costed
+        with device.comm_region("dispatch", nbytes=n, ep_size=8) as h: ...
+    device.timeline, device.races, device.mark() / since() / elapsed_us(), device.reset()
+    with device.graph() as g: ...; g.replay()
+
+Modules, one job each: hardware (profiles), cost (roofline and comm time, pure functions),
+device (clocks, streams, events, placement), intercept (dispatch and function modes),
+races (happens-before over byte ranges), graph (capture and replay), records (the contract
+with the reports).
 """
 
 from dbo.sim.cost import comm_time_us, compute_time_us

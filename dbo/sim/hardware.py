@@ -91,6 +91,10 @@ class HardwareProfile:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
+    def __hash__(self) -> int:
+        # The dict fields make the generated hash fail; profiles are small, hash their repr.
+        return hash(repr(self))
+
     @property
     def nvlink_gbps(self) -> float:
         """One direction of NVLink: a rank's sends use half of the datasheet's total."""
