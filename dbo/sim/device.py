@@ -9,6 +9,11 @@ timeline) so the race checker can tell which accesses are ordered: an op's epoch
 timeline's entry right after it; event record/wait and host syncs join clocks as CUDA orders
 work. Ops reach `place_op` from the dispatch mode (`dbo.sim.intercept`), from `comm_region`,
 and from graph replay (`dbo.sim.graph`).
+
+SM sharing (an approximation): a high-throughput comm op holds comm_sms / num_sms of the SMs
+for its duration; a compute op placed later whose time span overlaps it progresses at
+1 - share (so a fully overlapped op takes cost / (1 - share)). Ops placed before the comm op
+was issued are not re-timed, and the comm op itself is never slowed by compute.
 """
 
 from __future__ import annotations
