@@ -12,7 +12,13 @@ alias per template (a new tensor object sharing storage, offset, sizes and strid
 without a dispatcher round trip). No lock, no allocation, no arithmetic. Everything else --
 new signatures, lists, numpy ints, growth, errors -- goes to the slow path, which validates
 first and only ever caches validated layouts. Template caches are dropped before a growth
-releases the buffers they point into.
+releases the buffers they point into. Measured per call, warmed and locked, against the
+seed's algorithm (byte sizes, round up, accumulate, slice + view + reshape) on the same
+slot, for 1 / 3 / 8 tensors: 0.61 / 1.20 / 2.58 us vs 3.99 / 9.14 / 22.6 us on the 2-core
+CPU build machine (6.6x / 7.6x / 8.8x), 1.65 / 1.72 / 3.82 us vs 10.5 / 17.5 / 48.0 us with
+CUDA tensors on an H200 host (6.4x / 10.2x / 12.6x). Being `.data` aliases, results carry
+no autograd view link (`_base` is None) and are never inference tensors, whatever mode made
+the templates (scratch bytes are never part of an autograd graph).
 
 Growth. When the caller's slot is too small, every slot is grown to the requested total,
 slot by slot, each old buffer released before its replacement is allocated (peak per slot
@@ -35,10 +41,13 @@ it. Growing only the requesting slot avoids replacing the others but leaves them
 at lock time, so the first locked request from another ubatch fails (what later vLLM versions
 had to patch). Measured in tests/test_workspace.py (test_synchronous_growth_*): a DBO warmup
 in which only ubatch 0 sees the largest shape leaves per-slot growth with a slot that fails
-under lock, while synchronous growth serves it; the cost of synchronous growth is exactly the
-held views' old buffers, which we count instead of hiding: `orphaned_bytes()`,
-`stats().orphaning_growths`, `peak_bytes` (orphans included), the debug log, and each
-`GrowthRecord.orphaned_bytes`.
+under lock, while synchronous growth serves it. The cost of synchronous growth is exactly the
+held views' old buffers, measured on an H200 (torch 2.11, 2 slots): growing 1 -> 2 GiB with
+no views held peaks at 4.0 GiB, the new total; growing 2 -> 3 GiB while one view into slot
+0 is held peaks at 8.0 GiB = 6 new + 2 orphaned, and memory falls to 6 GiB when the view
+dies -- the same numbers `peak_bytes` and `orphaned_bytes()` reported. So we count orphans
+instead of hiding them: `orphaned_bytes()`, `stats().orphaning_growths`, `peak_bytes`
+(orphans included), the resize debug log, and each `GrowthRecord.orphaned_bytes`.
 
 Pointer checks. `describe_buffer(ptr)` names the slot buffer (current or former, with its
 generation) a device pointer falls in, for the simulator's graph-replay check; it needs a
@@ -49,6 +58,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -135,7 +145,9 @@ class WorkspaceManager:
 
     # ---------------------------------------------------------------- hot path
 
-    def get_simultaneous(self, *shapes_and_dtypes: Any) -> list[torch.Tensor]:
+    def get_simultaneous(
+        self, *shapes_and_dtypes: tuple[Sequence[int], torch.dtype]
+    ) -> list[torch.Tensor]:
         """Views for each (shape, dtype), laid out together from offset 0 of the caller's slot.
 
         Every call starts at offset 0 again, so it aliases the views of the previous call
