@@ -56,8 +56,9 @@ def run_ubatches(
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     device = resolve_device(device)
-    compute_stream = compute_stream or device.Stream("compute")
-    comm_stream = comm_stream or device.Stream("comm")
+    default_compute, default_comm = device.ubatch_streams()
+    compute_stream = compute_stream or default_compute
+    comm_stream = comm_stream or default_comm
     barrier = threading.Barrier(num + 1)
     contexts = make_ubatch_contexts(
         num,

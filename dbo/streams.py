@@ -165,6 +165,18 @@ class Device(ABC):
         yield handle
         handle.event.record(self.current_stream())
 
+    def ubatch_streams(self) -> tuple[Stream, Stream]:
+        """The (compute, comm) pair that ubatched steps share, made on first use.
+
+        Created once per device, as an engine creates them once per worker: every step then
+        issues to the same two streams (and traces show one compute and one comm track).
+        """
+        pair = getattr(self, "_ubatch_streams", None)
+        if pair is None:
+            pair = (self.Stream("compute"), self.Stream("comm"))
+            self._ubatch_streams = pair
+        return pair
+
     def graph(self) -> "GraphCapture":
         """A capture of device work: enter it, issue work, exit; then `replay()` it."""
         raise NotImplementedError(f"{type(self).__name__} cannot capture graphs")
