@@ -239,8 +239,8 @@ FULL = Plan(
     reps=15,
     sample_ns=10_000_000,
     handoffs=2000,
-    handoff_reps=11,
-    step_reps=7,
+    handoff_reps=15,
+    step_reps=11,
     deepseek_layers=61,
     small_ops=2000,
     growths=16,
@@ -657,7 +657,8 @@ def bench_growth(plan: Plan) -> list[Figure]:
             baseline=Stats.of(samples["seed"]),
             baseline_what="the same chain on SeedWorkspace",
             extra={"slot_allocations_per_growth": per_growth},
-            note="ours also names the caller (a stack walk) and records the growth",
+            note="ours also validates the request, names the caller (a stack walk), keeps a "
+            "weak reference per replaced buffer (orphan counting) and records the growth",
         )
     ]
 
@@ -1212,7 +1213,7 @@ def run_benchmarks(plan: Plan, progress: Progress | None = None) -> list[Figure]
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", "describe", "--always", "--dirty"],
             capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent,
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError):
