@@ -3,10 +3,11 @@
 Every figure sets our code against a baseline timed in the same process, interleaved with it
 (A, B, A, B, ...), because the machines this runs on are small, shared and noisy: an absolute
 time means little, a ratio taken in the same minutes means something. Each figure keeps its
-samples' median, min and max, the ratio of medians, and, where the project has one, a target
-and whether it was met. The table goes to stdout, everything to `<out>/bench.json` with the
-date and the machine. A missed target is printed as MISSED but does not fail the command:
-benchmarks report, tests gate.
+samples (median, min, max, and the values), the ratio (the median of per-repetition ratios,
+each repetition sampling ours and the baseline back to back), and, where the project has one,
+a target and whether it was met. The table goes to stdout, everything to `<out>/bench.json`
+with the date and the machine. A missed target is printed as MISSED but does not fail the
+command: benchmarks report, tests gate.
 
 What is measured (exactly), by benchmark:
 - workspace.get_simultaneous: one call of `WorkspaceManager.get_simultaneous` with 1, 3 and 8
@@ -103,18 +104,19 @@ SCHEMA_VERSION = 1
 
 @dataclass(frozen=True)
 class Stats:
-    """Samples of one quantity, in the figure's unit."""
+    """Samples of one quantity, in the figure's unit, in the order they were taken."""
 
     median: float
     min: float
     max: float
     samples: int
+    values: tuple[float, ...] = ()
 
     @staticmethod
     def of(values: Sequence[float]) -> "Stats":
         if not values:
             raise ValueError("Stats.of needs at least one sample")
-        return Stats(statistics.median(values), min(values), max(values), len(values))
+        return Stats(statistics.median(values), min(values), max(values), len(values), tuple(values))
 
     @staticmethod
     def exact(value: float) -> "Stats":
@@ -159,15 +161,28 @@ class Figure:
     note: str = ""
 
     @property
+    def paired(self) -> bool:
+        """Ours and the baseline were sampled in lockstep (rep i of each taken together)."""
+        return (
+            self.baseline is not None
+            and len(self.ours.values) > 1
+            and len(self.ours.values) == len(self.baseline.values)
+        )
+
+    @property
     def ratio(self) -> float | None:
+        """The median of per-repetition ratios when paired, else the ratio of medians.
+
+        Pairing matters on a shared machine: it drifts between phases (the baton's floor
+        alone flips between about 6 and 20 us as the peer core sleeps or not), and both
+        samples of a pair sit in the same phase, while two medians may not.
+        """
         if self.baseline is None:
             return None
-        a, b = self.ours.median, self.baseline.median
-        if self.ratio_def == "baseline/ours":
-            a, b = b, a
-        if b == 0:
-            return 1.0 if a == 0 else math.inf
-        return a / b
+        if self.paired:
+            pairs = zip(self.ours.values, self.baseline.values)
+            return statistics.median(_divide(a, b, self.ratio_def) for a, b in pairs)
+        return _divide(self.ours.median, self.baseline.median, self.ratio_def)
 
     @property
     def met(self) -> bool | None:
@@ -187,12 +202,20 @@ class Figure:
             "baseline_what": self.baseline_what,
             "ratio": _json_float(self.ratio),
             "ratio_def": self.ratio_def,
+            "ratio_paired": self.paired,
             "targets": [asdict(t) for t in self.targets],
             "target": "; ".join(t.label for t in self.targets) or None,
             "met": self.met,
             "extra": self.extra,
             "note": self.note,
         }
+
+
+def _divide(ours: float, baseline: float, ratio_def: str) -> float:
+    a, b = (baseline, ours) if ratio_def == "baseline/ours" else (ours, baseline)
+    if b == 0:
+        return 1.0 if a == 0 else math.inf
+    return a / b
 
 
 def _json_float(x: float | None) -> float | None:
