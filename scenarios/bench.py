@@ -116,7 +116,8 @@ class Stats:
     def of(values: Sequence[float]) -> "Stats":
         if not values:
             raise ValueError("Stats.of needs at least one sample")
-        return Stats(statistics.median(values), min(values), max(values), len(values), tuple(values))
+        median = statistics.median(values)
+        return Stats(median, min(values), max(values), len(values), tuple(values))
 
     @staticmethod
     def exact(value: float) -> "Stats":
@@ -332,7 +333,9 @@ def _interleave(samplers: dict[str, Callable[[], float]], reps: int) -> dict[str
     return samples
 
 
-def _timed_ms(fn: Callable[[], Any], before: Callable[[], Any] | None = None) -> Callable[[], float]:
+def _timed_ms(
+    fn: Callable[[], Any], before: Callable[[], Any] | None = None
+) -> Callable[[], float]:
     """A sampler of one call of fn in milliseconds; `before` runs untimed first (a reset)."""
 
     def sample() -> float:
@@ -372,7 +375,9 @@ class SeedWorkspace:
         self.slots: list[torch.Tensor | None] = [None] * num_ubatches
         self.locked = False
 
-    def get_simultaneous(self, *shapes_and_dtypes: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
+    def get_simultaneous(
+        self, *shapes_and_dtypes: tuple[tuple[int, ...], torch.dtype]
+    ) -> list[torch.Tensor]:
         actual = [_seed_nbytes(shape, dtype) for shape, dtype in shapes_and_dtypes]
         aligned = [_seed_round_up(n) for n in actual]
         offsets = list(accumulate([0] + aligned[:-1]))
@@ -904,7 +909,10 @@ def bench_intercept(plan: Plan) -> list[Figure]:
     )
     base = Stats.of(samples["plain"])
     figures = []
-    for key, label, races in (("sim", "sim.intercept.small_op", False), ("races", "sim.intercept.small_op.races", True)):
+    for key, label, races in (
+        ("sim", "sim.intercept.small_op", False),
+        ("races", "sim.intercept.small_op.races", True),
+    ):
         stats = Stats.of(samples[key])
         figures.append(
             Figure(
@@ -916,13 +924,18 @@ def bench_intercept(plan: Plan) -> list[Figure]:
                 ours=stats,
                 baseline=base,
                 baseline_what="the same ops with no interception",
-                extra={"intercepted_ops_per_s": 1e9 / stats.median, "plain_ops_per_s": 1e9 / base.median},
+                extra={
+                    "intercepted_ops_per_s": 1e9 / stats.median,
+                    "plain_ops_per_s": 1e9 / base.median,
+                },
             )
         )
     return figures
 
 
-def _serial_step(model: MoEModel, x: torch.Tensor, device: Device, *, intercept: bool, mode: str) -> Callable[[], Any]:
+def _serial_step(
+    model: MoEModel, x: torch.Tensor, device: Device, *, intercept: bool, mode: str
+) -> Callable[[], Any]:
     def step() -> Any:
         with dbo.use_device(device), (device.thread_scope(None) if intercept else nullcontext()):
             return model.forward(x, None, mode=mode)
@@ -930,18 +943,25 @@ def _serial_step(model: MoEModel, x: torch.Tensor, device: Device, *, intercept:
     return step
 
 
-def _ubatched_step(model: MoEModel, x: torch.Tensor, device: Device, num_ubatches: int, mode: str) -> Callable[[], Any]:
+def _ubatched_step(
+    model: MoEModel, x: torch.Tensor, device: Device, num_ubatches: int, mode: str
+) -> Callable[[], Any]:
     slices = split_batch(model.batch.query_start_loc, model.batch.num_tokens, num_ubatches)
 
     def step() -> Any:
         return dbo.run_ubatches(
-            lambda s: model.forward(x[s.token_slice], s, mode=mode), slices, device=device, timeout=120.0
+            lambda s: model.forward(x[s.token_slice], s, mode=mode),
+            slices,
+            device=device,
+            timeout=120.0,
         )
 
     return step
 
 
-def _locked_workspace(torch_device: torch.device, slots: int, warmups: Sequence[Callable[[], Any]]) -> None:
+def _locked_workspace(
+    torch_device: torch.device, slots: int, warmups: Sequence[Callable[[], Any]]
+) -> None:
     """The harness's life cycle (seed section 4): a fresh workspace, one eager warm-up of
     every step to be timed (the slots grow to their largest need), then lock. The variants
     of one benchmark share it, so they can interleave; a serial step uses slot 0."""
@@ -989,7 +1009,10 @@ def bench_tiny_step(plan: Plan) -> list[Figure]:
             baseline=base,
             baseline_what="the same step with no interception (dbo helpers no-ops)",
         )
-        for key, name, races in (("sim", "sim.tiny_step", False), ("races", "sim.tiny_step.races", True))
+        for key, name, races in (
+            ("sim", "sim.tiny_step", False),
+            ("races", "sim.tiny_step.races", True),
+        )
     ]
 
 
@@ -1272,17 +1295,24 @@ def _fmt(value: float, unit: str) -> str:
     return f"{ns:.3g} ns"
 
 
+def _fmt_ratio(figure: Figure) -> str:
+    ratio = figure.ratio
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}x" + (" faster" if figure.ratio_def == "baseline/ours" else "")
+
+
 def format_table(figures: Sequence[Figure]) -> str:
+    """name, ours, baseline (medians), ratio, target, met: one row per figure."""
     header = ("name", "ours", "baseline", "ratio", "target", "met")
     rows = [header]
     for f in figures:
-        ratio = f.ratio
         rows.append(
             (
                 f.name,
                 _fmt(f.ours.median, f.unit),
                 "-" if f.baseline is None else _fmt(f.baseline.median, f.unit),
-                "-" if ratio is None else f"{ratio:.2f}x" + (" faster" if f.ratio_def == "baseline/ours" else ""),
+                _fmt_ratio(f),
                 "; ".join(t.label for t in f.targets) or "-",
                 {True: "yes", False: "MISSED", None: "-"}[f.met],
             )
@@ -1339,11 +1369,17 @@ def main(args: argparse.Namespace) -> int:
         f"{m['cpu_count']} CPUs, Python {m['python']}, torch {m['torch']}"
     )
     print(format_table(figures))
+    print("ours, baseline: medians; ratio: median of per-repetition ratios, ours/baseline "
+          "(\"faster\": baseline/ours)")  # fmt: skip
     summary = doc["summary"]
-    print(f"\n{summary['met']} of {summary['targets']} targets met in {doc['seconds']:.0f} s; wrote {path}")
+    print(
+        f"\n{summary['met']} of {summary['targets']} targets met in {doc['seconds']:.0f} s; "
+        f"wrote {path}"
+    )
     for f in figures:
         if f.met is False:
-            ratio = "" if f.ratio is None else f", ratio {f.ratio:.2f}x"
-            print(f"MISSED {f.name}: {'; '.join(t.label for t in f.targets)} "
-                  f"(ours {_fmt(f.ours.median, f.unit)}{ratio}){' - ' + f.note if f.note else ''}")  # fmt: skip
+            targets = "; ".join(t.label for t in f.targets)
+            note = f" - {f.note}" if f.note else ""
+            print(f"MISSED {f.name}: {targets} (ours {_fmt(f.ours.median, f.unit)}, "
+                  f"ratio {_fmt_ratio(f)}){note}")  # fmt: skip
     return 0
