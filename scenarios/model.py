@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import dbo
+from dbo.comm import ep_group_for
 from dbo.split import UBatchSlice
 from workspace import current_workspace_manager
 
@@ -236,48 +237,42 @@ class MoEModel:
 
     def _moe(self, layer: dict, x: torch.Tensor, mode: str) -> torch.Tensor:
         c = self.config
-        t, k = x.shape[0], c.top_k
+        k = c.top_k
         logits = x @ layer["router"]
         weights, experts = logits.softmax(dim=-1).topk(k, dim=-1)
-        flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)  # expert-major, as a dispatch lays out the receive buffer
-        token_of_row = order // k
+        # The process's EP group (dbo.comm.use_ep_group: real all-to-all across processes), else
+        # every expert in this process with ep_size simulated. The plan lays the rows out
+        # expert-major, as a dispatch fills the receive buffer, and says how many arrive here.
+        ep = ep_group_for(c.num_experts, c.ep_size)
+        plan = ep.prepare(experts, weights, dtype=c.dtype, mode=mode)
+        rows = plan.num_recv_rows
         recv, inter, expert_out = current_workspace_manager().get_simultaneous(
-            ((t * k, c.hidden), c.dtype), ((t * k, c.moe_inter), c.dtype), ((t * k, c.hidden), c.dtype)
+            ((rows, c.hidden), c.dtype), ((rows, c.moe_inter), c.dtype), ((rows, c.hidden), c.dtype)
         )
-        device = dbo.current_device()
-        remote = (c.ep_size - 1) / c.ep_size  # the share of routed tokens that leaves the rank
-        dispatch_bytes = int(t * k * c.hidden * c.dispatch_bytes_per_elem * remote)
-        combine_bytes = int(t * k * c.hidden * c.combine_bytes_per_elem * remote)
 
         # -- dispatch ------------------------------------------------------------------------
         if mode == "ht":
             self._yield_to_comm()
-            with device.comm_region("dispatch", nbytes=dispatch_bytes, mode="ht", ep_size=c.ep_size):
-                torch.index_select(x, 0, token_of_row, out=recv)
+            sent = ep.dispatch(x, experts, weights, plan=plan, out=recv, mode="ht", bytes_per_elem=c.dispatch_bytes_per_elem)
             dbo.dbo_yield_and_switch_from_comm_to_compute()
         else:
             dbo.dbo_maybe_run_recv_hook()
-            with device.comm_region("dispatch", nbytes=dispatch_bytes, mode="ll", ep_size=c.ep_size) as sent:
-                torch.index_select(x, 0, token_of_row, out=recv)
+            sent = ep.dispatch(x, experts, weights, plan=plan, out=recv, mode="ll", bytes_per_elem=c.dispatch_bytes_per_elem)
             self._receive(sent.event)
 
-        # -- experts (a grouped GEMM over the expert-major rows) ------------------------------
-        self._experts(layer, recv, inter, expert_out, flat[order])
+        # -- experts (a grouped GEMM over the received rows) ---------------------------------
+        self._experts(layer, sent.recv_x, inter, expert_out, sent.recv_expert_ids)
 
         # -- combine -------------------------------------------------------------------------
-        row_weight = weights.reshape(-1)[order].unsqueeze(1).to(c.dtype)
         out = torch.zeros_like(x)
         if mode == "ht":
             self._yield_to_comm()
-            with device.comm_region("combine", nbytes=combine_bytes, mode="ht", ep_size=c.ep_size):
-                out.index_add_(0, token_of_row, expert_out * row_weight)
+            ep.combine(expert_out, sent.handle, out=out, mode="ht", bytes_per_elem=c.combine_bytes_per_elem)
             dbo.dbo_switch_to_compute_sync()
         else:
             dbo.dbo_maybe_run_recv_hook()
-            with device.comm_region("combine", nbytes=combine_bytes, mode="ll", ep_size=c.ep_size) as sent:
-                out.index_add_(0, token_of_row, expert_out * row_weight)
-            self._receive(sent.event)
+            ep.combine(expert_out, sent.handle, out=out, mode="ll", bytes_per_elem=c.combine_bytes_per_elem)
+            self._receive(sent.handle.combine_event)
         return out
 
     def _yield_to_comm(self) -> None:
