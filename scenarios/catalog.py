@@ -535,4 +535,11 @@ def _locked_growth(opts: RunOptions) -> ScenarioResult:
     return ScenarioResult("locked-growth", passed=ok, negative=True, error=None if ok else f"expected WorkspaceLockedError naming model.py, got {caught!r}", details={"caught": str(caught) if caught else None})
 
 
+@scenario("dp-disagreement", "Negative, 2 processes (or --ranks N): DP ranks decide ubatching alone (2 vs 1 ubatches); the EP step handshake must stop every rank with an error naming each rank's count, and the agreed step must then run", negative=True)
+def _dp_disagreement(opts: RunOptions) -> ScenarioResult:
+    from scenarios.distributed import run_local_ranks
+
+    return run_local_ranks(["dp-disagreement"], opts, ranks=2)[0]
+
+
 DEFAULT_SCENARIOS = [name for name, s in SCENARIOS.items() if s.default]

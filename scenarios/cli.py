@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
@@ -84,7 +84,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    names = args.names or DEFAULT_SCENARIOS
+    from scenarios import distributed
+
+    across_ranks = args.ranks > 1 or distributed.launched_by_torchrun()
+    names = args.names or [n for n in DEFAULT_SCENARIOS if not across_ranks or n in distributed.RANK_SCENARIOS]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         print(f"dbo-sim: unknown scenario(s) {', '.join(unknown)}; `python -m scenarios list` shows them", file=sys.stderr)
@@ -92,6 +95,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.ubatches < 2:
         print(f"dbo-sim: --ubatches must be >= 2, got {args.ubatches}", file=sys.stderr)
         return 2
+    if across_ranks:
+        return _run_across_ranks(args, names, distributed)
     opts = _options(args)
     progress = Progress(len(names), "scenarios", enabled=None if not args.json else False)
     results = []
@@ -102,6 +107,37 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(result.to_dict(), default=str), flush=True)
     progress.close()
+    return _report(args, opts, results)
+
+
+def _run_across_ranks(args: argparse.Namespace, names: Sequence[str], distributed: Any) -> int:
+    """`--ranks N` (local processes) or a torchrun launch: one merged result per scenario."""
+    single = distributed.check_names(names)
+    if single:
+        print(f"dbo-sim: scenario(s) {', '.join(single)} run in one process; across ranks choose from {', '.join(distributed.RANK_SCENARIOS)}", file=sys.stderr)
+        return 2
+    torchrun = distributed.launched_by_torchrun()
+    if torchrun and args.ranks > 1:
+        print("dbo-sim: --ranks starts local processes itself; under torchrun drop it (torchrun sets the ranks)", file=sys.stderr)
+        return 2
+    opts = _options(args)
+    if torchrun:
+        try:
+            results = distributed.run_as_torchrun_rank(names, opts)
+        except distributed.RankSetupError as error:
+            print(f"dbo-sim: {error}", file=sys.stderr)
+            return 1
+        if results is None:
+            return 0  # rank 0 reports for every rank
+    else:
+        results = distributed.run_local_ranks(names, opts, args.ranks)
+    if args.json:
+        for result in results:
+            print(json.dumps(result.to_dict(), default=str), flush=True)
+    return _report(args, opts, results)
+
+
+def _report(args: argparse.Namespace, opts: RunOptions, results: Sequence[ScenarioResult]) -> int:
     if not args.json:
         print(_table(results))
         for r in results:
@@ -179,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run scenarios (default: every default scenario on the simulated device)")
     run.add_argument("names", nargs="*", help="scenario names (see `list`)")
     _add_common(run)
+    run.add_argument("--ranks", type=_positive_int, default=1, help="run across this many local processes (gloo on 127.0.0.1), one rank each; torchrun sets the ranks itself")
     run.set_defaults(func=cmd_run)
     sweep = sub.add_parser("sweep", help="DBO speedup against tokens per device (CSV + PNG)")
     _add_common(sweep)

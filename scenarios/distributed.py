@@ -1,0 +1,620 @@
+"""Scenarios across processes: one rank per process, each a DBO step with real EP all-to-all.
+
+`python -m scenarios run --ranks N ...` starts N local processes on 127.0.0.1 (this process
+hosts the TCPStore they rendezvous through, on a port the OS picks) and prints one table;
+`torchrun --nproc-per-node N -m scenarios run ...` starts them itself (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT) and rank 0 prints. Either way every rank runs `run_rank_scenarios`:
+it joins a gloo process group (NCCL as well when every rank has a GPU and `--device cuda`),
+runs each scenario's per-rank half on its own simulated device (`SimDevice(rank=r)`), and
+publishes one `RankOutcome` per scenario to the store. The reporter merges them with
+`merge_outcomes`: passed only if every rank passed, the slowest rank's step time, one Chrome
+trace with a process per rank.
+
+Per rank, an MoE scenario: every rank holds the same weights (same seed) and its own batch and
+inputs (token counts differ by rank, so the DP padding matters). The ranks agree on ubatching
+with `dbo.split.coordinate_ubatching` (split only if every rank can; cut at the largest padded
+count), then run the step serially and with DBO over an `EPGroup` spanning the ranks, each step
+opened by the EP handshake; both outputs must equal this rank's single-process run (every
+expert local). Padding here places the cuts; the padded tokens themselves are not run.
+
+`dp-disagreement` (negative): rank 0 would split its step alone and the others would not; the
+EP handshake must stop every rank with an error naming each rank's ubatch count, promptly, and
+the same step must then run once the ranks agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+import dbo
+from dbo.comm import EPGroup, EPStepMismatchError, use_ep_group
+from dbo.sim import SimDevice
+from dbo.sim.records import OpRecord, RaceReport
+from dbo.sim.report import merge_traces, plot_timeline, summarize
+from dbo.split import UBatchSlice, UBatchThresholds, coordinate_ubatching, should_ubatch, split_batch
+from dbo.streams import CudaDevice, Device
+from scenarios.harness import RunOptions, StepRun, _count_allocations, run_step
+from scenarios.model import Batch, MoEModel, ModelConfig, preset
+from workspace import (
+    current_workspace_manager,
+    init_workspace_manager,
+    lock_workspace,
+    reset_workspace_manager,
+)
+
+__all__ = [
+    "RankEnv",
+    "RankOutcome",
+    "RANK_SCENARIOS",
+    "launched_by_torchrun",
+    "init_rank",
+    "run_rank_scenarios",
+    "merge_outcomes",
+    "run_local_ranks",
+    "run_as_torchrun_rank",
+    "run_rank_step",
+]
+
+# Set in the children of `run_local_ranks`: the parent hosts the store (as torchrun's agent does).
+_HOSTED_ENV = "DBO_SIM_STORE_HOSTED"
+_SPEC_ENV = "DBO_SIM_RANK_SPEC"
+_TOLERANCE = 1e-9
+# The tiny workload is far below the production thresholds (512 prefill tokens); these let it
+# split while still refusing a split that would leave a ubatch empty.
+_TINY_THRESHOLDS = UBatchThresholds(decode_min_tokens=2, prefill_min_tokens=2)
+
+
+class RankSetupError(RuntimeError):
+    """A rank could not join the group: unreachable store, group never formed, bad env."""
+
+
+@dataclass
+class RankEnv:
+    """One rank's place in the run. `group` carries the EP all-to-all for CPU tensors (gloo);
+    `cuda_group` is the NCCL group when every rank has a GPU; `cpu_group` the gloo group the
+    DP agreement uses; `store` (namespaced) carries outcomes and EP aborts."""
+
+    rank: int
+    world: int
+    local_rank: int
+    store: Any
+    group: Any
+    cpu_group: Any
+    cuda_group: Any = None
+
+
+@dataclass
+class RankOutcome:
+    """One rank's half of one scenario, as sent to the reporter."""
+
+    rank: int
+    passed: bool
+    error: str | None = None
+    outputs_match: bool | None = None
+    max_abs_diff: float | None = None
+    races: list[RaceReport] = field(default_factory=list)
+    serial_records: list[OpRecord] = field(default_factory=list)
+    dbo_records: list[OpRecord] = field(default_factory=list)
+    workspace_peak_bytes: int | None = None
+    wall_s: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+RankScenario = Callable[[RankEnv, RunOptions], RankOutcome]
+
+
+# --------------------------------------------------------------------------------------------
+# Joining the group
+
+
+def launched_by_torchrun() -> bool:
+    """True in a process that torchrun (or an equivalent launcher) started as one of several."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    except ValueError:
+        return False
+
+
+def _env_int(name: str) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        raise RankSetupError(f"environment variable {name} is not set (torchrun sets it)")
+    try:
+        return int(text)
+    except ValueError:
+        raise RankSetupError(f"environment variable {name} must be an integer, got {text!r}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def init_rank(opts: RunOptions) -> RankEnv:
+    """Join the run described by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."""
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if world < 1 or not 0 <= rank < world:
+        raise RankSetupError(f"RANK ({rank}) must be in [0, WORLD_SIZE) with WORLD_SIZE ({world}) >= 1")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _env_int("MASTER_PORT")
+    # torchrun's agent (or our parent) already hosts the store; otherwise rank 0 hosts it.
+    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or os.environ.get(_HOSTED_ENV) == "1"
+    timeout = timedelta(seconds=opts.timeout_s)
+    try:
+        raw = dist.TCPStore(addr, port, is_master=rank == 0 and not hosted, timeout=timeout, wait_for_workers=False)
+    except Exception as error:
+        raise RankSetupError(
+            f"rank {rank} could not reach the rendezvous store at {addr}:{port} within "
+            f"{opts.timeout_s:g} s: {_first_line(error)}"
+        ) from error
+    store = dist.PrefixStore("dbo-sim", raw)
+
+    # NCCL only when every rank has its own GPU: each rank says, then all decide alike.
+    has_gpu = opts.device == "cuda" and torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+    store.set(f"gpu/{rank}", "1" if has_gpu else "0")
+    try:
+        store.wait([f"gpu/{r}" for r in range(world)], timeout)
+    except Exception as error:
+        raise RankSetupError(_group_never_formed(rank, world, opts, error)) from error
+    every_gpu = all(store.get(f"gpu/{r}") == b"1" for r in range(world))
+    if opts.device == "cuda" and not every_gpu:
+        lacking = [r for r in range(world) if store.get(f"gpu/{r}") != b"1"]
+        raise RankSetupError(
+            f"--device cuda needs a GPU per rank; rank(s) {lacking} have none (this machine has "
+            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})"
+        )
+    try:
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world, timeout=timeout
+        )
+        cuda_group = None
+        if every_gpu:
+            torch.cuda.set_device(local_rank)
+            cuda_group = dist.new_group(backend="nccl", timeout=timeout)
+    except Exception as error:
+        raise RankSetupError(_group_never_formed(rank, world, opts, error)) from error
+    group = dist.group.WORLD
+    return RankEnv(rank, world, local_rank, store, group, group, cuda_group)
+
+
+def _group_never_formed(rank: int, world: int, opts: RunOptions, error: BaseException) -> str:
+    return (
+        f"rank {rank}: the process group of WORLD_SIZE={world} ranks did not form within "
+        f"{opts.timeout_s:g} s (are all {world} ranks started, with the same MASTER_ADDR/PORT?): "
+        f"{_first_line(error)}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# One rank's step
+
+
+def rank_device(env: RankEnv, opts: RunOptions, tensor_device: str = "cpu") -> Device:
+    """This rank's device: a simulated GPU labelled with the rank, or its own CUDA device."""
+    if opts.device == "sim":
+        return SimDevice(opts.profile, rank=env.rank, tensor_device=tensor_device)
+    return CudaDevice(env.local_rank)
+
+
+def run_rank_step(
+    model: MoEModel,
+    x: torch.Tensor,
+    *,
+    device: Device,
+    ep: EPGroup,
+    slices: Sequence[UBatchSlice] | None,
+    mode: str,
+    timeout_s: float,
+    warmups: int = 1,
+) -> StepRun:
+    """`harness.run_step` for one rank of several: warm up, lock the workspace, measure; each
+    step opened by the EP handshake (`ep.step`), ubatched over `slices` (None: serially)."""
+    num = 1 if slices is None else len(slices)
+    reset_workspace_manager()
+    init_workspace_manager(device.torch_device, num)
+
+    def step() -> torch.Tensor:
+        with ep.step(num):
+            if slices is None:
+                with dbo.use_device(device), device.thread_scope(None):
+                    return model.forward(x, None, mode=mode)
+            outs = dbo.run_ubatches(
+                lambda s: model.forward(x[s.token_slice], s, mode=mode), slices, device=device, timeout=timeout_s
+            )
+            return torch.cat(outs)
+
+    for _ in range(warmups):
+        step()
+    lock_workspace()
+    device.synchronize()
+    if isinstance(device, SimDevice):
+        device.reset()
+    output, allocations = _count_allocations(step)
+    device.synchronize()
+    records = list(getattr(device, "timeline", []))
+    races = list(getattr(device, "races", []))
+    peak = current_workspace_manager().stats().peak_bytes
+    step_us = summarize(records).step_us if records else 0.0
+    return StepRun(output, step_us, None, records, races, peak, allocations)
+
+
+def _rank_batch(rank: int, decode: bool) -> Batch:
+    """Rank r's requests: the tiny workload with up to 3 x 8 tokens (4 requests) fewer, so the
+    ranks' token counts differ and padding to the largest one moves the cuts."""
+    shorter = rank % 4
+    if decode:
+        return Batch.decode(num_requests=64 - 4 * shorter, context_len=16)
+    return Batch(query_start_loc=(0, 40, 70, 128, 160 - 8 * shorter), context_lens=(0, 0, 0, 0))
+
+
+def _tiny(env: RankEnv) -> ModelConfig:
+    # EP spans the ranks: each owns num_experts / world experts.
+    return preset("tiny", ep_size=env.world)
+
+
+def _ep_group(env: RankEnv, config: ModelConfig, opts: RunOptions) -> EPGroup:
+    # The tiny preset keeps its tensors on the CPU (the values path), so its all-to-all goes
+    # over gloo even under --device cuda; a model with CUDA tensors would use env.cuda_group.
+    return EPGroup(env.group, num_experts=config.num_experts, store=env.store, timeout_s=opts.timeout_s)
+
+
+def _moe_rank(env: RankEnv, opts: RunOptions, *, decode: bool, mode: str, num_ubatches: int | None = None) -> RankOutcome:
+    start = time.monotonic()
+    n = num_ubatches or opts.num_ubatches
+    config = _tiny(env)
+    batch = _rank_batch(env.rank, decode)
+    x = MoEModel(config, batch).inputs(seed=1 + env.rank)
+    # This rank's batch in one process, every expert local: the values to reproduce.
+    reference = run_step(MoEModel(config, batch), x, device=SimDevice(opts.profile), num_ubatches=None, mode=mode, timeout_s=opts.timeout_s)
+
+    ep = _ep_group(env, config, opts)
+    real = batch.num_tokens
+    decision = coordinate_ubatching(
+        should_ubatch(real, batch.is_decode, n, _TINY_THRESHOLDS), real, n, group=env.cpu_group, num_tokens=real
+    )
+    slices = split_batch(batch.query_start_loc, decision.num_tokens_padded, n) if decision.split else None
+    with use_ep_group(ep):
+        serial = run_rank_step(MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=None, mode=mode, timeout_s=opts.timeout_s)
+        ubatched = run_rank_step(MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=slices, mode=mode, timeout_s=opts.timeout_s)
+
+    diff = max(
+        (serial.output.double() - reference.output.double()).abs().max().item(),
+        (ubatched.output.double() - reference.output.double()).abs().max().item(),
+    )
+    races = serial.races + ubatched.races
+    allocations = serial.allocations_during_step + ubatched.allocations_during_step
+    reasons = []
+    if diff > _TOLERANCE:
+        reasons.append(f"rank {env.rank}: outputs differ from the single-process run (max abs diff {diff:.3g})")
+    if races:
+        reasons.append(f"rank {env.rank}: {len(races)} race(s), first: {races[0].describe()}")
+    if allocations:
+        reasons.append(f"rank {env.rank}: {allocations} workspace allocation(s) after lock")
+    if not decision.split:
+        reasons.append(f"rank {env.rank}: the ranks agreed not to split ({decision.reason})")
+    return RankOutcome(
+        rank=env.rank,
+        passed=not reasons,
+        error="; ".join(reasons) or None,
+        outputs_match=diff <= _TOLERANCE,
+        max_abs_diff=diff,
+        races=races,
+        serial_records=serial.records,
+        dbo_records=ubatched.records,
+        workspace_peak_bytes=ubatched.workspace_peak_bytes,
+        wall_s=time.monotonic() - start,
+        details={
+            "mode": mode,
+            "tokens": real,
+            "num_tokens_padded": decision.num_tokens_padded,
+            "num_ubatches": n if decision.split else 1,
+            "ubatch_tokens": [s.num_tokens for s in slices] if slices else [real],
+            "step_us_serial": serial.step_us,
+            "step_us_dbo": ubatched.step_us,
+        },
+    )
+
+
+_DISAGREEMENT_BOUND_S = 5.0
+
+
+def _dp_disagreement_rank(env: RankEnv, opts: RunOptions) -> RankOutcome:
+    start = time.monotonic()
+    if env.world < 2:
+        return RankOutcome(env.rank, passed=False, error="dp-disagreement needs at least 2 ranks")
+    n = opts.num_ubatches
+    config = _tiny(env)
+    # Alone, with a 128-token threshold, rank 0 (160 tokens) splits and the others (96) do not.
+    batch = Batch(query_start_loc=(0, 40, 70, 128, 160), context_lens=(0,) * 4) if env.rank == 0 else Batch.prefill(3, 32)
+    thresholds = UBatchThresholds(decode_min_tokens=32, prefill_min_tokens=128)
+    alone = should_ubatch(batch.num_tokens, batch.is_decode, n, thresholds)
+    x = MoEModel(config, batch).inputs(seed=1 + env.rank)
+    ep = _ep_group(env, config, opts)
+
+    # Without agreement: each rank runs what it decided alone.
+    slices = split_batch(batch.query_start_loc, batch.num_tokens, n) if alone else None
+    caught: BaseException | None = None
+    began = time.monotonic()
+    try:
+        with use_ep_group(ep):
+            run_rank_step(MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=slices, mode="ht", timeout_s=opts.timeout_s)
+    except Exception as error:  # noqa: BLE001 - the fault under test; its type is checked below
+        caught = error
+    stopped_s = time.monotonic() - began
+
+    # With agreement: the same step, and the same decision on every rank.
+    decision = coordinate_ubatching(alone, batch.num_tokens, n, group=env.cpu_group, num_tokens=batch.num_tokens)
+    agreed_slices = split_batch(batch.query_start_loc, decision.num_tokens_padded, n) if decision.split else None
+    with use_ep_group(ep):
+        agreed = run_rank_step(MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=agreed_slices, mode="ht", timeout_s=opts.timeout_s)
+    reference = run_step(MoEModel(config, batch), x, device=SimDevice(opts.profile), num_ubatches=None, mode="ht", timeout_s=opts.timeout_s)
+    diff = (agreed.output.double() - reference.output.double()).abs().max().item()
+
+    message = str(caught) if caught is not None else ""
+    checks = {
+        "ranks decided differently alone": True,  # by construction; the counts below show it
+        "every rank stopped with EPStepMismatchError": isinstance(caught, EPStepMismatchError),
+        "the error names every rank's ubatch count": all(f"rank {r}: " in message for r in range(env.world)),
+        f"stopped within {_DISAGREEMENT_BOUND_S:g} s": stopped_s < _DISAGREEMENT_BOUND_S,
+        "agreed step matches the single-process run": diff <= _TOLERANCE,
+    }
+    failed = [name for name, ok in checks.items() if not ok]
+    return RankOutcome(
+        rank=env.rank,
+        passed=not failed,
+        error=None if not failed else f"rank {env.rank} failed: {', '.join(failed)} (caught {type(caught).__name__ if caught else 'nothing'}: {message})",
+        outputs_match=diff <= _TOLERANCE,
+        max_abs_diff=diff,
+        races=agreed.races,
+        wall_s=time.monotonic() - start,
+        details={
+            "ubatches_alone": n if alone else 1,
+            "caught": f"{type(caught).__name__}: {message}" if caught else None,
+            "seconds_to_stop": round(stopped_s, 3),
+            "agreed_split": decision.split,
+            "agreed_reason": decision.reason,
+            "checks": checks,
+        },
+    )
+
+
+RANK_SCENARIOS: dict[str, RankScenario] = {
+    "moe-prefill-ht": partial(_moe_rank, decode=False, mode="ht"),
+    "moe-decode-ll": partial(_moe_rank, decode=True, mode="ll"),
+    "three-ubatches": partial(_moe_rank, decode=False, mode="ht", num_ubatches=3),
+    "dp-disagreement": _dp_disagreement_rank,
+}
+# Negative scenarios: they pass when the fault is caught.
+_NEGATIVE = frozenset({"dp-disagreement"})
+
+
+def run_rank_scenarios(env: RankEnv, names: Sequence[str], opts: RunOptions) -> list[RankOutcome]:
+    """Run this rank's half of each scenario, in order, publishing each outcome to the store.
+
+    A scenario that raises is a failed outcome, never a crash. If it left the group broken
+    (an EP abort or timeout), the remaining scenarios are reported as not run: their
+    collectives could pair with the broken one's.
+    """
+    outcomes = []
+    broken: str | None = None
+    for name in names:
+        start = time.monotonic()
+        if broken is not None:
+            outcome = RankOutcome(env.rank, passed=False, error=f"not run: {broken}")
+        else:
+            try:
+                outcome = RANK_SCENARIOS[name](env, opts)
+            except Exception as error:  # noqa: BLE001 - reported as the verdict
+                outcome = RankOutcome(env.rank, passed=False, error=f"rank {env.rank}: {type(error).__name__}: {error}")
+                if not isinstance(error, (ValueError, TypeError)):
+                    broken = f"an earlier scenario ({name}) failed on rank {env.rank} and may have left the group broken"
+            finally:
+                reset_workspace_manager()
+        outcome.wall_s = outcome.wall_s or time.monotonic() - start
+        env.store.set(f"outcome/{name}/{env.rank}", pickle.dumps(outcome))
+        outcomes.append(outcome)
+    env.store.set(f"done/{env.rank}", "1")
+    return outcomes
+
+
+# --------------------------------------------------------------------------------------------
+# Merging the ranks' outcomes
+
+
+def merge_outcomes(name: str, outcomes: Sequence[RankOutcome | None], opts: RunOptions, *, missing: str = "") -> Any:
+    """One `ScenarioResult` from every rank's outcome (None: the rank reported nothing)."""
+    from scenarios.catalog import ScenarioResult
+
+    present = [o for o in outcomes if o is not None]
+    absent = [r for r, o in enumerate(outcomes) if o is None]
+    errors = [o.error for o in present if o.error]
+    if absent:
+        errors.insert(0, f"rank(s) {absent} reported nothing{': ' + missing if missing else ''}")
+    passed = not absent and all(o.passed for o in present)
+    serial_records = [r for o in present for r in o.serial_records]
+    dbo_records = [r for o in present for r in o.dbo_records]
+    races = [race for o in present for race in o.races]
+    serial = summarize(serial_records) if serial_records else None
+    ubatched = summarize(dbo_records, races=races) if dbo_records else None
+    matches = [o.outputs_match for o in present if o.outputs_match is not None]
+    diffs = [o.max_abs_diff for o in present if o.max_abs_diff is not None]
+    peaks = [o.workspace_peak_bytes for o in present if o.workspace_peak_bytes is not None]
+    result = ScenarioResult(
+        scenario=name,
+        passed=passed,
+        negative=name in _NEGATIVE,
+        outputs_match=(all(matches) and not absent) if matches else None,
+        max_abs_diff=max(diffs) if diffs else None,
+        races=len(races),
+        error="; ".join(errors) or None,
+        step_us_serial=serial.step_us if serial else None,
+        step_us_dbo=ubatched.step_us if ubatched else None,
+        speedup=serial.step_us / ubatched.step_us if serial and ubatched and ubatched.step_us > 0 else None,
+        overlap_fraction=ubatched.overlap_fraction if ubatched else None,
+        exposed_comm_us=ubatched.exposed_comm_us if ubatched else None,
+        workspace_peak_bytes=max(peaks) if peaks else None,
+        details={
+            "ranks": len(outcomes),
+            "slowest_rank": ubatched.slowest_rank if ubatched else None,
+            "per_rank": [{"rank": o.rank, "passed": o.passed, "wall_s": round(o.wall_s, 3), **o.details} for o in present],
+        },
+    )
+    if opts.out_dir is not None and dbo_records:
+        opts.out_dir.mkdir(parents=True, exist_ok=True)
+        per_rank = [o.dbo_records for o in present if o.dbo_records]
+        trace = merge_traces(per_rank, races=races, metadata={"scenario": name, "ranks": len(outcomes)})
+        path = opts.out_dir / f"{name}.trace.json"
+        path.write_text(json.dumps(trace, allow_nan=False, separators=(",", ":")), encoding="utf-8")
+        result.trace = str(path)
+        result.timeline_png = str(plot_timeline(opts.out_dir / f"{name}.png", dbo_records, title=f"{name} (DBO, {len(outcomes)} ranks)"))
+    return result
+
+
+def _collect(store: Any, names: Sequence[str], world: int) -> dict[str, list[RankOutcome | None]]:
+    table: dict[str, list[RankOutcome | None]] = {}
+    for name in names:
+        row: list[RankOutcome | None] = []
+        for rank in range(world):
+            key = f"outcome/{name}/{rank}"
+            row.append(pickle.loads(store.get(key)) if store.check([key]) else None)
+        table[name] = row
+    return table
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _opts_to_json(opts: RunOptions) -> dict[str, Any]:
+    return {
+        "num_ubatches": opts.num_ubatches,
+        "device": opts.device,
+        "profile": opts.profile,
+        "timeout_s": opts.timeout_s,
+    }
+
+
+def check_names(names: Sequence[str]) -> list[str]:
+    """The names that cannot run across ranks (empty when all can)."""
+    return [n for n in names if n not in RANK_SCENARIOS]
+
+
+def run_local_ranks(names: Sequence[str], opts: RunOptions, ranks: int, *, deadline_s: float | None = None) -> list[Any]:
+    """Start `ranks` processes on this machine, run `names` on each, merge, and return one
+    `ScenarioResult` per name. Every process is ended by the deadline; none is left behind."""
+    unknown = check_names(names)
+    if unknown:
+        raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(RANK_SCENARIOS)}")
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    timeout = timedelta(seconds=opts.timeout_s)
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    store = dist.PrefixStore("dbo-sim", raw)
+    deadline_s = deadline_s if deadline_s is not None else 60.0 + opts.timeout_s * (len(names) + 1)
+    env = dict(os.environ)
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if Path("/sys/class/net/lo").exists():
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's data connections on loopback too
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(raw.port),
+        WORLD_SIZE=str(ranks),
+        **{_HOSTED_ENV: "1", _SPEC_ENV: json.dumps({"names": list(names), "opts": _opts_to_json(opts)})},
+    )
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="dbo-ranks-") as logdir:
+        logs = [Path(logdir) / f"rank{r}.log" for r in range(ranks)]
+        try:
+            for rank in range(ranks):
+                with open(logs[rank], "wb") as log:
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "scenarios.distributed"],
+                            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                        )
+                    )
+            end = time.monotonic() + deadline_s
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        missing = "; ".join(
+            f"rank {r} exited with {p.returncode}: {_tail(logs[r])}" for r, p in enumerate(procs) if p.returncode != 0
+        )
+        table = _collect(store, names, ranks)
+    return [merge_outcomes(name, table[name], opts, missing=missing) for name in names]
+
+
+def _tail(path: Path, limit: int = 1500) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("frame #")]
+    return "\n".join(lines)[-limit:] or "(no output)"
+
+
+def run_as_torchrun_rank(names: Sequence[str], opts: RunOptions) -> list[Any] | None:
+    """This process's part of a torchrun launch: run every rank's half; rank 0 then waits for
+    the others' outcomes and returns the merged results, the other ranks return None."""
+    unknown = check_names(names)
+    if unknown:
+        raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(RANK_SCENARIOS)}")
+    env = init_rank(opts)
+    run_rank_scenarios(env, names, opts)
+    if env.rank != 0:
+        return None
+    missing = ""
+    try:
+        env.store.wait([f"done/{r}" for r in range(env.world)], timedelta(seconds=opts.timeout_s * (len(names) + 1)))
+    except Exception as error:  # noqa: BLE001 - the missing ranks are reported below
+        missing = _first_line(error)
+    table = _collect(env.store, names, env.world)
+    return [merge_outcomes(name, table[name], opts, missing=missing) for name in names]
+
+
+def child_main() -> int:
+    """Entry of a process started by `run_local_ranks`."""
+    spec = json.loads(os.environ[_SPEC_ENV])
+    opts = RunOptions(**spec["opts"])
+    try:
+        env = init_rank(opts)
+    except RankSetupError as error:
+        print(f"dbo-sim: {error}", file=sys.stderr, flush=True)
+        os._exit(3)
+    run_rank_scenarios(env, spec["names"], opts)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No teardown: after a failed scenario a collective may be left half-done in gloo's
+    # threads, and destroying the group would wait for it. The outcomes are in the store.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    from scenarios.distributed import child_main as _entry  # outcomes pickle under this module
+
+    raise SystemExit(_entry())
