@@ -22,13 +22,18 @@ ROUND = replace(
     nvlink_total_gbps=200.0,  # 100 GB/s one way = 1e5 B/us
     rdma_gbps=10.0,  # 1e4 B/us
     compute_efficiency=1.0,
+    compute_efficiency_fp8=1.0,
     memory_efficiency=1.0,
+    memory_efficiency_fp8=1.0,
     launch_us=1.0,
     kernel_fixed_us=2.0,
     handoff_us=10.0,
     nvlink_latency_us=3.0,
     rdma_latency_us=7.0,
     ll_send_us=1.0,
+    ll_latency_us=4.0,
+    nvlink_efficiency=1.0,  # the real profiles carry DeepEP-measured efficiencies; pin them
+    rdma_efficiency=1.0,
     comm_sms=50,
 )
 
@@ -129,13 +134,20 @@ def test_host_reads_sync_to_current_stream() -> None:
 def test_comm_time_formula() -> None:
     nb = 1_000_000
     assert comm_time_us(ROUND, "dispatch", nb, 8) == pytest.approx(3.0 + nb / 1e5)
-    assert comm_time_us(ROUND, "combine", nb, 16, "ll") == pytest.approx(7.0 + nb / 1e4)
+    # ll pays its own fixed time; EP 16 over 2 nodes: 7 of 15 peers on NVLink, 8 over RDMA,
+    # the links in parallel (RDMA is the slower here)
+    assert comm_time_us(ROUND, "combine", nb, 16, "ll") == pytest.approx(4.0 + nb * 8 / 15 / 1e4)
+    assert comm_time_us(ROUND, "combine", nb, 16, rdma_bytes=nb / 4) == pytest.approx(7.0 + nb / 4 / 1e4)
+    # an EP group of one: a local copy at the HBM roofline (1e6 B/us) plus the kernel time
+    assert comm_time_us(ROUND, "dispatch", nb, 1) == pytest.approx(nb / 1e6 + 2.0)
     assert comm_time_us(ROUND, "dispatch", nb, 2, link="rdma") == pytest.approx(7.0 + nb / 1e4)
     assert comm_time_us(ROUND, "all_reduce", nb, 4) == pytest.approx(3.0 + 1.5 * nb / 1e5)
     assert algo_factor("all_gather", 8) == pytest.approx(7 / 8)
     assert comm_link(H800, 8) == "nvlink" and comm_link(H800, 9) == "rdma"
-    # H800 NVLink: 400 GB/s total, 200 GB/s one way
-    assert comm_time_us(H800, "dispatch", 200_000, 8) == pytest.approx(H800.nvlink_latency_us + 1.0)
+    # H800 NVLink: 400 GB/s total, 200 GB/s one way, at DeepEP's measured efficiency
+    assert comm_time_us(H800, "dispatch", 200_000, 8) == pytest.approx(
+        H800.nvlink_latency_us + 1.0 / H800.nvlink_efficiency
+    )
     with pytest.raises(ValueError, match="mode"):
         comm_time_us(ROUND, "dispatch", nb, 8, "fast")
     with pytest.raises(ValueError, match="link"):
@@ -181,7 +193,7 @@ def test_ll_comm_region_uses_link_track() -> None:
         x + x
     send, transfer, add = placed(d)
     assert (send.name, send.stream, send.start_us, send.end_us) == ("comm::combine.send", "compute", 1.0, 2.0)
-    assert (transfer.stream, transfer.start_us, transfer.end_us) == ("link", 2.0, 2.0 + 3.0 + 1.0)
+    assert (transfer.stream, transfer.start_us, transfer.end_us) == ("link", 2.0, 2.0 + 4.0 + 1.0)
     assert handle.event.time_us == transfer.end_us
     assert add.start_us == 2.0 and "sm_slowdown_us" not in add.args  # ll holds no SMs
 

@@ -13,7 +13,14 @@ and from graph replay (`dbo.sim.graph`).
 SM sharing (an approximation): a high-throughput comm op holds comm_sms / num_sms of the SMs
 for its duration; a compute op placed later whose time span overlaps it progresses at
 1 - share (so a fully overlapped op takes cost / (1 - share)). Ops placed before the comm op
-was issued are not re-timed, and the comm op itself is never slowed by compute.
+was issued are not re-timed, and the comm op itself is never slowed by compute. With
+`dbo_gemm_sms` set (SGLang's two-batch overlap caps its GEMM library at the SMs the comm
+kernels leave), a ubatch's GEMMs instead always run on that many SMs and are never stretched.
+
+Communication regions are costed by `dbo.sim.cost.comm_time_us`; an EP group of one rank
+moves no byte over a link, so such a region is costed by the bytes its own ops move through
+HBM; `ht_rdma_share` scales the RDMA part of multi-node "ht" regions (DeepEP's per-node
+de-duplication).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from dbo.sim.cost import COMM_MODES, comm_link, comm_time_us
+from dbo.sim.cost import COMM_MODES, comm_link, comm_time_us, ep_traffic
 from dbo.sim.hardware import HardwareProfile, profile_from_name
 from dbo.sim.races import RaceChecker, RaceReport, user_stack
 from dbo.sim.records import COMM, COMPUTE, HANDOFF, SYNC, Access, OpRecord
@@ -35,6 +42,11 @@ from dbo.streams import CommHandle, Device, Event, Stream
 __all__ = ["SimDevice", "SimMark", "SimStream", "SimEvent"]
 
 VectorClock = list[int]
+
+# Matrix-multiply kernels (what a GEMM library such as DeepGEMM runs), by op record name.
+_GEMMS = frozenset(
+    f"aten::{n}" for n in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm")
+)
 
 
 def _join(into: VectorClock, other: Sequence[int]) -> bool:
@@ -142,6 +154,7 @@ class _CommRegion:
     writes: list[Access]
     fresh: list[int]  # storages the block allocated
     graph_ops: list[Any]  # (func, args, kwargs, out) of the block while a graph is captured
+    op_bytes: int = 0  # bytes read and written by the block's own torch ops
 
 
 class SimDevice(Device):
@@ -164,6 +177,8 @@ class SimDevice(Device):
         comm_sms: int | None = None,
         kernel_fixed_us: float | None = None,
         race_action: str = "record",
+        dbo_gemm_sms: int | None = None,
+        ht_rdma_share: float = 1.0,
     ) -> None:
         base = profile_from_name(profile)
         overrides = {
@@ -189,6 +204,19 @@ class SimDevice(Device):
         self.record_timeline = record_timeline
         self.capture_stacks = capture_stacks
         self.race_action = race_action
+        # SGLang's two-batch overlap caps DeepGEMM at (SMs - DeepEP's SMs) for the whole
+        # ubatched prefill step (sglang operations_strategy.py: deep_gemm_num_sms), so its
+        # GEMMs never share SMs with the comm kernels, and always run on fewer of them.
+        if dbo_gemm_sms is not None and not 0 < dbo_gemm_sms <= self.profile.num_sms:
+            raise ValueError(f"dbo_gemm_sms must be in (0, {self.profile.num_sms}], got {dbo_gemm_sms!r}")
+        self.dbo_gemm_sms = dbo_gemm_sms
+        # Of the bytes a multi-node "ht" region sends off-node, the share that crosses RDMA:
+        # DeepEP's normal kernels send a token once per destination node and forward it over
+        # NVLink there (`dbo.sim.cost.node_dedup_share` derives it from the routing). 1.0: one
+        # RDMA copy per expert copy, as the low-latency kernels send.
+        if not 0.0 < ht_rdma_share <= 1.0:
+            raise ValueError(f"ht_rdma_share must be in (0, 1], got {ht_rdma_share!r}")
+        self.ht_rdma_share = float(ht_rdma_share)
 
         # RLock: event and stream calls nest inside placement paths of the same thread.
         self._lock = threading.RLock()
@@ -409,7 +437,12 @@ class SimDevice(Device):
             track.vc[track.index] += 1
             epoch = track.vc[track.index]
             start = max(self._host_us, track.free_at, not_before)
-            end = self._stretch(start, cost_us) if kind == COMPUTE else start + cost_us
+            if kind == COMPUTE and self.dbo_gemm_sms is not None and ubatch is not None and name in _GEMMS:
+                # A ubatch's GEMM on its reserved SMs: slower, but untouched by comm kernels.
+                cost_us = cost_us * self.profile.num_sms / self.dbo_gemm_sms
+                end = start + cost_us
+            else:
+                end = self._stretch(start, cost_us) if kind == COMPUTE else start + cost_us
             track.free_at = end
             if sm_share > 0 and end > start:
                 horizon = self._host_us  # no later op can start before the host clock
@@ -592,9 +625,18 @@ class SimDevice(Device):
         """Place a finished comm region: "ht" as one op on its stream holding SMs; "ll" as a
         send on its stream plus a transfer on the link track, `event` marking arrival."""
         profile = self.profile
+        nbytes = region.nbytes
+        if region.ep_size == 1 and region.link is None and region.op_bytes:
+            # One rank: no byte leaves the GPU. The block's own ops (a gather, a scatter-add)
+            # are the whole cost, as a local copy of the bytes they move.
+            nbytes = region.op_bytes
+        rdma_bytes = None
+        if region.mode == "ht" and region.link is None and region.ep_size > profile.gpus_per_node:
+            rdma_bytes = ep_traffic(nbytes, region.ep_size, profile.gpus_per_node)[1] * self.ht_rdma_share
         cost = comm_time_us(
-            profile, region.kind, region.nbytes, region.ep_size, region.mode, region.link
-        )
+            profile, region.kind, nbytes, region.ep_size, region.mode, region.link,
+            rdma_bytes=rdma_bytes,
+        )  # fmt: skip
         which = comm_link(profile, region.ep_size, region.link)
         args: dict[str, Any] = {"mode": region.mode, "ep_size": region.ep_size, "link": which}
         name = f"comm::{region.kind}"
@@ -605,7 +647,7 @@ class SimDevice(Device):
                 share = profile.comm_sms / profile.num_sms
                 args["sm_share"] = share
                 self.place_op(
-                    name, cost, kind=COMM, stream=region.stream, nbytes=region.nbytes,
+                    name, cost, kind=COMM, stream=region.stream, nbytes=nbytes,
                     reads=region.reads, writes=region.writes, fresh=fresh, args=args,
                     sm_share=share,
                 )  # fmt: skip
@@ -619,7 +661,7 @@ class SimDevice(Device):
                 # The transfer leaves after the send: order it after the sending stream.
                 _join(link.vc, region.stream._track.vc)
                 self.place_op(
-                    name, cost, kind=COMM, track=link, nbytes=region.nbytes,
+                    name, cost, kind=COMM, track=link, nbytes=nbytes,
                     writes=region.writes, args=args, launch=False, not_before=send.end_us,
                 )  # fmt: skip
                 self._record_on_track(event, link)

@@ -2,8 +2,10 @@
 
 A profile is a frozen dataclass; a user makes their own with `dataclasses.replace(H200, ...)`
 or by constructing `HardwareProfile` directly. Datasheet numbers carry their source in a
-comment; numbers that are modelling assumptions say so. Nothing here is fitted to the DeepEP
-or SGLang measurements quoted in DESIGN.md: those are for a later fidelity check.
+comment; numbers that are modelling assumptions say so. The link efficiencies and the
+low-latency fixed time come from DeepEP's published measurements (sources beside them); the
+SGLang step-level results quoted in DESIGN.md are never used to set a number here: they are
+what `scenarios.fidelity` checks the model against.
 """
 
 from __future__ import annotations
@@ -57,9 +59,22 @@ class HardwareProfile:
     # Achieved fraction of the peaks above. A roofline at 100% of peak is an upper bound no
     # real kernel reaches; the factors turn it into a typical large-kernel rate.
     compute_efficiency: float = 0.8  # DESIGN.md anchor: H200 ~790 of 989 TFLOP/s measured
+    # FP8 GEMMs with fine-grained (block) scaling reach a smaller share of their doubled peak:
+    # DeepGEMM's README (Feb 2025, H800, DeepSeek-V3 shapes at M=4096) lists 990-1358 TFLOPS
+    # for dense and 1093-1297 for grouped MoE GEMMs, i.e. 0.50-0.69 of 1979; 0.6 is the middle.
+    compute_efficiency_fp8: float = 0.6
     memory_efficiency: float = 0.85  # assumption: large streaming kernels reach ~85% of HBM peak
-    nvlink_efficiency: float = 1.0  # kept at 1.0: the fidelity issue will decide, not a guess
-    rdma_efficiency: float = 1.0
+    # FP8 GEMMs at decode sizes are weight-streaming kernels that reach less: DeepGEMM's README
+    # (H800, M=64..128, DeepSeek-V3 shapes) lists 2221-2604 GB/s of the 3350 peak -> 0.7.
+    memory_efficiency_fp8: float = 0.7
+    # Achieved share of the link bandwidths, from DeepEP's measurements (deepseek-ai/DeepEP,
+    # docs/legacy.md "Performance"): on H800 "~160 GB/s NVLink maximum bandwidth" of the 200 GB/s
+    # one-way datasheet figure (its normal kernels reach 153-158 GB/s) -> 0.8; a CX7 400 Gb/s
+    # NIC is "~50 GB/s maximum", its normal internode kernels reach 43-58 GB/s and the
+    # low-latency ones 39-46 GB/s at EP >= 64 -> 0.92 (46 GB/s), the middle of that class.
+    # Assumed to carry over to H100/H200/B200 (same NVLink protocol, same NIC).
+    nvlink_efficiency: float = 0.8
+    rdma_efficiency: float = 0.92
     # Host and per-kernel costs (assumptions in the ranges the vLLM maintainers describe for
     # eager decode being launch bound; adjust per machine).
     launch_us: float = 5.0  # host time to launch one kernel eagerly (Python + CUDA launch)
@@ -71,6 +86,14 @@ class HardwareProfile:
     nvlink_latency_us: float = 5.0
     rdma_latency_us: float = 10.0
     ll_send_us: float = 2.5  # device time of the tiny "send" kernel of a low-latency op
+    # Fixed time of one low-latency (DeepEP LL-style) dispatch or combine on top of its bytes
+    # over the link: launching the send, the per-expert count/flag message that follows the
+    # data and the receiver polls for (a second network latency), and the receive-side unpack
+    # into the expert-major layout. Not a datasheet number: DeepEP's EP 8 dispatch (77 us for
+    # 6.6 MB that ~160 GB/s NVLink moves in 41 us) leaves ~35 us that no bandwidth explains.
+    # One value for every EP size, both kernels and every GPU; `scenarios.fidelity` checks it
+    # against the five other DeepEP latencies it was not taken from.
+    ll_latency_us: float = 35.0
     # SMs a high-throughput comm kernel occupies while it runs. DeepEP's README example sets
     # `Buffer.set_num_sms(24)` for its normal (high-throughput) kernels.
     comm_sms: int = 24
@@ -104,11 +127,19 @@ class HardwareProfile:
         """Achievable FLOPs per microsecond for matmul-like work in `dtype`."""
         cls = dtype_class(dtype)
         tflops = self.peak_tflops.get(cls) or self.peak_tflops["fp32"]
-        return tflops * 1e6 * self.compute_efficiency  # 1 TFLOP/s = 1e6 FLOP/us
+        efficiency = self.compute_efficiency_fp8 if cls == "fp8" else self.compute_efficiency
+        return tflops * 1e6 * efficiency  # 1 TFLOP/s = 1e6 FLOP/us
 
     @property
     def hbm_bytes_per_us(self) -> float:
         return self.hbm_gbps * 1e3 * self.memory_efficiency  # 1 GB/s = 1e3 B/us
+
+    def hbm_bytes_per_us_for(self, dtype: torch.dtype) -> float:
+        """Achievable HBM bytes per microsecond of a kernel whose math runs in `dtype` (FP8
+        kernels are the model's FP8 GEMMs: see memory_efficiency_fp8)."""
+        if dtype_class(dtype) == "fp8":
+            return self.hbm_gbps * 1e3 * self.memory_efficiency_fp8
+        return self.hbm_bytes_per_us
 
 
 # NVIDIA H200 SXM datasheet: FP64 34 TF, FP32 67 TF, BF16/FP16 989 TF dense (1979 with

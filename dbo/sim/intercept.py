@@ -17,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dbo.sim.cost import compute_time_us, flop_formula
+from dbo.sim.cost import aliased_input_bytes, compute_time_us, flop_formula
 from dbo.sim.records import Access
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
         _tensors(kwargs.values(), ins)
     outs: list[torch.Tensor] = []
     _tensors(out if isinstance(out, (list, tuple)) else (out,), outs)
-    nbytes = _nbytes(ins) + _nbytes(outs)
+    nbytes = _nbytes(ins) + _nbytes(outs) - aliased_input_bytes(func, ins)
     flops = 0.0
     if info.flop_fn is not None:
         try:
@@ -197,6 +197,7 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
     region = tls.comm
     graph = device._graph
     if region is not None:
+        region.op_bytes += nbytes  # an EP group of one is costed by these (see place_comm)
         region.reads.extend(reads)
         region.writes.extend(writes)
         region.fresh.extend(fresh)
