@@ -13,8 +13,18 @@ Two overlap schedules, as in vLLM's DeepEP back ends:
   stream wait for it; 2 yields per layer (after dispatch, after combine).
 Outside a ubatch thread every dbo_* call is a no-op and the same code is the serial run.
 
-Presets: "tiny" (real float64 tensors, values checked) and "deepseek-v3" (`meta`, shapes only:
-61 layers, hidden 7168, 256 experts top-8, for timing).
+Presets: "tiny" (plain MHA + MoE, real float64 tensors, values checked) and "deepseek-v3"
+(`meta`, shapes only, for timing): 61 layers, hidden 7168; MLA attention (q through a 1536
+low-rank, a cached latent of 512 + a 64-wide rope key per token; absorbed in decode); 3 dense
+layers (MLP 18432) then MoE with 256 experts top-8 and 1 shared expert; FP8 linear layers.
+What moves its numbers is modelled; simplifications, stated: RMSNorm is costed as one
+layer_norm kernel; rotary embedding, the router's group-limited top-k, the FP8 scale tensors
+and the MTP head are left out; routing is balanced (each EP rank receives top_k rows per token,
+split evenly over its experts); the FP8 expert GEMMs' outputs are FP8-sized (BF16 in engines);
+the dense layers run data-parallel (no comm); a layer's attention is data-parallel (DP
+attention, as in large-EP deployments). A model can also live on `cuda` (bf16, MHA): weights
+are made on the GPU, attention is one fused kernel and the experts one grouped GEMM per
+projection (`torch._grouped_mm`), as engines run them.
 """
 
 from __future__ import annotations
@@ -47,6 +57,32 @@ class ModelConfig:
     tensor_device: str  # "cpu" (values) or "meta" (shapes only)
     dispatch_bytes_per_elem: float  # DeepEP sends FP8 on dispatch, BF16 on combine
     combine_bytes_per_elem: float
+    # DeepSeek-style options; the defaults are a plain MHA + MoE stack (what "tiny" is).
+    attention: str = "mha"  # "mha", or "mla" (multi-head latent attention, DeepSeek-V2/V3)
+    q_lora_rank: int = 0  # MLA: q goes hidden -> q_lora_rank -> heads x (nope + rope)
+    kv_lora_rank: int = 0  # MLA: the cached latent per token (plus one rope key)
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    num_shared_experts: int = 0  # always-on experts run on the rank's own tokens, no dispatch
+    num_dense_layers: int = 0  # the first layers have a dense MLP instead of MoE (no comm)
+    dense_inter: int = 0
+    # Dtype of the linear layers' weights and GEMM inputs (FP8 for DeepSeek-V3's block-quantized
+    # checkpoint); None: `dtype`. Only shapes-only (meta) runs use it.
+    weight_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("mha", "mla"):
+            raise ValueError(f"attention must be 'mha' or 'mla', got {self.attention!r}")
+        if self.attention == "mla" and min(self.kv_lora_rank, self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim) <= 0:
+            raise ValueError("attention='mla' needs positive kv_lora_rank, qk_nope_dim, qk_rope_dim and v_head_dim")
+        if self.tensor_device not in ("cpu", "meta", "cuda") and not self.tensor_device.startswith("cuda:"):
+            raise ValueError(f"tensor_device must be 'cpu', 'meta' or 'cuda', got {self.tensor_device!r}")
+
+    @property
+    def local_experts(self) -> int:
+        """Experts held by one EP rank (the grouped GEMM reads all their weights)."""
+        return max(1, self.num_experts // max(self.ep_size, 1))
 
     def with_(self, **changes: object) -> "ModelConfig":
         return replace(self, **changes)
@@ -68,16 +104,17 @@ PRESETS: dict[str, ModelConfig] = {
         dispatch_bytes_per_elem=1.0,
         combine_bytes_per_elem=2.0,
     ),
-    # DeepSeek-V3: 61 layers, hidden 7168, 128 heads, 256 routed experts top-8, expert
-    # intermediate 2048 (config.json of deepseek-ai/DeepSeek-V3). Simplifications, stated:
-    # every layer is MoE (the real model has 3 dense ones), attention is plain MHA with head
-    # dim 128 instead of MLA, no shared expert.
+    # DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3): 61 layers, hidden 7168, 128 heads;
+    # MLA with q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64,
+    # v_head_dim 128; first_k_dense_replace 3 (dense MLP, intermediate_size 18432); then MoE
+    # with 256 routed experts top-8 (moe_intermediate_size 2048) and n_shared_experts 1; FP8
+    # (e4m3, 128x128 block scales) weights. What the model leaves out is listed in MoEModel.
     "deepseek-v3": ModelConfig(
         name="deepseek-v3",
         num_layers=61,
         hidden=7168,
         num_heads=128,
-        head_dim=128,
+        head_dim=192,  # qk head dim: nope 128 + rope 64
         num_experts=256,
         top_k=8,
         moe_inter=2048,
@@ -86,6 +123,16 @@ PRESETS: dict[str, ModelConfig] = {
         tensor_device="meta",
         dispatch_bytes_per_elem=1.0,
         combine_bytes_per_elem=2.0,
+        attention="mla",
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+        num_shared_experts=1,
+        num_dense_layers=3,
+        dense_inter=18432,
+        weight_dtype=getattr(torch, "float8_e4m3fn", torch.bfloat16),
     ),
 }
 
@@ -134,28 +181,66 @@ class MoEModel:
         dev, dt = c.tensor_device, c.dtype
         gen = torch.Generator().manual_seed(seed)
 
-        def weight(*shape: int) -> torch.Tensor:
+        on_gpu = dev.startswith("cuda")
+        cuda_gen = torch.Generator(device=dev).manual_seed(seed) if on_gpu else None
+        # FP8 weights exist only in shapes-only runs (there is no FP8 GEMM on the CPU).
+        wdt = c.weight_dtype if (c.weight_dtype is not None and dev == "meta") else dt
+
+        def weight(*shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
             if dev == "meta":
-                return torch.empty(shape, device="meta", dtype=dt)
-            return (torch.randn(shape, generator=gen, dtype=torch.float64) / math.sqrt(shape[0])).to(dt)
+                return torch.empty(shape, device="meta", dtype=dtype or dt)
+            if cuda_gen is not None:  # made on the GPU: a CPU randn of GBs of weights is slow
+                w = torch.randn(shape, generator=cuda_gen, device=dev, dtype=torch.float32)
+                return (w / math.sqrt(shape[-2] if len(shape) > 2 else shape[0])).to(dtype or dt)
+            return (torch.randn(shape, generator=gen, dtype=torch.float64) / math.sqrt(shape[0])).to(dtype or dt)
+
+        def linear(n_in: int, n_out: int) -> torch.Tensor:
+            if wdt != dt:  # FP8: stored (out, in), used transposed, as an FP8 GEMM wants it
+                return torch.empty(n_out, n_in, device="meta", dtype=wdt).t()
+            return weight(n_in, n_out)
 
         qkv = c.num_heads * c.head_dim
         self.layers = []
-        for _ in range(c.num_layers):
-            layer = {
-                "wqkv": weight(c.hidden, 3 * qkv),
-                "wo": weight(qkv, c.hidden),
-                "router": weight(c.hidden, c.num_experts),
-            }
-            if dev == "meta":
-                # Shapes only: one stacked GEMM per projection has the FLOPs and bytes of the
-                # grouped GEMM over the rank's experts, without 256 separate ops per layer.
-                layer["w1"] = weight(c.hidden, 2 * c.moe_inter)
-                layer["w2"] = weight(c.moe_inter, c.hidden)
+        for index in range(c.num_layers):
+            if c.attention == "mla":
+                h, dq = c.num_heads, c.qk_nope_dim + c.qk_rope_dim
+                q_in = c.q_lora_rank or c.hidden
+                layer = {
+                    "wq_b": linear(q_in, h * dq),
+                    "wkv_a": linear(c.hidden, c.kv_lora_rank + c.qk_rope_dim),
+                    "wkv_b": linear(c.kv_lora_rank, h * (c.qk_nope_dim + c.v_head_dim)),
+                    # wkv_b split per head for the absorbed (decode) form, in the activations'
+                    # dtype as engines keep them (BF16 batched GEMMs)
+                    "w_uk": weight(h, c.qk_nope_dim, c.kv_lora_rank),
+                    "w_uv": weight(h, c.kv_lora_rank, c.v_head_dim),
+                    "wo": linear(h * c.v_head_dim, c.hidden),
+                }
+                if c.q_lora_rank:
+                    layer["wq_a"] = linear(c.hidden, c.q_lora_rank)
+            else:
+                layer = {"wqkv": weight(c.hidden, 3 * qkv), "wo": weight(qkv, c.hidden)}
+            if index < c.num_dense_layers:
+                layer["w_gate_up"] = linear(c.hidden, 2 * c.dense_inter)
+                layer["w_down"] = linear(c.dense_inter, c.hidden)
+                self.layers.append(layer)
+                continue
+            layer["router"] = weight(c.hidden, c.num_experts)
+            if c.num_shared_experts:
+                shared = c.num_shared_experts * c.moe_inter
+                layer["ws_gate_up"] = linear(c.hidden, 2 * shared)
+                layer["ws_down"] = linear(shared, c.hidden)
+            if dev == "meta" or on_gpu:
+                # One grouped GEMM per projection over the rank's experts (all of them in one
+                # process on a GPU; a shapes-only run holds one EP rank's share).
+                e = c.local_experts if dev == "meta" else c.num_experts
+                layer["w1"] = weight(e, c.hidden, 2 * c.moe_inter, dtype=wdt)
+                layer["w2"] = weight(e, c.moe_inter, c.hidden, dtype=wdt)
             else:
                 layer["w1"] = torch.stack([weight(c.hidden, 2 * c.moe_inter) for _ in range(c.num_experts)])
                 layer["w2"] = torch.stack([weight(c.moe_inter, c.hidden) for _ in range(c.num_experts)])
             self.layers.append(layer)
+        self._unit_scale = torch.ones((), device=dev, dtype=torch.float32)  # FP8 GEMM scales
+        self._expert_ids = torch.arange(c.num_experts, device=dev)
         # KV cache per layer: the context of every request, then this step's tokens. Ubatch k
         # writes its tokens' K/V before ubatch k+1 attends in the same layer (ring order), so a
         # request cut by a ubatch boundary sees the same keys as in the serial run.
@@ -165,10 +250,19 @@ class MoEModel:
             self.context_offset.append(off)
             off += batch.context_lens[r] + batch.query_start_loc[r + 1] - batch.query_start_loc[r]
         self.kv_len = off
+        # MHA caches K and V per head; MLA caches one latent (kv_lora_rank) plus one rope key
+        # per token, shared by every head.
+        kv_shape = (
+            (self.kv_len, c.kv_lora_rank + c.qk_rope_dim)
+            if c.attention == "mla"
+            else (2, self.kv_len, c.num_heads, c.head_dim)
+        )
         self.kv = [
-            torch.zeros(2, self.kv_len, c.num_heads, c.head_dim, device=dev, dtype=dt)
+            torch.zeros(kv_shape, device=dev, dtype=dt)
             if dev == "meta"
-            else torch.randn(2, self.kv_len, c.num_heads, c.head_dim, generator=gen, dtype=torch.float64).to(dt)
+            else torch.randn(kv_shape, generator=cuda_gen, device=dev, dtype=torch.float32).to(dt)
+            if on_gpu
+            else torch.randn(kv_shape, generator=gen, dtype=torch.float64).to(dt)
             for _ in range(c.num_layers)
         ]
         # token -> request, for the attention masks (host-side metadata, as an engine has)
@@ -179,6 +273,9 @@ class MoEModel:
         c = self.config
         if c.tensor_device == "meta":
             return torch.empty(self.batch.num_tokens, c.hidden, device="meta", dtype=c.dtype)
+        if c.tensor_device.startswith("cuda"):
+            gen = torch.Generator(device=c.tensor_device).manual_seed(seed)
+            return torch.randn(self.batch.num_tokens, c.hidden, generator=gen, device=c.tensor_device, dtype=c.dtype)
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(self.batch.num_tokens, c.hidden, generator=gen, dtype=torch.float64).to(c.dtype)
 
@@ -191,11 +288,69 @@ class MoEModel:
         start = 0 if tokens is None else tokens.token_slice.start
         for index, layer in enumerate(self.layers):
             x = x + self._attention(index, layer, x, start)
-            x = x + self._moe(layer, x, mode)
+            if index < self.config.num_dense_layers:
+                x = x + self._mlp(self._norm(x), layer["w_gate_up"], layer["w_down"])
+                continue
+            # The shared expert runs on the rank's own tokens, before the dispatch (so under DBO
+            # it is compute that another ubatch's communication can hide behind).
+            h = self._norm(x)
+            shared = self._mlp(h, layer["ws_gate_up"], layer["ws_down"]) if "ws_gate_up" in layer else None
+            x = x + self._moe(layer, h, mode)
+            if shared is not None:
+                x = x + shared
         return x
+
+    # -- building blocks shared by the DeepSeek-style paths -----------------------------------
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm where the config is DeepSeek-style (MLA), as one memory-bound kernel
+        (layer_norm has RMSNorm's traffic and kernel count); the plain MHA stack has none."""
+        if self.config.attention != "mla":
+            return x
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],))
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w; with FP8 weights (shapes-only runs), the activations are quantized first (one
+        memory-bound kernel, as an engine's per-token-group quant) and the GEMM runs in FP8
+        with a BF16 output."""
+        if w.dtype == x.dtype:
+            return x @ w
+        scale = self._unit_scale
+        return torch._scaled_mm(x.to(w.dtype), w, scale_a=scale, scale_b=scale, out_dtype=x.dtype)
+
+    def _mlp(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """SwiGLU MLP (a dense layer, or the shared expert)."""
+        h = self._linear(x, w_gate_up)
+        half = h.shape[-1] // 2
+        return self._linear(torch.nn.functional.silu(h[:, :half]) * h[:, half:], w_down)
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+        """softmax(q k^T * scale) v over (batch, heads, seq, dim) tensors; k and v may have one
+        head shared by all of q's. Causal masks are aligned to the end of the keys (the queries
+        are the last of them). On the CPU it runs as plain ops (values checked); elsewhere as
+        one fused flash-attention kernel, as engines run it."""
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        if q.device.type == "cpu":
+            scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+            if causal:
+                mask = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+                scores = scores.masked_fill(~mask, float("-inf"))
+            return torch.matmul(scores.softmax(dim=-1), v)
+        if q.device.type == "meta":  # the fused kernel itself (torch's dispatcher picks it on GPUs)
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[0]
+            return out[..., : v.shape[-1]]
+        mask = None
+        if causal and n_q != n_k:
+            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
 
     def _attention(self, index: int, layer: dict, x: torch.Tensor, start: int) -> torch.Tensor:
         c = self.config
+        if c.attention == "mla":
+            return self._mla(index, layer, x, start)
         t = x.shape[0]
         qkv = (x @ layer["wqkv"]).view(t, 3, c.num_heads, c.head_dim)
         kv = self.kv[index]
@@ -210,8 +365,13 @@ class MoEModel:
             window = kv[:, first : first + t * (ctx + 1)].view(2, t, ctx + 1, c.num_heads, c.head_dim)
             window[0, :, ctx].copy_(qkv[:, 1])  # this step's token goes after its context
             window[1, :, ctx].copy_(qkv[:, 2])
-            scores = torch.einsum("thd,tshd->ths", qkv[:, 0], window[0]) * scale
-            out = torch.einsum("ths,tshd->thd", scores.softmax(dim=-1), window[1])
+            if x.device.type == "cpu":
+                scores = torch.einsum("thd,tshd->ths", qkv[:, 0], window[0]) * scale
+                out = torch.einsum("ths,tshd->thd", scores.softmax(dim=-1), window[1])
+            else:  # one fused kernel: each request is a batch entry with one query
+                out = self._attend(
+                    qkv[:, 0].unsqueeze(2), window[0].transpose(1, 2), window[1].transpose(1, 2), causal=False, scale=scale
+                )
             attn_out.copy_(out.reshape(t, -1))
         else:
             # Prefill: per request segment of this ubatch, causal over the request's tokens so far.
@@ -226,14 +386,79 @@ class MoEModel:
                 kv[0, lo:hi].copy_(qkv[rows, 1])
                 kv[1, lo:hi].copy_(qkv[rows, 2])
                 keys, vals = kv[0, self.context_offset[r] : hi], kv[1, self.context_offset[r] : hi]
-                scores = torch.einsum("qhd,khd->hqk", qkv[rows, 0], keys) * scale
                 n_q, n_k = seg_end - seg_start, keys.shape[0]
-                causal = torch.ones(n_q, n_k, dtype=torch.bool, device=kv.device).tril(n_k - n_q)
-                scores = scores.masked_fill(~causal, float("-inf"))
-                out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vals)
+                if x.device.type == "cpu":
+                    scores = torch.einsum("qhd,khd->hqk", qkv[rows, 0], keys) * scale
+                    causal = torch.ones(n_q, n_k, dtype=torch.bool, device=kv.device).tril(n_k - n_q)
+                    scores = scores.masked_fill(~causal, float("-inf"))
+                    out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vals)
+                else:  # one fused causal kernel per request segment, heads as the batch
+                    out = self._attend(
+                        qkv[rows, 0].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                        vals.transpose(0, 1).unsqueeze(0), causal=True, scale=scale,
+                    )[0].transpose(0, 1)
                 attn_out[rows].copy_(out.reshape(n_q, -1))
                 seg_start = seg_end
         return attn_out @ layer["wo"]
+
+    def _mla(self, index: int, layer: dict, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Multi-head latent attention (DeepSeek-V2/V3). The cache holds, per token, one latent
+        of kv_lora_rank plus one rope key shared by every head.
+
+        Decode runs the absorbed form, as FlashMLA-class kernels do: q_nope is mapped into the
+        latent space per head (W_UK), every head attends over the latent cache directly (the
+        heads become the query rows of one shared-KV attention per request), and the result
+        leaves the latent space through W_UV. Prefill runs the plain form: the segment's
+        latents are expanded to per-head K (nope + the shared rope key) and V by W_KV_B, then
+        causal attention with qk dim nope + rope and v dim v_head_dim. Rotary embedding is
+        left out (an elementwise kernel on q and the rope key: no FLOPs or bytes that matter).
+        """
+        c = self.config
+        t, h = x.shape[0], c.num_heads
+        dn, dr, dv, rank = c.qk_nope_dim, c.qk_rope_dim, c.v_head_dim, c.kv_lora_rank
+        x = self._norm(x)
+        q_in = self._norm(self._linear(x, layer["wq_a"])) if "wq_a" in layer else x
+        q = self._linear(q_in, layer["wq_b"]).view(t, h, dn + dr)
+        kv_a = self._linear(x, layer["wkv_a"])  # (t, latent + rope key)
+        latent = self._norm(kv_a[:, :rank])
+        cache = self.kv[index]
+        (attn_out,) = current_workspace_manager().get_simultaneous(((t, h * dv), c.dtype))
+        scale = 1.0 / math.sqrt(dn + dr)
+        if self.batch.is_decode:
+            ctx = self.batch.context_lens[0]
+            first = self.context_offset[start]
+            window = cache[first : first + t * (ctx + 1)].view(t, ctx + 1, rank + dr)
+            window[:, ctx, :rank].copy_(latent)  # this step's token goes after its context
+            window[:, ctx, rank:].copy_(kv_a[:, rank:])
+            q_latent = torch.bmm(q[:, :, :dn].transpose(0, 1), layer["w_uk"])  # (h, t, rank)
+            q_full = torch.cat([q_latent.transpose(0, 1), q[:, :, dn:]], dim=-1)  # (t, h, rank + dr)
+            o_latent = self._attend(
+                q_full.unsqueeze(1), window.unsqueeze(1), window[:, :, :rank].unsqueeze(1), causal=False, scale=scale
+            )  # (t, 1, h, rank)
+            o = torch.bmm(o_latent.squeeze(1).transpose(0, 1), layer["w_uv"])  # (h, t, dv)
+            attn_out.copy_(o.transpose(0, 1).reshape(t, h * dv))
+        else:
+            q_loc = self.batch.query_start_loc
+            seg_start = start
+            while seg_start < start + t:
+                r = self.token_request[seg_start]
+                seg_end = min(q_loc[r + 1], start + t)
+                base = self.context_offset[r] + self.batch.context_lens[r]
+                lo, hi = base + seg_start - q_loc[r], base + seg_end - q_loc[r]
+                rows = slice(seg_start - start, seg_end - start)
+                cache[lo:hi, :rank].copy_(latent[rows])
+                cache[lo:hi, rank:].copy_(kv_a[rows, rank:])
+                keys = cache[self.context_offset[r] : hi]  # the request's latents so far
+                n_q, n_k = seg_end - seg_start, keys.shape[0]
+                kv = self._linear(keys[:, :rank], layer["wkv_b"]).view(n_k, h, dn + dv)
+                k = torch.cat([kv[:, :, :dn], keys[:, None, rank:].expand(n_k, h, dr)], dim=-1)
+                out = self._attend(
+                    q[rows].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                    kv[:, :, dn:].transpose(0, 1).unsqueeze(0), causal=True, scale=scale,
+                )[0].transpose(0, 1)  # (n_q, h, dv)
+                attn_out[rows].copy_(out.reshape(n_q, h * dv))
+                seg_start = seg_end
+        return self._linear(attn_out, layer["wo"])
 
     def _moe(self, layer: dict, x: torch.Tensor, mode: str) -> torch.Tensor:
         c = self.config
@@ -295,10 +520,23 @@ class MoEModel:
 
     def _experts(self, layer: dict, recv: torch.Tensor, inter: torch.Tensor, out: torch.Tensor, row_expert: torch.Tensor) -> None:
         c = self.config
-        if recv.is_meta:
-            h = recv @ layer["w1"]
+        if layer["w1"].dtype != recv.dtype:
+            # FP8 experts (shapes only): DeepEP delivers FP8 rows; one grouped GEMM per
+            # projection over the rank's experts, rows split evenly among them (balanced
+            # routing). Outputs stay FP8-sized (the real ones are BF16 after the down GEMM).
+            e = layer["w1"].shape[0]
+            a = torch.empty(e, -(-recv.shape[0] // e), c.hidden, device=recv.device, dtype=layer["w1"].dtype)
+            h = torch.bmm(a, layer["w1"])
+            torch.bmm(torch.nn.functional.silu(h[..., : c.moe_inter]) * h[..., c.moe_inter :], layer["w2"])
+            return
+        if recv.device.type != "cpu":
+            # Grouped GEMM over the expert-major rows: the group ends come from the sorted row
+            # experts on the device (no host sync), as a GPU MoE kernel takes them.
+            ends = torch.searchsorted(row_expert, self._expert_ids[: layer["w1"].shape[0]], right=True)
+            offs = ends.to(torch.int32)
+            h = torch._grouped_mm(recv, layer["w1"], offs=offs)
             inter.copy_(torch.nn.functional.silu(h[:, : c.moe_inter]) * h[:, c.moe_inter :])
-            torch.mm(inter, layer["w2"], out=out)
+            out.copy_(torch._grouped_mm(inter, layer["w2"], offs=offs))
             return
         # Values path: every expert on every row, then each row keeps its own expert's result.
         # E times the FLOPs of a grouped GEMM, but no host sync for per-expert counts (which
