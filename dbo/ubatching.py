@@ -102,9 +102,10 @@ ABORTED = "aborted"
 class _UBatchState:
     status: str = NOT_STARTED
     yields: int = 0
-    # The caller's frame while parked at a yield; formatted only when an error needs it, so the
-    # hot path stores a reference instead of building a string.
-    parked_frame: Any = None
+    # The ubatch's thread: error reports look up where it is parked through
+    # sys._current_frames(), so the yield path itself records nothing (a frame capture per
+    # yield measurably slowed every handoff).
+    thread_ident: int | None = None
 
 
 class UBatchStep:
@@ -141,11 +142,13 @@ class UBatchStep:
             signal.set()
 
     def describe(self) -> str:
+        frames = sys._current_frames()
         lines = []
         for i, state in enumerate(self.states):
             where = ""
-            if state.status == PARKED and state.parked_frame is not None:
-                where = f" at {_frame_site(state.parked_frame)}"
+            frame = frames.get(state.thread_ident) if state.thread_ident is not None else None
+            if state.status == PARKED and frame is not None:
+                where = f" at {_frame_site(_user_frame(frame))}"
             lines.append(f"  ubatch {i}: {state.yields} yield(s), {state.status}{where}")
         return "\n".join(lines)
 
@@ -165,12 +168,15 @@ def _frame_site(frame: Any) -> str:
     return f"{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}:{code.co_name}"
 
 
-def _user_frame() -> Any:
-    """The first frame outside this module (where the user called a dbo_* helper)."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename == __file__:
+def _user_frame(frame: Any) -> Any:
+    """From a parked thread's innermost frame, the first one outside the baton machinery
+    (threading's lock wait, this module): where the user called a dbo_* helper."""
+    inside = frame
+    while frame is not None:
+        if frame.f_code.co_filename == __file__:
+            inside = frame
         frame = frame.f_back
-    return frame
+    return inside.f_back if inside.f_back is not None else inside
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,12 +214,14 @@ class UBatchContext:
         self.current_stream = compute_stream
         self.recv_hook: Callable[[], Any] | None = None
         self._state = step.states[id]
+        self._next_state = step.states[(id + 1) % step.num_ubatches]
 
     # -- enter / exit ------------------------------------------------------------------------
 
     def __enter__(self) -> "UBatchContext":
         _THREAD_ID_TO_CONTEXT[_get_ident()] = self.id
         _CURRENT_CONTEXTS[self.id] = self
+        self._state.thread_ident = _get_ident()
         try:
             self.ready_barrier.wait()
         except threading.BrokenBarrierError:
@@ -275,15 +283,12 @@ class UBatchContext:
         if step.aborted:
             raise _StepAborted()
         state.yields += 1
-        nxt = step.states[(self.id + 1) % step.num_ubatches]
-        if nxt.status in (FINISHED, FAILED):
+        if self._next_state.status in (FINISHED, FAILED):
             raise step._mismatch(f"ubatch {self.id} yielded to a finished ubatch")
         state.status = PARKED
-        state.parked_frame = _user_frame()
         self.device.on_handoff()
         self.cpu_signal_event.set()
         self._wait_for_baton()
-        state.parked_frame = None
         state.status = RUNNING
         self._restore_context()
 
