@@ -34,6 +34,7 @@ __all__ = [
     "UBatchStep",
     "make_ubatch_contexts",
     "dbo_enabled",
+    "ubatch_step_active",
     "dbo_current_ubatch_id",
     "dbo_yield",
     "dbo_yield_and_switch_from_compute_to_comm",
@@ -439,6 +440,12 @@ def _current_context() -> UBatchContext | None:
     if ubatch_id is None:
         return None
     return _CURRENT_CONTEXTS[ubatch_id]
+
+
+def ubatch_step_active() -> bool:
+    """True while any thread is registered as a ubatch or any context is live (between steps,
+    and after every failed one, this is False)."""
+    return bool(_THREAD_ID_TO_CONTEXT) or any(ctx is not None for ctx in _CURRENT_CONTEXTS)
 
 
 def dbo_enabled() -> bool:

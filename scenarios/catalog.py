@@ -450,7 +450,7 @@ def _elastic_ep(opts: RunOptions) -> ScenarioResult:
 
 
 def _registries_empty() -> bool:
-    return not ubatching._THREAD_ID_TO_CONTEXT and all(c is None for c in ubatching._CURRENT_CONTEXTS)
+    return not ubatching.ubatch_step_active()
 
 
 class _NoWaitModel(MoEModel):

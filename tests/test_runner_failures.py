@@ -12,20 +12,12 @@ import pytest
 
 import dbo
 from dbo import ubatching
-from dbo.sim import SimDevice
 
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture
-def device() -> SimDevice:
-    return SimDevice()
-
-
 def _registries_empty() -> bool:
-    return not ubatching._THREAD_ID_TO_CONTEXT and all(
-        ctx is None for ctx in ubatching._CURRENT_CONTEXTS
-    )
+    return not ubatching.ubatch_step_active()
 
 
 @pytest.mark.parametrize("failing", [0, 1, 2])
