@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import dbo
-from dbo.comm import ep_group_for
+from dbo.comm import current_ep_group, ep_group_for
 from dbo.split import UBatchSlice
 from workspace import current_workspace_manager
 
@@ -137,6 +137,33 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+_GROUPED_MM_OK: list[bool] = []  # [] untried, [True] works here, [False] fell back
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of `a` in expert-major groups ending at `offs` times their expert's `b`: one
+    `torch._grouped_mm` kernel; where this torch or GPU lacks it, one mm per expert with the
+    group sizes read on the host (a sync, so not capturable in a graph), said once on stderr."""
+    if not _GROUPED_MM_OK or _GROUPED_MM_OK[0]:
+        try:
+            out = torch._grouped_mm(a, b, offs=offs)
+            _GROUPED_MM_OK[:] = [True]
+            return out
+        except (AttributeError, RuntimeError, NotImplementedError) as error:
+            if _GROUPED_MM_OK:
+                raise
+            _GROUPED_MM_OK[:] = [False]
+            import sys
+
+            print(f"scenarios.model: torch._grouped_mm unavailable ({error}); one mm per expert", file=sys.stderr)
+    ends = [0] + offs.tolist()
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    for e in range(b.shape[0]):
+        if ends[e + 1] > ends[e]:
+            torch.mm(a[ends[e] : ends[e + 1]], b[e], out=out[ends[e] : ends[e + 1]])
+    return out
+
+
 def preset(name: str, **changes: object) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
@@ -191,7 +218,7 @@ class MoEModel:
                 return torch.empty(shape, device="meta", dtype=dtype or dt)
             if cuda_gen is not None:  # made on the GPU: a CPU randn of GBs of weights is slow
                 w = torch.randn(shape, generator=cuda_gen, device=dev, dtype=torch.float32)
-                return (w / math.sqrt(shape[-2] if len(shape) > 2 else shape[0])).to(dtype or dt)
+                return (w / math.sqrt(shape[-1] if len(shape) > 2 else shape[0])).to(dtype or dt)
             return (torch.randn(shape, generator=gen, dtype=torch.float64) / math.sqrt(shape[0])).to(dtype or dt)
 
         def linear(n_in: int, n_out: int) -> torch.Tensor:
@@ -210,11 +237,18 @@ class MoEModel:
                     "wkv_a": linear(c.hidden, c.kv_lora_rank + c.qk_rope_dim),
                     "wkv_b": linear(c.kv_lora_rank, h * (c.qk_nope_dim + c.v_head_dim)),
                     # wkv_b split per head for the absorbed (decode) form, in the activations'
-                    # dtype as engines keep them (BF16 batched GEMMs)
+                    # dtype as engines keep them (BF16 batched GEMMs); views of wkv_b below
+                    # when the weights hold values
                     "w_uk": weight(h, c.qk_nope_dim, c.kv_lora_rank),
                     "w_uv": weight(h, c.kv_lora_rank, c.v_head_dim),
                     "wo": linear(h * c.v_head_dim, c.hidden),
                 }
+                if wdt == dt:
+                    # Real values: W_UK and W_UV are W_KV_B's own slices, so the absorbed
+                    # (decode) and expanded (prefill) forms compute the same attention.
+                    kv_b = layer["wkv_b"].view(c.kv_lora_rank, h, c.qk_nope_dim + c.v_head_dim)
+                    layer["w_uk"] = kv_b[:, :, : c.qk_nope_dim].permute(1, 2, 0)
+                    layer["w_uv"] = kv_b[:, :, c.qk_nope_dim :].transpose(0, 1)
                 if c.q_lora_rank:
                     layer["wq_a"] = linear(c.hidden, c.q_lora_rank)
             else:
@@ -229,12 +263,15 @@ class MoEModel:
                 shared = c.num_shared_experts * c.moe_inter
                 layer["ws_gate_up"] = linear(c.hidden, 2 * shared)
                 layer["ws_down"] = linear(shared, c.hidden)
-            if dev == "meta" or on_gpu:
-                # One grouped GEMM per projection over the rank's experts (all of them in one
-                # process on a GPU; a shapes-only run holds one EP rank's share).
-                e = c.local_experts if dev == "meta" else c.num_experts
-                layer["w1"] = weight(e, c.hidden, 2 * c.moe_inter, dtype=wdt)
-                layer["w2"] = weight(e, c.moe_inter, c.hidden, dtype=wdt)
+            if dev == "meta":
+                # One grouped GEMM per projection over one EP rank's experts.
+                layer["w1"] = weight(c.local_experts, c.hidden, 2 * c.moe_inter, dtype=wdt)
+                layer["w2"] = weight(c.local_experts, c.moe_inter, c.hidden, dtype=wdt)
+            elif on_gpu:
+                # Every expert in this process; (experts, in, out) views of (experts, out, in)
+                # storage, the column-major operand grouped GEMM kernels take.
+                layer["w1"] = weight(c.num_experts, 2 * c.moe_inter, c.hidden).transpose(1, 2)
+                layer["w2"] = weight(c.num_experts, c.hidden, c.moe_inter).transpose(1, 2)
             else:
                 layer["w1"] = torch.stack([weight(c.hidden, 2 * c.moe_inter) for _ in range(c.num_experts)])
                 layer["w2"] = torch.stack([weight(c.moe_inter, c.hidden) for _ in range(c.num_experts)])
@@ -532,11 +569,19 @@ class MoEModel:
         if recv.device.type != "cpu":
             # Grouped GEMM over the expert-major rows: the group ends come from the sorted row
             # experts on the device (no host sync), as a GPU MoE kernel takes them.
+            order = None
+            if current_ep_group() is not None:  # across processes rows arrive per source rank
+                order = row_expert.argsort(stable=True)
+                recv, row_expert = recv[order], row_expert[order]
             ends = torch.searchsorted(row_expert, self._expert_ids[: layer["w1"].shape[0]], right=True)
             offs = ends.to(torch.int32)
-            h = torch._grouped_mm(recv, layer["w1"], offs=offs)
+            h = _grouped_mm(recv, layer["w1"], offs)
             inter.copy_(torch.nn.functional.silu(h[:, : c.moe_inter]) * h[:, c.moe_inter :])
-            out.copy_(torch._grouped_mm(inter, layer["w2"], offs=offs))
+            y = _grouped_mm(inter, layer["w2"], offs)
+            if order is None:
+                out.copy_(y)
+            else:
+                out.index_copy_(0, order, y)
             return
         # Values path: every expert on every row, then each row keeps its own expert's result.
         # E times the FLOPs of a grouped GEMM, but no host sync for per-expert counts (which
