@@ -1,4 +1,4 @@
-"""The command line: `python -m scenarios {list,run,sweep,stress,bench}` (also `dbo-sim`)."""
+"""The command line: `python -m scenarios {list,run,sweep,stress,bench,fidelity}` (also `dbo-sim`)."""
 
 from __future__ import annotations
 
@@ -208,6 +208,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from scenarios.fidelity import run_command
+
+    return run_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dbo-sim", description="Dual Batch Overlap scenarios on a simulated or real GPU")
     sub = parser.add_subparsers(dest="command")
@@ -235,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="out", help="folder for bench.json")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=cmd_bench)
+    fidelity = sub.add_parser("fidelity", help="the simulator against published DBO/TBO and DeepEP results, side by side")
+    fidelity.add_argument("--quick", action="store_true", help="fewer layers and points (seconds, for CI)")
+    fidelity.add_argument("--json", action="store_true", help="print the report as JSON")
+    fidelity.set_defaults(func=cmd_fidelity)
     return parser
 
 

@@ -1,0 +1,231 @@
+"""Fidelity: DeepEP kernel times from the cost model, the reproduction table, the MLA model
+path, and the GPU check's CPU half."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dbo.sim import H800, SimDevice
+from dbo.sim.cost import aliased_input_bytes, comm_time_us, flop_formula, node_dedup_share
+from scenarios import fidelity, gpu_check
+from scenarios.catalog import TINY_DECODE, TINY_PREFILL
+from scenarios.cli import main as cli_main
+from scenarios.harness import RunOptions, compare_serial_dbo
+from scenarios.model import Batch, MoEModel, preset
+from workspace import init_workspace_manager, reset_workspace_manager
+
+pytestmark = pytest.mark.timeout(120)
+
+TINY_MLA = dict(attention="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=4, v_head_dim=8)
+
+
+# -- DeepEP kernels: pure cost-model arithmetic (H800 profile) ---------------------------------
+
+
+@pytest.mark.parametrize("ep", sorted(fidelity.DEEPEP_LL_PUBLISHED))
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+def test_deepep_low_latency_times_within_10_percent(kind: str, ep: int) -> None:
+    published = fidelity.DEEPEP_LL_PUBLISHED[ep][0 if kind == "dispatch" else 1]
+    simulated = fidelity.deepep_ll_us(kind, ep, H800)
+    assert simulated == pytest.approx(published, rel=0.10), (kind, ep, simulated, published)
+
+
+def test_deepep_low_latency_time_is_latency_plus_bytes_over_the_right_link() -> None:
+    # EP 8: one node, NVLink only; EP 64: 56 of 63 peers over RDMA, the slower link decides.
+    copies = 128 * 8 * (7168 + 7168 // 128 * 4)
+    nvl = H800.nvlink_gbps * 1e3 * H800.nvlink_efficiency
+    rdma = H800.rdma_gbps * 1e3 * H800.rdma_efficiency
+    assert fidelity.deepep_ll_us("dispatch", 8) == pytest.approx(H800.ll_latency_us + copies * 7 / 8 / nvl)
+    assert fidelity.deepep_ll_us("dispatch", 64) == pytest.approx(H800.ll_latency_us + copies * 63 / 64 * 56 / 63 / rdma)
+
+
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+def test_deepep_normal_nvlink_bandwidth_within_10_percent(kind: str) -> None:
+    simulated, _ = fidelity._normal_bandwidth_gbps(kind, 8, H800)
+    assert simulated == pytest.approx(fidelity.DEEPEP_NVLINK_PUBLISHED[kind], rel=0.10)
+
+
+def test_deepep_normal_rdma_bandwidth_in_the_measured_range() -> None:
+    lo, hi = fidelity.DEEPEP_RDMA_PUBLISHED
+    for ep in (16, 32, 64):
+        _, rdma_bytes = fidelity._normal_bandwidth_gbps("dispatch", ep, H800)
+        assert rdma_bytes > 0
+    simulated, _ = fidelity._normal_bandwidth_gbps("dispatch", 32, H800)
+    assert lo * 0.9 <= simulated <= hi * 1.1
+
+
+def test_node_dedup_share_for_deepseek_routing() -> None:
+    # EP 32 = 4 nodes of 2 groups; top-4 of 8 groups: 1 - C(6,4)/C(8,4) of the nodes are reached
+    # (3.14 of 4), 2.36 of them remote, against 6 remote expert copies.
+    assert node_dedup_share(8, 32, 8, 8, 4) == pytest.approx(4 * (1 - 15 / 70) * 3 / 4 / 6)
+    assert node_dedup_share(8, 8, 8) == 1.0  # one node: nothing to de-duplicate
+    assert 0 < node_dedup_share(8, 72, 8, 8, 4) < 1
+
+
+def test_comm_region_of_one_rank_is_a_local_copy_by_the_bytes_it_moves() -> None:
+    d = SimDevice("h200")
+    x = torch.ones(1000, 250)  # 1e6 bytes
+    with d.thread_scope(0):
+        with d.comm_region("dispatch", nbytes=0, ep_size=1):
+            y = x.clone()  # reads 1e6, writes 1e6
+    (op,) = [r for r in d.timeline if r.name == "comm::dispatch"]
+    assert op.bytes == 2_000_000
+    assert op.dur_us == pytest.approx(comm_time_us(d.profile, "dispatch", 2_000_000, 1))
+    assert torch.equal(y, x)
+
+
+# -- cost-model details the MLA path relies on --------------------------------------------------
+
+
+def test_causal_flash_attention_counts_the_triangle_and_mla_latent_once() -> None:
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k, v = (torch.empty(1, 4, 256, 64, **meta) for _ in range(3))
+    func = torch.ops.aten._scaled_dot_product_flash_attention.default
+    full = flop_formula(func)(q, k, v, 0.0, False, out_val=None)
+    causal = flop_formula(func)(q, k, v, 0.0, True, out_val=None)
+    assert causal == pytest.approx(full * 257 / 512)
+    latent = torch.empty(2, 1, 100, 576, **meta)  # MLA: V is the first 512 of K's 576
+    assert aliased_input_bytes(func, [q, latent, latent[..., :512]]) == 2 * 100 * 512 * 2
+    assert aliased_input_bytes(func, [q, k, v]) == 0
+
+
+def test_grouped_mm_has_a_flop_formula() -> None:
+    a = torch.empty(96, 64, device="meta", dtype=torch.bfloat16)
+    b = torch.empty(4, 64, 32, device="meta", dtype=torch.bfloat16)
+    assert flop_formula(torch.ops.aten._grouped_mm.default)(a, b, out_val=torch.empty(96, 32, device="meta")) == 2 * 96 * 64 * 32
+
+
+# -- the model: MLA, shared expert, dense layers --------------------------------------------------
+
+
+def test_deepseek_preset_is_mla_with_a_latent_cache() -> None:
+    c = preset("deepseek-v3")
+    assert (c.attention, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_dim, c.v_head_dim) == ("mla", 1536, 512, 64, 128)
+    assert (c.num_shared_experts, c.num_dense_layers, c.dense_inter) == (1, 3, 18432)
+    model = MoEModel(c.with_(num_layers=4), Batch.decode(8, 100))
+    assert model.kv[0].shape == (8 * 101, 512 + 64)  # one latent + rope key per token, all heads
+    assert "w_gate_up" in model.layers[0] and "router" in model.layers[3] and "ws_gate_up" in model.layers[3]
+
+
+def test_mla_absorbed_decode_equals_the_expanded_form() -> None:
+    class Expanded(Batch):
+        @property
+        def is_decode(self) -> bool:
+            return False
+
+    config = preset("tiny", **TINY_MLA)
+    batch = Batch.decode(5, 6)
+    reset_workspace_manager()
+    init_workspace_manager("cpu", 1)
+    try:
+        outs = []
+        for b in (batch, Expanded(batch.query_start_loc, batch.context_lens)):
+            model = MoEModel(config, b)
+            outs.append(model._mla(0, model.layers[0], model.inputs(), 0).clone())
+    finally:
+        reset_workspace_manager()
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "batch,mode",
+    [(TINY_PREFILL, "ht"), (TINY_DECODE, "ll"), (Batch((0, 50, 90), (7, 3)), "ht")],
+    ids=["prefill-cut-requests", "decode", "prefill-with-context"],
+)
+def test_mla_shared_expert_and_dense_layers_match_serial_under_dbo(batch: Batch, mode: str) -> None:
+    config = preset("tiny", **TINY_MLA, num_shared_experts=1, num_dense_layers=1, dense_inter=64)
+    c = compare_serial_dbo("mla", config, batch, mode, RunOptions())
+    assert c.outputs_match, c.max_abs_diff
+    assert not c.dbo.races and not c.serial.races
+
+
+# -- the reproduction table ----------------------------------------------------------------------
+
+
+EXPECTED_ROWS = {
+    *(f"deepep-ll-{k}-ep{ep}" for k in ("dispatch", "combine") for ep in (8, 64, 256)),
+    "deepep-normal-nvlink-dispatch",
+    "deepep-normal-nvlink-combine",
+    "deepep-normal-rdma",
+    "sglang-prefill-8192",
+    "sglang-prefill-16384",
+    "sglang-decode-32",
+    "sglang-decode-256",
+    "vllm-eager-host-bound",
+    "vllm-graph-host-bound",
+    "vllm-gain-vs-comm",
+}
+
+
+@pytest.fixture(scope="module")
+def quick_report() -> fidelity.FidelityReport:
+    return fidelity.run_fidelity(quick=True)
+
+
+def test_quick_reproduction_has_every_row(quick_report: fidelity.FidelityReport) -> None:
+    rows = {r.key: r for r in quick_report.rows}
+    assert set(rows) == EXPECTED_ROWS
+    for r in quick_report.rows:
+        assert math.isfinite(r.simulated), r
+        assert r.assumptions in quick_report.assumptions and r.source
+        if not r.met:
+            assert r.note, f"{r.key} misses its target without saying why"
+    assert all(rows[k].met for k in EXPECTED_ROWS if k.startswith("deepep"))
+    # the signs the published results have
+    assert rows["sglang-prefill-8192"].simulated > 0 and rows["sglang-decode-256"].simulated > 0
+    assert rows["sglang-decode-32"].simulated < 0
+    assert rows["vllm-graph-host-bound"].met and rows["vllm-gain-vs-comm"].met
+
+
+def test_table_prints_every_row_with_its_assumptions(quick_report: fidelity.FidelityReport) -> None:
+    text = fidelity.format_table(quick_report)
+    for r in quick_report.rows:
+        assert r.what in text and r.published in text
+    for key, assumptions in quick_report.assumptions.items():
+        assert f"[{key}]" in text and "SMs" in assumptions
+
+
+def test_cli_fidelity_quick_json(capsys) -> None:
+    assert cli_main(["fidelity", "--quick", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["quick"] is True
+    assert {r["key"] for r in report["rows"]} == EXPECTED_ROWS
+    for r in report["rows"]:
+        assert {"what", "published", "simulated", "delta", "target", "met", "assumptions", "source"} <= set(r)
+
+
+# -- the GPU check's CPU half ----------------------------------------------------------------------
+
+
+def test_gpu_check_sim_half_and_report(tmp_path, capsys) -> None:
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--sim-only", "--layers", "2", "--reps", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [c["case"] for c in report["cases"]] == ["prefill", "decode"]
+    for case in report["cases"]:
+        assert set(case["timings"]) == set(gpu_check.VARIANTS)
+        for timing in case["timings"].values():
+            assert timing["sim_us"] > 0 and timing["gpu_us"] == [] and timing["error"] is None
+        assert case["gains_pct"]["dbo_vs_serial_eager"]["sim"] is not None
+    text = capsys.readouterr().out
+    assert "sim ms" in text and "dbo-graph" in text
+
+
+def test_gpu_check_configs_and_arguments() -> None:
+    prefill, decode = gpu_check.cases(8)
+    assert prefill.config.tensor_device == "cuda" and prefill.config.dtype == torch.bfloat16
+    assert prefill.config.ep_size == 1 and prefill.batch.num_tokens == 4096 and decode.batch.is_decode
+    args = gpu_check.build_parser().parse_args(["--reps", "5", "--only", "decode", "--out", "x.json"])
+    assert (args.reps, args.only, args.out, args.sim_only) == (5, "decode", "x.json", False)
+    assert gpu_check.main(["--reps", "0", "--sim-only"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the check would run")
+def test_gpu_check_says_no_gpu_and_exits_2(capsys, tmp_path) -> None:
+    assert gpu_check.main(["--out", str(tmp_path / "x.json")]) == 2
+    assert "no CUDA GPU present" in capsys.readouterr().out
+    assert not (tmp_path / "x.json").exists()
