@@ -1,0 +1,347 @@
+"""GPU check: one MoE step measured on real CUDA streams and simulated on the H200 profile.
+
+One job: say how far the simulator's step times are from a real GPU's, for the same model
+code. Each case (a prefill and a decode configuration of a mid-size MoE stack, bf16, sized so
+that one H200's time is GPU work rather than launch overhead) runs four ways: serial and DBO
+(2 ubatches), each eagerly and as a CUDA graph replay (`device.graph()` +
+`run_ubatches(..., graph=g)`). On the GPU every way is timed with CUDA events around the step,
+after warm-up, several times (median, min, max); the same configuration then runs on
+`SimDevice("h200")` with meta tensors. The table puts them side by side with sim/GPU ratios
+and both devices' DBO gains; `--out` writes everything as JSON.
+
+One GPU, so expert parallelism is in-process (ep_size 1): dispatch and combine are local
+permutations (index_select / index_add on the GPU), which the simulator costs as HBM copies of
+the bytes they move. With several GPUs the same model runs over NCCL (`dbo.comm`), which this
+check does not do.
+
+    python -m scenarios.gpu_check [--out gpu_check.json] [--reps 10] [--warmup 3] [--layers 8]
+    python -m scenarios.gpu_check --sim-only      # the simulated half alone (any machine)
+
+Exit status: 0 measured (or --sim-only done); 2 no CUDA GPU present (nothing measured);
+1 a measurement failed (the others are still reported). About a minute on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+import dbo
+from dbo.split import split_batch
+from scenarios.fidelity import simulate_step
+from scenarios.model import Batch, ModelConfig, MoEModel
+from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
+
+__all__ = ["CheckCase", "Timing", "CaseResult", "cases", "simulate_case", "measure_case", "format_case", "main"]
+
+NO_GPU_MESSAGE = "no CUDA GPU present: nothing to measure (the simulated half runs with --sim-only)"
+VARIANTS = ("serial-eager", "dbo-eager", "serial-graph", "dbo-graph")
+SIM_PROFILE = "h200"
+
+
+@dataclass(frozen=True)
+class CheckCase:
+    name: str
+    config: ModelConfig
+    batch: Batch
+    mode: str  # "ht" (prefill: comm stream) or "ll" (decode: recv hooks)
+
+
+def cases(layers: int = 8) -> list[CheckCase]:
+    """A mid-size MoE stack: hidden 4096, 32 heads x 128, 64 experts top-8 (expert MLP 1024),
+    bf16. Prefill: 4 prompts of 1024 tokens (4096 tokens); decode: 128 requests with 1024
+    tokens of context. ~1.7 GB of weights per layer (experts 1.6 GB), so a decode step reads
+    GBs and a prefill step does ~10 TFLOP: device time, not launch overhead, dominates."""
+    config = ModelConfig(
+        name="gpu-check",
+        num_layers=layers,
+        hidden=4096,
+        num_heads=32,
+        head_dim=128,
+        num_experts=64,
+        top_k=8,
+        moe_inter=1024,
+        ep_size=1,
+        dtype=torch.bfloat16,
+        tensor_device="cuda",
+        dispatch_bytes_per_elem=2.0,  # one GPU: the rows move as they are (bf16)
+        combine_bytes_per_elem=2.0,
+    )
+    return [
+        CheckCase("prefill", config, Batch.prefill(4, 1024), "ht"),
+        CheckCase("decode", config, Batch.decode(128, 1024), "ll"),
+    ]
+
+
+@dataclass
+class Timing:
+    """One variant's step time: GPU samples (CUDA events, us) and/or the simulated time."""
+
+    gpu_us: list[float] = field(default_factory=list)
+    sim_us: float | None = None
+    error: str | None = None
+
+    @property
+    def gpu_median_us(self) -> float | None:
+        return statistics.median(self.gpu_us) if self.gpu_us else None
+
+    @property
+    def ratio(self) -> float | None:
+        """simulated / measured (1.0: exact; < 1: the simulator is optimistic)."""
+        gpu = self.gpu_median_us
+        return self.sim_us / gpu if gpu and self.sim_us is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpu_us": self.gpu_us,
+            "gpu_median_us": self.gpu_median_us,
+            "gpu_min_us": min(self.gpu_us) if self.gpu_us else None,
+            "gpu_max_us": max(self.gpu_us) if self.gpu_us else None,
+            "sim_us": self.sim_us,
+            "sim_over_gpu": self.ratio,
+            "error": self.error,
+        }
+
+
+@dataclass
+class CaseResult:
+    case: CheckCase
+    timings: dict[str, Timing]
+    wall_s: float = 0.0
+
+    def gains(self) -> dict[str, dict[str, float | None]]:
+        """DBO over serial, and graph replay over eager (DBO), on each device, in %."""
+
+        def pct(a: float | None, b: float | None) -> float | None:
+            return (a / b - 1.0) * 100.0 if a and b else None
+
+        t = self.timings
+        out: dict[str, dict[str, float | None]] = {}
+        for label, slow, fast in (("dbo_vs_serial_eager", "serial-eager", "dbo-eager"), ("dbo_vs_serial_graph", "serial-graph", "dbo-graph"), ("graph_vs_eager_dbo", "dbo-eager", "dbo-graph")):
+            out[label] = {"gpu": pct(t[slow].gpu_median_us, t[fast].gpu_median_us), "sim": pct(t[slow].sim_us, t[fast].sim_us)}
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.case
+        return {
+            "case": c.name,
+            "mode": c.mode,
+            "tokens": c.batch.num_tokens,
+            "context": c.batch.context_lens[0] if c.batch.context_lens else 0,
+            "config": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(c.config).items()},
+            "timings": {k: v.to_dict() for k, v in self.timings.items()},
+            "gains_pct": self.gains(),
+            "wall_s": self.wall_s,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# The simulated half
+
+
+def simulate_case(case: CheckCase, profile: str = SIM_PROFILE) -> dict[str, Timing]:
+    """The case's four variants on the simulated device (meta tensors, the same model code)."""
+    config = case.config.with_(tensor_device="meta")
+    out: dict[str, Timing] = {}
+    for variant in VARIANTS:
+        ubatches = 2 if variant.startswith("dbo") else None
+        timing = Timing()
+        try:
+            times = simulate_step(config, case.batch, case.mode, profile=profile, num_ubatches=ubatches, graph=variant.endswith("graph"))
+            timing.sim_us = times.step_us
+        except Exception as error:  # noqa: BLE001 - reported in the table, the others still run
+            timing.error = f"sim: {type(error).__name__}: {error}"
+        out[variant] = timing
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The GPU half
+
+
+def _time_us(fn: Callable[[], Any], reps: int) -> list[float]:
+    """CUDA-event time of `fn` on the current stream, `reps` times (each synchronized)."""
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0)
+    return samples
+
+
+def measure_case(case: CheckCase, *, reps: int, warmup: int) -> dict[str, Timing]:
+    """The case's four variants on the GPU. The engine's life cycle: eager warm-up of both
+    schedules (the workspace grows to its largest need), lock, then time; graphs are captured
+    after the lock and replayed."""
+    device = dbo.CudaDevice()
+    model = MoEModel(case.config, case.batch)
+    x = model.inputs()
+    slices = split_batch(case.batch.query_start_loc, case.batch.num_tokens, 2)
+    reset_workspace_manager()
+    init_workspace_manager(device.torch_device, 2)
+    timings = {v: Timing() for v in VARIANTS}
+
+    def serial() -> None:
+        with dbo.use_device(device):
+            model.forward(x, None, mode=case.mode)
+
+    def ubatched(graph: Any = None) -> None:
+        dbo.run_ubatches(lambda s: model.forward(x[s.token_slice], s, mode=case.mode), slices, device=device, graph=graph)
+
+    try:
+        for _ in range(max(warmup, 1)):
+            serial()
+            ubatched()
+        torch.cuda.synchronize()
+        lock_workspace()
+        for variant, fn in (("serial-eager", serial), ("dbo-eager", ubatched)):
+            _run(timings[variant], lambda fn=fn: _time_us(fn, reps))
+        _run(timings["serial-graph"], lambda: _time_graph(device, _serial_capture(device, serial), reps, warmup))
+        _run(timings["dbo-graph"], lambda: _time_graph(device, ubatched, reps, warmup))
+    finally:
+        reset_workspace_manager()
+        del model, x
+        torch.cuda.empty_cache()
+    return timings
+
+
+def _run(timing: Timing, fn: Callable[[], list[float]]) -> None:
+    try:
+        timing.gpu_us = fn()
+    except Exception as error:  # noqa: BLE001 - one failed variant must not hide the others
+        timing.error = f"gpu: {type(error).__name__}: {error}"
+        traceback.print_exc(file=sys.stderr)
+
+
+def _serial_capture(device: Any, step: Callable[[], None]) -> Callable[[Any], None]:
+    """Capture the serial step on a side stream (the default stream cannot be captured)."""
+
+    def capture(graph: Any) -> None:
+        stream = device.Stream("capture")
+        stream.wait_stream(device.current_stream())
+        graph.capture_stream = stream
+        with graph, dbo.stream_context(stream):
+            step()
+        device.current_stream().wait_stream(stream)
+
+    return capture
+
+
+def _time_graph(device: Any, capture: Callable[[Any], None], reps: int, warmup: int) -> list[float]:
+    """Capture one step into a CUDA graph (`capture(graph)`: the DBO step passes it to
+    `run_ubatches(graph=...)`), then time replays of it."""
+    graph = device.graph()
+    capture(graph)
+    torch.cuda.synchronize()
+    for _ in range(max(warmup, 1)):
+        graph.replay()
+    return _time_us(graph.replay, reps)
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+
+
+def _ms(us: float | None) -> str:
+    return "-" if us is None or not math.isfinite(us) else f"{us / 1e3:.3f}"
+
+
+def format_case(result: CaseResult, gpu_name: str) -> str:
+    c = result.case
+    what = f"{c.name}: {c.batch.num_tokens} tokens" + (f", context {c.batch.context_lens[0]}" if c.batch.is_decode else "") + f", mode {c.mode}, {c.config.num_layers} layers"
+    lines = [f"{what} -- {gpu_name} vs simulated {SIM_PROFILE}"]
+    header = ("variant", "GPU ms (median)", "GPU min-max", "n", "sim ms", "sim/GPU")
+    rows = [header]
+    for v in VARIANTS:
+        t = result.timings[v]
+        spread = f"{_ms(min(t.gpu_us))}-{_ms(max(t.gpu_us))}" if t.gpu_us else "-"
+        rows.append((v, _ms(t.gpu_median_us), spread, str(len(t.gpu_us)), _ms(t.sim_us), "-" if t.ratio is None else f"{t.ratio:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
+    for label, g in result.gains().items():
+        lines.append(f"  {label.replace('_', ' ')}: GPU {_pct(g['gpu'])}, sim {_pct(g['sim'])}")
+    for v in VARIANTS:
+        if result.timings[v].error:
+            lines.append(f"  {v}: {result.timings[v].error}")
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1f}%"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m scenarios.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="gpu_check.json", help="JSON report path (default gpu_check.json)")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions per variant (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")
+    p.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
+    p.add_argument("--only", choices=["prefill", "decode"], help="run one case")
+    p.add_argument("--sim-only", action="store_true", help="the simulated half alone (no GPU needed)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.reps < 1 or args.warmup < 0 or args.layers < 1:
+        print("gpu_check: --reps and --layers must be >= 1, --warmup >= 0", file=sys.stderr)
+        return 2
+    on_gpu = not args.sim_only
+    if on_gpu and not torch.cuda.is_available():
+        print(f"gpu_check: {NO_GPU_MESSAGE}")
+        return 2
+    gpu_name = torch.cuda.get_device_name() if on_gpu else "no GPU (--sim-only)"
+    chosen = [c for c in cases(args.layers) if args.only in (None, c.name)]
+    results = []
+    failed = False
+    for case in chosen:
+        start = time.monotonic()
+        timings = simulate_case(case)
+        if on_gpu:
+            try:
+                measured = measure_case(case, reps=args.reps, warmup=args.warmup)
+            except Exception as error:  # noqa: BLE001 - e.g. out of memory: report and go on
+                traceback.print_exc(file=sys.stderr)
+                measured = {v: Timing(error=f"gpu: {type(error).__name__}: {error}") for v in VARIANTS}
+            for v in VARIANTS:
+                timings[v].gpu_us = measured[v].gpu_us
+                timings[v].error = "; ".join(e for e in (timings[v].error, measured[v].error) if e) or None
+        result = CaseResult(case, timings, time.monotonic() - start)
+        failed |= any(t.error for t in timings.values())
+        results.append(result)
+        print(format_case(result, gpu_name), flush=True)
+        print()
+    report = {
+        "gpu": gpu_name,
+        "sim_profile": SIM_PROFILE,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "host": platform.node(),
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "cases": [r.to_dict() for r in results],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
