@@ -69,14 +69,15 @@ class Scenario:
     run: Callable[[RunOptions], ScenarioResult]
     negative: bool = False
     default: bool = True
+    cuda: bool = False  # also meaningful on real CUDA streams (the rest need the simulator)
 
 
 SCENARIOS: dict[str, Scenario] = {}
 
 
-def scenario(name: str, summary: str, *, negative: bool = False, default: bool = True):
+def scenario(name: str, summary: str, *, negative: bool = False, default: bool = True, cuda: bool = False):
     def register(fn: Callable[[RunOptions], ScenarioResult]) -> Callable[[RunOptions], ScenarioResult]:
-        SCENARIOS[name] = Scenario(name, summary, fn, negative, default)
+        SCENARIOS[name] = Scenario(name, summary, fn, negative, default, cuda)
         return fn
 
     return register
@@ -139,19 +140,19 @@ TINY_DECODE = Batch.decode(num_requests=64, context_len=16)
 TINY_PREFILL = Batch(query_start_loc=(0, 40, 70, 128, 160), context_lens=(0, 0, 0, 0))
 
 
-@scenario("moe-decode-ll", "MoE decode, DeepEP low-latency style: recv hooks, 2 yields per layer")
+@scenario("moe-decode-ll", "MoE decode, DeepEP low-latency style: recv hooks, 2 yields per layer", cuda=True)
 def _moe_decode_ll(opts: RunOptions) -> ScenarioResult:
     c = compare_serial_dbo("moe-decode-ll", preset("tiny"), TINY_DECODE, "ll", opts)
     return _from_comparison("moe-decode-ll", c, mode="ll", tokens=TINY_DECODE.num_tokens)
 
 
-@scenario("moe-prefill-ht", "MoE prefill, DeepEP high-throughput style: comm stream, 3 yields per layer; a request is cut by the ubatch boundary")
+@scenario("moe-prefill-ht", "MoE prefill, DeepEP high-throughput style: comm stream, 3 yields per layer; a request is cut by the ubatch boundary", cuda=True)
 def _moe_prefill_ht(opts: RunOptions) -> ScenarioResult:
     c = compare_serial_dbo("moe-prefill-ht", preset("tiny"), TINY_PREFILL, "ht", opts)
     return _from_comparison("moe-prefill-ht", c, mode="ht", tokens=TINY_PREFILL.num_tokens)
 
 
-@scenario("three-ubatches", "The prefill workload split into 3 ubatches round the ring")
+@scenario("three-ubatches", "The prefill workload split into 3 ubatches round the ring", cuda=True)
 def _three_ubatches(opts: RunOptions) -> ScenarioResult:
     three = RunOptions(**{**opts.__dict__, "num_ubatches": 3})
     c = compare_serial_dbo("three-ubatches", preset("tiny"), TINY_PREFILL, "ht", three)
@@ -495,7 +496,7 @@ def _expect_failure(name: str, opts: RunOptions, fn: Callable[[int], Any], expec
     )
 
 
-@scenario("yield-mismatch", "Negative: one ubatch yields once more than the others; a YieldMismatchError must name every count", negative=True)
+@scenario("yield-mismatch", "Negative: one ubatch yields once more than the others; a YieldMismatchError must name every count", negative=True, cuda=True)
 def _yield_mismatch(opts: RunOptions) -> ScenarioResult:
     def fn(u: int) -> None:
         for _ in range(3 + (1 if u == 0 else 0)):
@@ -504,7 +505,7 @@ def _yield_mismatch(opts: RunOptions) -> ScenarioResult:
     return _expect_failure("yield-mismatch", opts, fn, dbo.YieldMismatchError, lambda e: all(f"ubatch {i}:" in str(e) for i in range(opts.num_ubatches)))
 
 
-@scenario("exception-in-ubatch", "Negative: the last ubatch raises mid-step; every peer is released and one UBatchError names it", negative=True)
+@scenario("exception-in-ubatch", "Negative: the last ubatch raises mid-step; every peer is released and one UBatchError names it", negative=True, cuda=True)
 def _exception_in_ubatch(opts: RunOptions) -> ScenarioResult:
     last = opts.num_ubatches - 1
 

@@ -87,10 +87,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from scenarios import distributed
 
     across_ranks = args.ranks > 1 or distributed.launched_by_torchrun()
-    names = args.names or [n for n in DEFAULT_SCENARIOS if not across_ranks or n in distributed.RANK_SCENARIOS]
+    names = args.names or [
+        n
+        for n in DEFAULT_SCENARIOS
+        if (not across_ranks or n in distributed.RANK_SCENARIOS) and (args.device == "sim" or SCENARIOS[n].cuda)
+    ]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         print(f"dbo-sim: unknown scenario(s) {', '.join(unknown)}; `python -m scenarios list` shows them", file=sys.stderr)
+        return 2
+    sim_only = [n for n in names if args.device != "sim" and not SCENARIOS[n].cuda]
+    if sim_only and not across_ranks:
+        print(f"dbo-sim: {', '.join(sim_only)} need the simulated device (race checker, graph replay or meta tensors); run them with --device sim", file=sys.stderr)
         return 2
     if args.ubatches < 2:
         print(f"dbo-sim: --ubatches must be >= 2, got {args.ubatches}", file=sys.stderr)

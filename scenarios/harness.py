@@ -161,6 +161,8 @@ def compare_serial_dbo(
     tolerance: float = 1e-9,
 ) -> Comparison:
     """The overlap-correctness check: same outputs, no race, and what the overlap buys."""
+    if opts.device != "sim" and config.tensor_device == "cpu":
+        config = config.with_(tensor_device=opts.device)  # real streams need the tensors there
     model = MoEModel(config, batch)
     x = model.inputs()
     serial = run_step(model, x, device=new_device(opts, config.tensor_device), num_ubatches=None, mode=mode, timeout_s=opts.timeout_s)
