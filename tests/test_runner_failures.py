@@ -172,3 +172,32 @@ def test_bad_arguments_are_reported_before_any_thread_starts(device):
     with pytest.raises(ValueError, match="device must be"):
         dbo.run_ubatches(lambda i: i, [0, 1], device="tpu")
     assert threading.active_count() >= 1 and _registries_empty()
+
+
+def test_ubatch_threads_are_reused_across_steps(device):
+    # A fresh thread per ubatch per step pays torch's per-thread CUDA set-up every step.
+    seen: list[set[int]] = []
+    for _ in range(3):
+        idents: set[int] = set()
+        dbo.run_ubatches(lambda i: idents.add(threading.get_ident()), [0, 1], device=device)
+        seen.append(idents)
+    assert len(seen[0]) == 2 and seen[0] == seen[1] == seen[2]
+
+
+def test_a_thread_stuck_past_the_timeout_is_never_reused(device):
+    stop = threading.Event()
+    stuck_ident: list[int] = []
+
+    def fn(i):
+        if i == 1:
+            stuck_ident.append(threading.get_ident())
+            stop.wait(30)
+
+    try:
+        with pytest.raises(dbo.UBatchTimeoutError):
+            dbo.run_ubatches(fn, [0, 1], device=device, timeout=0.3)
+        idents: set[int] = set()
+        dbo.run_ubatches(lambda i: idents.add(threading.get_ident()), [0, 1], device=device)
+        assert stuck_ident[0] not in idents
+    finally:
+        stop.set()
