@@ -75,11 +75,15 @@ class HardwareProfile:
     # Assumed to carry over to H100/H200/B200 (same NVLink protocol, same NIC).
     nvlink_efficiency: float = 0.8
     rdma_efficiency: float = 0.92
-    # Host and per-kernel costs (assumptions in the ranges the vLLM maintainers describe for
-    # eager decode being launch bound; adjust per machine).
-    launch_us: float = 5.0  # host time to launch one kernel eagerly (Python + CUDA launch)
+    # Host costs, measured on the lent H200's host (Python 3.12, torch 2.11+cu130, 2026-11-30,
+    # .calib scripts in the session notes): an eager torch op from Python costs 6.3 us of host
+    # time for a tiny elementwise kernel and 12-17 us for a cuBLAS mm, so 10 us is a typical
+    # model op; one dbo_yield between two ubatch threads costs 31-34 us (OS wake-up of the
+    # parked thread plus the GIL hand-over). They belong to the host, not the GPU: adjust per
+    # machine. kernel_fixed_us is an assumption.
+    launch_us: float = 10.0  # host time to launch one kernel eagerly (Python + CUDA launch)
     kernel_fixed_us: float = 2.5  # fixed device time of any kernel (ramp-up, tail, sync)
-    handoff_us: float = 10.0  # host time of one baton pass between ubatch threads
+    handoff_us: float = 30.0  # host time of one baton pass between ubatch threads
     graph_launch_us: float = 8.0  # host time of one CUDA graph launch (whole graph)
     # Communication. Latency is the fixed cost of one collective/dispatch kernel before bytes
     # flow (signalling, barriers): assumption, order of magnitude only.
