@@ -335,9 +335,10 @@ class UBatchContext:
             hook()
 
     def yield_(self) -> None:
-        self.current_stream = self.device.current_stream()
+        # vLLM saves the current stream here and restores it on resume. The current stream is
+        # per thread on every device (as in torch.cuda), so no peer can change it while this
+        # ubatch is parked: the save/restore pair would only cost time on every handoff.
         self._cpu_yield()
-        self.update_stream(self.current_stream)
 
     def yield_and_switch_from_compute_to_comm(self) -> None:
         self._expect_stream(self.compute_stream, "dbo_yield_and_switch_from_compute_to_comm")
