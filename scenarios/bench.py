@@ -64,6 +64,7 @@ from workspace import (
     lock_workspace,
     reset_workspace_manager,
 )
+from workspace.testing import record_allocations
 
 __all__ = [
     "BENCHMARKS",
@@ -511,23 +512,6 @@ def _storage_allocations(fn: Callable[[], Any]) -> int:
 
 
 @contextmanager
-def _count_allocate(manager: WorkspaceManager) -> Iterator[list[int]]:
-    """Count the manager's slot allocations (every one goes through `_allocate`)."""
-    original = manager._allocate
-    count = [0]
-
-    def counting(nbytes: int) -> torch.Tensor:
-        count[0] += 1
-        return original(nbytes)
-
-    manager._allocate = counting  # type: ignore[method-assign]
-    try:
-        yield count
-    finally:
-        manager._allocate = original  # type: ignore[method-assign]
-
-
-@contextmanager
 def _one_core() -> Iterator[int | None]:
     """Run the block's new threads on a single CPU (they inherit the creating thread's
     affinity); yields the CPU, or None where affinity cannot be set."""
@@ -603,7 +587,7 @@ def bench_allocations(plan: Plan) -> list[Figure]:
 
         return loop
 
-    with _count_allocate(ours) as count:
+    with record_allocations(ours) as count:
         run(ours)()
     figures = [
         Figure(
@@ -612,7 +596,7 @@ def bench_allocations(plan: Plan) -> list[Figure]:
             what=f"WorkspaceManager._allocate calls during {calls} x 3 locked fitting calls "
             f"(1, 3 and 8 tensors)",
             unit="count",
-            ours=Stats.exact(count[0]),
+            ours=Stats.exact(len(count)),
             targets=[Target("ours", "==", 0, "== 0")],
         )
     ]
@@ -655,12 +639,12 @@ def bench_growth(plan: Plan) -> list[Figure]:
     def ours_sample() -> float:
         manager = WorkspaceManager("cpu", 2)
         manager.get_simultaneous(((step,), torch.uint8))
-        with _count_allocate(manager) as count:
+        with record_allocations(manager) as count:
             start = time.perf_counter_ns()
             for shape in sizes:
                 manager.get_simultaneous(shape)
             elapsed = time.perf_counter_ns() - start
-        allocations.append(count[0])
+        allocations.append(len(count))
         return elapsed / len(sizes)
 
     def seed_sample() -> float:

@@ -21,6 +21,7 @@ from dbo.sim import SimDevice
 from dbo.split import split_batch
 from scenarios.harness import Comparison, RunOptions, compare_serial_dbo, new_device, write_artifacts, run_step
 from scenarios.model import Batch, MoEModel, preset
+from workspace.testing import record_allocations
 from workspace import (
     WorkspaceLockedError,
     current_workspace_manager,
@@ -282,46 +283,30 @@ def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
 
     def fn(u: int) -> torch.Tensor:
         ws = current_workspace_manager()
-        original = ws._allocate
-
-        def counting(nbytes: int) -> torch.Tensor:
-            allocations[phase[0]] += 1
-            return original(nbytes)
-
         if phase[0] == "profile":
             ws.get_simultaneous(((total_seq, head_dim), torch.float8_e4m3fn), ((total_seq, 4), torch.uint8), ((topk_ws,), torch.uint8))
             return torch.zeros(1)
-        ws._allocate = counting  # type: ignore[method-assign]
-        try:
-            k_fp8, k_scale = ws.get_simultaneous(((total_seq, head_dim), torch.float8_e4m3fn), ((total_seq, 4), torch.uint8))
-            for chunk in (40, total_seq):  # chunks slice the full-size buffers
-                k_fp8[:chunk].view(torch.uint8).fill_(u + 1)
-                k_scale[:chunk].fill_(u + 2)
-            outputs[u] = k_scale[:, 0].clone()  # consumed before the decode path reuses the slot
-            dbo.dbo_yield()
-            (topk,) = ws.get_simultaneous(((topk_ws,), torch.uint8))
-            topk.fill_(7)
-            aliases[u] = topk.data_ptr() == k_fp8.data_ptr()
-        finally:
-            ws._allocate = original  # type: ignore[method-assign]
+        k_fp8, k_scale = ws.get_simultaneous(((total_seq, head_dim), torch.float8_e4m3fn), ((total_seq, 4), torch.uint8))
+        for chunk in (40, total_seq):  # chunks slice the full-size buffers
+            k_fp8[:chunk].view(torch.uint8).fill_(u + 1)
+            k_scale[:chunk].fill_(u + 2)
+        outputs[u] = k_scale[:, 0].clone()  # consumed before the decode path reuses the slot
+        dbo.dbo_yield()
+        (topk,) = ws.get_simultaneous(((topk_ws,), torch.uint8))
+        topk.fill_(7)
+        aliases[u] = topk.data_ptr() == k_fp8.data_ptr()
         return torch.zeros(1)
 
     device = new_device(opts)
     reset_workspace_manager()
     init_workspace_manager(device.torch_device, opts.num_ubatches)
     manager = current_workspace_manager()
-    original = manager._allocate
-
-    def count_profile(nbytes: int) -> torch.Tensor:
-        allocations["profile"] += 1
-        return original(nbytes)
-
-    manager._allocate = count_profile  # type: ignore[method-assign]
-    dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s)
-    manager._allocate = original  # type: ignore[method-assign]
-    lock_workspace()
-    phase[0] = "run"
-    dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s)
+    for phase[0] in ("profile", "run"):
+        if phase[0] == "run":
+            lock_workspace()
+        with record_allocations(manager) as sizes:
+            dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s)
+        allocations[phase[0]] = len(sizes)
     checks = {
         "profile grew the workspace": allocations["profile"] >= opts.num_ubatches,
         "run allocated nothing": allocations["run"] == 0,

@@ -24,6 +24,7 @@ from dbo.sim.report import StepSummary, plot_timeline, summarize, write_chrome_t
 from dbo.split import split_batch
 from dbo.streams import Device, resolve_device
 from scenarios.model import Batch, MoEModel, ModelConfig
+from workspace.testing import record_allocations
 from workspace import (
     current_workspace_manager,
     init_workspace_manager,
@@ -82,19 +83,9 @@ def new_device(opts: RunOptions, tensor_device: str = "cpu") -> Device:
 
 def _count_allocations(fn: Callable[[], Any]) -> tuple[Any, int]:
     """Run fn, counting the workspace manager's slot allocations."""
-    manager = current_workspace_manager()
-    original = manager._allocate
-    count = [0]
-
-    def counting(nbytes: int) -> torch.Tensor:
-        count[0] += 1
-        return original(nbytes)
-
-    manager._allocate = counting  # type: ignore[method-assign]
-    try:
-        return fn(), count[0]
-    finally:
-        manager._allocate = original  # type: ignore[method-assign]
+    with record_allocations(current_workspace_manager()) as sizes:
+        result = fn()
+    return result, len(sizes)
 
 
 def run_step(
