@@ -182,10 +182,18 @@ def _dsv3_decode(opts: RunOptions) -> ScenarioResult:
 # The seed's workspace usage cases (6.1-6.4) under DBO
 
 
-def _ubatched(opts: RunOptions, fn: Callable[[int], Any], *, slots: int | None = None) -> tuple[SimDevice, list[Any]]:
-    device = new_device(opts)
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, slots or opts.num_ubatches)
+def _fresh(opts: RunOptions, *, watch_pointers: bool = False) -> tuple[Any, Any]:
+    """A new device and a new workspace manager with one slot per ubatch; with
+    `watch_pointers`, graph replay on the device checks the manager's slot pointers."""
+    device, manager = _fresh(opts)
+    if watch_pointers:
+        device.add_buffer_owner(manager)
+    return device, manager
+
+
+def _ubatched(opts: RunOptions, fn: Callable[[int], Any]) -> tuple[SimDevice, list[Any]]:
+    """Run `fn(ubatch id)` as one ubatched step on a fresh device and workspace."""
+    device, _ = _fresh(opts)
     outs = dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s)
     device.synchronize()
     return device, outs
@@ -297,10 +305,7 @@ def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
         aliases[u] = topk.data_ptr() == k_fp8.data_ptr()
         return torch.zeros(1)
 
-    device = new_device(opts)
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, opts.num_ubatches)
-    manager = current_workspace_manager()
+    device, manager = _fresh(opts)
     for phase[0] in ("profile", "run"):
         if phase[0] == "run":
             lock_workspace()
@@ -319,10 +324,7 @@ def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
 @scenario("mla-init-reservation", "Seed 6.4: a buffer reserved at init and held as an attribute; later calls alias it and never grow")
 def _mla_init(opts: RunOptions) -> ScenarioResult:
     max_tokens, heads, head_size = 64, 4, 32
-    device = new_device(opts)
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, opts.num_ubatches)
-    manager = current_workspace_manager()
+    device, manager = _fresh(opts)
 
     class FlashMLASparseLike:
         def __init__(self) -> None:
@@ -378,11 +380,7 @@ def _graph_step(opts: RunOptions, device: SimDevice, width: int) -> tuple[Any, l
 
 @scenario("graph-pointer-stability", "Seed section 8: warm up, capture, lock; replays reuse the captured workspace pointers and recompute from new inputs")
 def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
-    device = new_device(opts)
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, opts.num_ubatches)
-    manager = current_workspace_manager()
-    device.add_buffer_owner(manager)
+    device, manager = _fresh(opts, watch_pointers=True)
     graph, xs, w, outs = _graph_step(opts, device, width=16)
     lock_workspace()
     ok_values = True
@@ -404,11 +402,7 @@ def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
 def _elastic_ep(opts: RunOptions) -> ScenarioResult:
     from dbo.sim import GraphReplayError
 
-    device = new_device(opts)
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, opts.num_ubatches)
-    manager = current_workspace_manager()
-    device.add_buffer_owner(manager)
+    device, manager = _fresh(opts, watch_pointers=True)
     old_graph, *_ = _graph_step(opts, device, width=16)
     lock_workspace()
     capacity_before = manager.capacity
@@ -460,9 +454,7 @@ def _missing_wait(opts: RunOptions) -> ScenarioResult:
 
 
 def _expect_failure(name: str, opts: RunOptions, fn: Callable[[int], Any], expected: type[BaseException], check: Callable[[BaseException], bool]) -> ScenarioResult:
-    device = new_device(opts)
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, opts.num_ubatches)
+    device, _ = _fresh(opts)
     start = time.monotonic()
     caught: BaseException | None = None
     try:
