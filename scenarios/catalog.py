@@ -185,7 +185,10 @@ def _dsv3_decode(opts: RunOptions) -> ScenarioResult:
 def _fresh(opts: RunOptions, *, watch_pointers: bool = False) -> tuple[Any, Any]:
     """A new device and a new workspace manager with one slot per ubatch; with
     `watch_pointers`, graph replay on the device checks the manager's slot pointers."""
-    device, manager = _fresh(opts)
+    device = new_device(opts)
+    reset_workspace_manager()
+    init_workspace_manager(device.torch_device, opts.num_ubatches)
+    manager = current_workspace_manager()
     if watch_pointers:
         device.add_buffer_owner(manager)
     return device, manager
