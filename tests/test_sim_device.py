@@ -187,3 +187,43 @@ def test_many_threads_place_consistently() -> None:
     for s in streams:  # each stream's ops are in order and never overlap
         ops = [r for r in d.timeline if r.stream == s.name]
         assert all(a.end_us <= b.start_us for a, b in zip(ops, ops[1:]))
+
+
+@pytest.mark.timeout(30)
+def test_each_yield_and_exit_of_a_ubatched_step_costs_one_handoff_of_host_time() -> None:
+    """Two ubatches, one op (5 us) before and after a dbo_yield, launch 1 us, handoff 10 us:
+    the baton passes four times (two yields, two exits), each on the host clock."""
+    d = make()
+
+    def fn(u: int) -> None:
+        d.place_op(f"A{u}", 5.0)
+        dbo.dbo_yield()
+        d.place_op(f"B{u}", 5.0)
+
+    dbo.run_ubatches(fn, [0, 1], device=d)
+    got = [(r.name, r.ubatch, r.stream, r.issue_us, r.start_us, r.end_us) for r in d.timeline]
+    assert got == [
+        ("A0", 0, "compute", 0.0, 1.0, 6.0),
+        ("handoff", 0, "host", 1.0, 1.0, 11.0),
+        ("A1", 1, "compute", 11.0, 12.0, 17.0),  # launched after ubatch 0's handoff
+        ("handoff", 1, "host", 12.0, 12.0, 22.0),
+        ("B0", 0, "compute", 22.0, 23.0, 28.0),
+        ("handoff", 0, "host", 23.0, 23.0, 33.0),  # ubatch 0 exits: the baton moves on
+        ("B1", 1, "compute", 33.0, 34.0, 39.0),
+        ("handoff", 1, "host", 34.0, 34.0, 44.0),
+    ]
+    assert [r.kind for r in d.timeline if r.stream == "host"] == [HANDOFF] * 4
+
+
+def test_records_carry_the_device_rank() -> None:
+    d = SimDevice(ROUND, rank=3)
+    x = torch.ones(4)
+    with d.thread_scope(1):
+        x + x
+        d.synchronize()  # the host waits for the add: a sync record
+        d.on_handoff()
+    assert [(r.kind, r.rank, r.ubatch) for r in d.timeline] == [
+        ("compute", 3, 1),
+        (SYNC, 3, 1),
+        (HANDOFF, 3, 1),
+    ]

@@ -8,7 +8,9 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from dbo.sim import COMM, COMPUTE, GRAPH_LAUNCH, H200, GraphReplayError, SimDevice
+import dbo
+from dbo.sim import COMM, COMPUTE, GRAPH_LAUNCH, H200, HANDOFF, GraphReplayError, SimDevice
+from workspace import current_workspace_manager, init_workspace_manager, reset_workspace_manager
 
 ROUND = replace(
     H200, name="round", launch_us=1.0, kernel_fixed_us=2.0, handoff_us=10.0, graph_launch_us=3.0,
@@ -180,3 +182,77 @@ def test_graph_on_meta_tensors() -> None:
             b.add_(1)
     g.replay()
     assert len([r for r in d.timeline if r.replayed and r.kind == COMPUTE]) == 2
+
+
+def _two_ubatch_step(xs: list, w: torch.Tensor, outs: list):
+    """Each ubatch: its scratch from the workspace, a GEMM into it, a yield, then a scale."""
+
+    def fn(u: int) -> None:
+        (scratch,) = current_workspace_manager().get_simultaneous(((4, 4), torch.float32))
+        torch.mm(xs[u], w, out=scratch)
+        dbo.dbo_yield()
+        torch.mul(scratch, 2.0, out=outs[u])
+
+    return fn
+
+
+@pytest.fixture
+def two_slot_workspace():
+    reset_workspace_manager()
+    init_workspace_manager("cpu", 2)
+    yield current_workspace_manager()
+    reset_workspace_manager()
+
+
+@pytest.mark.timeout(30)
+def test_ubatched_step_captured_through_run_ubatches_replays_with_one_launch_and_no_handoffs(
+    two_slot_workspace,
+) -> None:
+    d = SimDevice(ROUND)
+    w = torch.randn(4, 4)
+    xs, outs = [torch.randn(4, 4) for _ in range(2)], [torch.empty(4, 4) for _ in range(2)]
+    fn = _two_ubatch_step(xs, w, outs)
+    dbo.run_ubatches(fn, [0, 1], device=d)  # warm-up: the workspace grows
+    d.synchronize()
+    eager = d.mark()
+    dbo.run_ubatches(fn, [0, 1], device=d)
+    d.synchronize()
+    eager_us = d.elapsed_us(eager)
+    assert sum(r.kind == HANDOFF for r in d.since(eager)) == 4  # two yields, two exits
+
+    g = d.graph()
+    dbo.run_ubatches(fn, [0, 1], device=d, graph=g)
+    d.synchronize()
+    for x in xs:
+        x.copy_(torch.randn(4, 4))
+    start = d.mark()
+    g.replay()
+    d.synchronize()
+    new = d.since(start)
+    ops = [r for r in new if r.kind == COMPUTE]
+    assert [r.kind for r in new if r.stream == "host"] == [GRAPH_LAUNCH, "sync"]
+    assert [(r.name, r.ubatch) for r in ops] == [
+        ("aten::mm", 0), ("aten::mm", 1), ("aten::mul", 0), ("aten::mul", 1),
+    ]  # fmt: skip
+    assert all(r.replayed and r.issue_us == start.host_us + ROUND.graph_launch_us for r in ops)
+    # one compute stream, no host gaps: the ops run back to back after the graph launch
+    assert d.elapsed_us(start) == pytest.approx(ROUND.graph_launch_us + sum(r.dur_us for r in ops))
+    assert d.elapsed_us(start) < eager_us  # the eager step paid 4 launches and 4 handoffs
+    for x, out in zip(xs, outs):
+        torch.testing.assert_close(out, (x @ w) * 2)
+
+
+@pytest.mark.timeout(30)
+def test_replay_after_workspace_growth_names_the_replaced_slot(two_slot_workspace) -> None:
+    d = SimDevice(ROUND)
+    d.add_buffer_owner(two_slot_workspace)
+    w = torch.randn(4, 4)
+    xs, outs = [torch.randn(4, 4) for _ in range(2)], [torch.empty(4, 4) for _ in range(2)]
+    fn = _two_ubatch_step(xs, w, outs)
+    dbo.run_ubatches(fn, [0, 1], device=d)
+    g = d.graph()
+    dbo.run_ubatches(fn, [0, 1], device=d, graph=g)
+    g.replay()  # the slots captured are still the live ones
+    two_slot_workspace.get_simultaneous(((1024,), torch.float32))  # growth replaces every slot
+    with pytest.raises(GraphReplayError, match=r"workspace slot 0 .*aten::mm \(ubatch 0"):
+        g.replay()
