@@ -8,7 +8,9 @@ import threading
 import pytest
 import torch
 
+import dbo
 from dbo.sim import RaceError, SimDevice
+from workspace import current_workspace_manager, init_workspace_manager, reset_workspace_manager
 
 
 def setup() -> tuple[SimDevice, object, object]:
@@ -227,3 +229,133 @@ def test_race_action_raise_and_meta_has_no_checker() -> None:
         m.set_stream(m.Stream("b"))
         t.fill_(2)
     assert m.races == []
+
+
+# -- the seeded bugs through the runtime and the real WorkspaceManager --------------------------
+
+
+@pytest.fixture
+def workspace2():
+    reset_workspace_manager()
+    init_workspace_manager("cpu", 2)
+    yield current_workspace_manager()
+    reset_workspace_manager()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_dbo_switch_to_comm_without_sync_races_with_the_compute_it_skipped(sync: bool) -> None:
+    d = SimDevice("h200")
+    bufs = [torch.zeros(64), torch.zeros(64)]
+
+    def fn(u: int) -> None:
+        bufs[u].add_(1.0)  # compute writes what the dispatch sends
+        (dbo.dbo_switch_to_comm_sync if sync else dbo.dbo_switch_to_comm)()
+        with dbo.current_device().comm_region("dispatch", nbytes=256, ep_size=8):
+            bufs[u].clone()
+        dbo.dbo_switch_to_compute_sync()
+
+    dbo.run_ubatches(fn, [0, 1], device=d)
+    if sync:
+        assert d.races == []
+    else:
+        assert [(r.first.op, r.first.ubatch, r.second.op, r.second.ubatch) for r in d.races] == [
+            ("aten::add_", 0, "comm::dispatch", 0),
+            ("aten::add_", 1, "comm::dispatch", 1),
+        ]
+
+
+def test_b_get_simultaneous_reissues_bytes_the_comm_stream_still_reads(workspace2) -> None:
+    d, compute, comm = setup()
+    with d.thread_scope(None):  # DBO off: slot 0
+        d.set_stream(compute)
+        (send,) = workspace2.get_simultaneous(((256,), torch.float32))
+        send.fill_(1.0)
+        e = compute.record_event()
+        d.set_stream(comm)
+        comm.wait_event(e)
+        with d.comm_region("dispatch", nbytes=1024, ep_size=8) as h:
+            send.clone()  # the comm stream reads the view
+        d.set_stream(compute)
+        (scratch,) = workspace2.get_simultaneous(((64,), torch.float32))  # offset 0 again
+        scratch.zero_()  # bug: no wait on the dispatch
+        compute.wait_event(h.event)
+        scratch.zero_()  # after the wait: fine
+    (race,) = d.races
+    assert (race.first.op, race.first.stream, race.first.is_write) == ("comm::dispatch", "comm", False)
+    assert (race.second.op, race.second.stream, race.second.is_write) == ("aten::zero_", "compute", True)
+    assert (race.second.start, race.second.end) == (0, 256) and race.first.end == 1024
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("shared", [False, True])
+def test_c_two_ubatches_served_one_slot_write_it_unordered(workspace2, monkeypatch, shared: bool) -> None:
+    """The prefill pattern on the one compute and one comm stream both ubatches share; the bug
+    seeded: the manager hands every ubatch slot 0."""
+    if shared:
+        monkeypatch.setattr("workspace.manager._current_ubatch_id", lambda: 0)
+    d = SimDevice("h200")
+    xs = [torch.randn(32), torch.randn(32)]
+    outs: list = [None, None]
+    slot_storages: set[int] = set()
+
+    def fn(u: int) -> None:
+        send, recv = current_workspace_manager().get_simultaneous(((32,), torch.float32), ((32,), torch.float32))
+        slot_storages.add(send.untyped_storage()._cdata)
+        send.copy_(xs[u])
+        dbo.dbo_yield_and_switch_from_compute_to_comm()
+        with dbo.current_device().comm_region("dispatch", nbytes=128, ep_size=8):
+            recv.copy_(send)  # the comm stream reads send, writes recv
+        dbo.dbo_yield_and_switch_from_comm_to_compute()
+        recv.mul_(2.0)
+        outs[u] = recv.clone()
+
+    dbo.run_ubatches(fn, [0, 1], device=d)
+    if not shared:
+        assert d.races == []
+        assert all(torch.equal(o, x * 2) for o, x in zip(outs, xs))
+        return
+    (slot0,) = slot_storages  # both ubatches were served the one slot
+    assert d.races and all(r.storage == slot0 for r in d.races)
+    assert all({r.first.ubatch, r.second.ubatch} == {0, 1} for r in d.races)
+    both_write = [r for r in d.races if r.first.is_write and r.second.is_write]
+    assert both_write, [r.describe() for r in d.races]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("waits_first", [False, True])
+def test_d_registered_recv_hook_that_reads_before_the_arrival_event(waits_first: bool) -> None:
+    """Low-latency combine: the next ubatch runs the recv hook; a hook that reads the received
+    rows before waiting on their arrival event races with the transfer on the link."""
+    d = SimDevice("h200")
+    srcs = [torch.randn(16), torch.randn(16)]
+    recvs = [torch.zeros(16), torch.zeros(16)]
+    got: list = [None, None]
+
+    def fn(u: int) -> None:
+        dbo.dbo_maybe_run_recv_hook()
+        with dbo.current_device().comm_region("combine", nbytes=64, mode="ll", ep_size=16) as h:
+            recvs[u].copy_(srcs[u])  # arrives over the link track
+
+        def hook() -> None:
+            stream = dbo.current_stream()
+            if waits_first:
+                stream.wait_event(h.event)
+            got[u] = recvs[u] + 1.0
+            if not waits_first:
+                stream.wait_event(h.event)
+
+        dbo.dbo_register_recv_hook(hook)
+        dbo.dbo_yield()
+        dbo.dbo_maybe_run_recv_hook()
+
+    dbo.run_ubatches(fn, [0, 1], device=d)
+    if waits_first:
+        assert d.races == []
+    else:
+        assert len(d.races) == 2
+        for race, u in zip(d.races, (0, 1)):
+            assert (race.first.op, race.first.stream, race.first.is_write) == ("comm::combine", "link", True)
+            assert (race.second.op, race.second.is_write) == ("aten::add", False)
+            assert race.first.ubatch == u and race.second.ubatch == 1 - u  # the peer runs the hook
+    assert all(torch.equal(g, s + 1.0) for g, s in zip(got, srcs))
