@@ -1,4 +1,5 @@
-"""Tests for dbo.sim reports (summary, Chrome trace, PNG timeline), from hand-made records only."""
+"""Tests for dbo.sim reports (summary, Chrome trace, PNG timeline): from hand-made records, and
+one trace of a ubatched step run on the simulated device."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import json
 import math
 
 import pytest
+import torch
 
+import dbo
+from dbo.sim import SimDevice
 from dbo.sim.records import COMM, COMPUTE, HANDOFF, SYNC, OpRecord, OpSite, RaceReport
 from dbo.sim.report import (
     StepSummary,
@@ -349,6 +353,35 @@ def test_merge_traces_keys_processes_by_record_rank():
 def test_merge_traces_rejects_the_same_rank_in_two_lists():
     with pytest.raises(ValueError, match="rank 0"):
         merge_traces([[op(COMPUTE, 0, 1)], [op(COMPUTE, 0, 1)]])
+
+
+@pytest.mark.timeout(30)
+def test_trace_of_a_simulated_ubatched_step_has_a_track_per_stream_and_ubatch_ids(tmp_path):
+    d = SimDevice("h200", rank=2)
+    xs = [torch.randn(16), torch.randn(16)]
+
+    def fn(u: int) -> None:
+        y = xs[u] * 2
+        dbo.dbo_yield_and_switch_from_compute_to_comm()
+        with dbo.current_device().comm_region("dispatch", nbytes=64, ep_size=8):
+            y.clone()
+        dbo.dbo_yield_and_switch_from_comm_to_compute()
+
+    dbo.run_ubatches(fn, [0, 1], device=d)
+    path = write_chrome_trace(tmp_path / "step.json", d.timeline, races=d.races)
+    trace = json.loads(path.read_text())
+    (proc,) = [e for e in _events(trace, "M") if e["name"] == "process_name"]
+    assert proc["args"]["name"] == "rank 2"
+    assert _thread_names(trace, proc["pid"]) == ["host", "compute", "comm"]
+    names = {
+        e["tid"]: e["args"]["name"] for e in _events(trace, "M") if e["name"] == "thread_name"
+    }
+    seen = {(names[e["tid"]], e["name"], e["args"]["ubatch"]) for e in _events(trace, "X")}
+    for u in (0, 1):
+        assert ("compute", "aten::mul", u) in seen
+        assert ("comm", "comm::dispatch", u) in seen
+        assert ("host", "handoff", u) in seen
+    assert all(e["args"]["rank"] == 2 for e in _events(trace, "X"))
 
 
 # --- PNG timeline --------------------------------------------------------------------------------
