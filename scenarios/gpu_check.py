@@ -14,6 +14,16 @@ permutations (index_select / index_add on the GPU), which the simulator costs as
 the bytes they move. With several GPUs the same model runs over NCCL (`dbo.comm`), which this
 check does not do.
 
+The simulated half also reports the host time each variant took to issue ("sim host ms"):
+where it is below the simulated step, the simulated host stays ahead of the device and graph
+replay (which removes the per-op launch and baton costs) cannot shorten the step, so eager
+and replayed times coincide. A GPU whose eager step is much slower than its replay is
+host-bound beyond the profile's host costs.
+
+The GPU half is device-agnostic up to three CUDA calls (`dbo.CudaDevice()`, CUDA-event timing,
+`torch.cuda.empty_cache`): `measure_case(..., device=SimDevice(), timer=virtual_timer(d))`
+runs the same warm-up, lock, capture and replay sequence on a CPU, which the tests do.
+
     python -m scenarios.gpu_check [--out gpu_check.json] [--reps 10] [--warmup 3] [--layers 8]
     python -m scenarios.gpu_check --sim-only      # the simulated half alone (any machine)
 
@@ -43,7 +53,7 @@ from scenarios.fidelity import simulate_step
 from scenarios.model import Batch, ModelConfig, MoEModel
 from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
 
-__all__ = ["CheckCase", "Timing", "CaseResult", "cases", "simulate_case", "measure_case", "format_case", "main"]
+__all__ = ["CheckCase", "Timing", "CaseResult", "cases", "simulate_case", "measure_case", "virtual_timer", "format_case", "main"]
 
 NO_GPU_MESSAGE = "no CUDA GPU present: nothing to measure (the simulated half runs with --sim-only)"
 VARIANTS = ("serial-eager", "dbo-eager", "serial-graph", "dbo-graph")
@@ -90,6 +100,8 @@ class Timing:
 
     gpu_us: list[float] = field(default_factory=list)
     sim_us: float | None = None
+    sim_host_us: float | None = None  # host time the simulated step took to issue
+    sim_host_bound: float | None = None  # share of the simulated step with the device idle
     error: str | None = None
 
     @property
@@ -109,6 +121,8 @@ class Timing:
             "gpu_min_us": min(self.gpu_us) if self.gpu_us else None,
             "gpu_max_us": max(self.gpu_us) if self.gpu_us else None,
             "sim_us": self.sim_us,
+            "sim_host_us": self.sim_host_us,
+            "sim_host_bound_fraction": self.sim_host_bound,
             "sim_over_gpu": self.ratio,
             "error": self.error,
         }
@@ -160,6 +174,8 @@ def simulate_case(case: CheckCase, profile: str = SIM_PROFILE) -> dict[str, Timi
         try:
             times = simulate_step(config, case.batch, case.mode, profile=profile, num_ubatches=ubatches, graph=variant.endswith("graph"))
             timing.sim_us = times.step_us
+            timing.sim_host_us = times.host_us
+            timing.sim_host_bound = times.host_bound_fraction
         except Exception as error:  # noqa: BLE001 - reported in the table, the others still run
             timing.error = f"sim: {type(error).__name__}: {error}"
         out[variant] = timing
@@ -184,11 +200,33 @@ def _time_us(fn: Callable[[], Any], reps: int) -> list[float]:
     return samples
 
 
-def measure_case(case: CheckCase, *, reps: int, warmup: int) -> dict[str, Timing]:
+Timer = Callable[[Callable[[], Any], int], "list[float]"]
+
+
+def virtual_timer(device: Any) -> Timer:
+    """A `measure_case` timer on a `SimDevice`: each sample is the virtual time of one call,
+    from the host's synchronized start to the end of the last work it issued."""
+
+    def time_us(fn: Callable[[], Any], reps: int) -> list[float]:
+        samples = []
+        for _ in range(reps):
+            device.synchronize()
+            mark = device.mark()
+            fn()
+            device.synchronize()
+            samples.append(device.elapsed_us(mark))
+        return samples
+
+    return time_us
+
+
+def measure_case(case: CheckCase, *, reps: int, warmup: int, device: Any = None, timer: Timer | None = None) -> dict[str, Timing]:
     """The case's four variants on the GPU. The engine's life cycle: eager warm-up of both
     schedules (the workspace grows to its largest need), lock, then time; graphs are captured
-    after the lock and replayed."""
-    device = dbo.CudaDevice()
+    after the lock and replayed. `device` (default `dbo.CudaDevice()`) and `timer` (default
+    CUDA events) exist so the same sequence can run on a `SimDevice` without a GPU."""
+    device = dbo.CudaDevice() if device is None else device
+    timer = _time_us if timer is None else timer
     model = MoEModel(case.config, case.batch)
     x = model.inputs()
     slices = split_batch(case.batch.query_start_loc, case.batch.num_tokens, 2)
@@ -197,7 +235,7 @@ def measure_case(case: CheckCase, *, reps: int, warmup: int) -> dict[str, Timing
     timings = {v: Timing() for v in VARIANTS}
 
     def serial() -> None:
-        with dbo.use_device(device):
+        with dbo.use_device(device), device.thread_scope(None):
             model.forward(x, None, mode=case.mode)
 
     def ubatched(graph: Any = None) -> None:
@@ -207,16 +245,17 @@ def measure_case(case: CheckCase, *, reps: int, warmup: int) -> dict[str, Timing
         for _ in range(max(warmup, 1)):
             serial()
             ubatched()
-        torch.cuda.synchronize()
+        device.synchronize()
         lock_workspace()
         for variant, fn in (("serial-eager", serial), ("dbo-eager", ubatched)):
-            _run(timings[variant], lambda fn=fn: _time_us(fn, reps))
-        _run(timings["serial-graph"], lambda: _time_graph(device, _serial_capture(device, serial), reps, warmup))
-        _run(timings["dbo-graph"], lambda: _time_graph(device, ubatched, reps, warmup))
+            _run(timings[variant], lambda fn=fn: timer(fn, reps))
+        _run(timings["serial-graph"], lambda: _time_graph(device, _serial_capture(device, serial), reps, warmup, timer))
+        _run(timings["dbo-graph"], lambda: _time_graph(device, ubatched, reps, warmup, timer))
     finally:
         reset_workspace_manager()
         del model, x
-        torch.cuda.empty_cache()
+        if device.torch_device.type == "cuda":
+            torch.cuda.empty_cache()
     return timings
 
 
@@ -242,15 +281,15 @@ def _serial_capture(device: Any, step: Callable[[], None]) -> Callable[[Any], No
     return capture
 
 
-def _time_graph(device: Any, capture: Callable[[Any], None], reps: int, warmup: int) -> list[float]:
+def _time_graph(device: Any, capture: Callable[[Any], None], reps: int, warmup: int, timer: Timer = _time_us) -> list[float]:
     """Capture one step into a CUDA graph (`capture(graph)`: the DBO step passes it to
     `run_ubatches(graph=...)`), then time replays of it."""
     graph = device.graph()
     capture(graph)
-    torch.cuda.synchronize()
+    device.synchronize()
     for _ in range(max(warmup, 1)):
         graph.replay()
-    return _time_us(graph.replay, reps)
+    return timer(graph.replay, reps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,20 +304,30 @@ def format_case(result: CaseResult, gpu_name: str) -> str:
     c = result.case
     what = f"{c.name}: {c.batch.num_tokens} tokens" + (f", context {c.batch.context_lens[0]}" if c.batch.is_decode else "") + f", mode {c.mode}, {c.config.num_layers} layers"
     lines = [f"{what} -- {gpu_name} vs simulated {SIM_PROFILE}"]
-    header = ("variant", "GPU ms (median)", "GPU min-max", "n", "sim ms", "sim/GPU")
+    header = ("variant", "GPU ms (median)", "GPU min-max", "n", "sim ms", "sim host ms", "sim/GPU")
     rows = [header]
     for v in VARIANTS:
         t = result.timings[v]
         spread = f"{_ms(min(t.gpu_us))}-{_ms(max(t.gpu_us))}" if t.gpu_us else "-"
-        rows.append((v, _ms(t.gpu_median_us), spread, str(len(t.gpu_us)), _ms(t.sim_us), "-" if t.ratio is None else f"{t.ratio:.2f}"))
+        rows.append((v, _ms(t.gpu_median_us), spread, str(len(t.gpu_us)), _ms(t.sim_us), _ms(t.sim_host_us), "-" if t.ratio is None else f"{t.ratio:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
     for label, g in result.gains().items():
         lines.append(f"  {label.replace('_', ' ')}: GPU {_pct(g['gpu'])}, sim {_pct(g['sim'])}")
+    ahead = [v for v in ("serial-eager", "dbo-eager") if _device_bound(result.timings[v])]
+    if ahead:
+        lines.append(
+            f"  sim: {' and '.join(ahead)} issued within the simulated step (host ms < sim ms): the "
+            f"simulated host stays ahead of the device, so replay has no launch time to remove"
+        )
     for v in VARIANTS:
         if result.timings[v].error:
             lines.append(f"  {v}: {result.timings[v].error}")
     return "\n".join(lines)
+
+
+def _device_bound(t: Timing) -> bool:
+    return t.sim_us is not None and t.sim_host_us is not None and t.sim_host_us < t.sim_us
 
 
 def _pct(value: float | None) -> str:

@@ -198,6 +198,25 @@ def test_cli_fidelity_quick_json(capsys) -> None:
         assert {"what", "published", "simulated", "delta", "target", "met", "assumptions", "source"} <= set(r)
 
 
+def test_a_launch_bound_eager_step_is_host_bound_and_its_replay_is_not() -> None:
+    """The vLLM observation's second effect on a step whose kernels are shorter than their
+    launches: eager DBO decode is host-bound, the same step replayed as a graph is not."""
+    config = gpu_check.cases(2)[1].config.with_(hidden=256, num_heads=4, head_dim=64, num_experts=8, top_k=2, moe_inter=128)
+    batch = Batch.decode(16, 64)
+    eager = fidelity.simulate_step(config, batch, "ll", profile="h200", num_ubatches=2, graph=False)
+    replayed = fidelity.simulate_step(config, batch, "ll", profile="h200", num_ubatches=2, graph=True)
+    assert eager.host_bound_fraction > 0.5 and eager.host_us == pytest.approx(eager.step_us)
+    assert replayed.host_bound_fraction < 0.1 and replayed.host_us == SimDevice("h200").profile.graph_launch_us
+    assert replayed.step_us < eager.step_us / 2
+    assert replayed.num_ops == eager.num_ops  # the same kernels, without their launches
+
+
+def test_quick_report_shows_graphs_removing_the_eager_host_bound_time(quick_report: fidelity.FidelityReport) -> None:
+    eager, replayed = quick_report.extra["eager"], quick_report.extra["replayed"]
+    assert eager["host_bound_fraction"] > 0.1 > replayed["host_bound_fraction"]
+    assert replayed["step_us"] < eager["step_us"]
+
+
 # -- the GPU check's CPU half ----------------------------------------------------------------------
 
 
@@ -222,6 +241,38 @@ def test_gpu_check_configs_and_arguments() -> None:
     args = gpu_check.build_parser().parse_args(["--reps", "5", "--only", "decode", "--out", "x.json"])
     assert (args.reps, args.only, args.out, args.sim_only) == (5, "decode", "x.json", False)
     assert gpu_check.main(["--reps", "0", "--sim-only"]) == 2
+
+
+@pytest.mark.parametrize("mode", ["ht", "ll"])
+def test_gpu_check_measurement_sequence_runs_on_the_simulated_device(mode: str) -> None:
+    """The GPU half up to its CUDA calls: warm-up, lock, eager timing, capture of the serial
+    step on a side stream and of the ubatched step through run_ubatches, replays."""
+    batch = TINY_PREFILL if mode == "ht" else TINY_DECODE
+    case = gpu_check.CheckCase(mode, preset("tiny"), batch, mode)
+    d = SimDevice("h200")
+    timings = gpu_check.measure_case(case, reps=2, warmup=1, device=d, timer=gpu_check.virtual_timer(d))
+    assert set(timings) == set(gpu_check.VARIANTS)
+    for variant, t in timings.items():
+        assert t.error is None and len(t.gpu_us) == 2 and min(t.gpu_us) > 0, (variant, t)
+    # a tiny step is launch bound on the simulated host: a replay (no launches, no handoffs)
+    # is faster than the same step run eagerly
+    assert timings["serial-graph"].gpu_median_us < timings["serial-eager"].gpu_median_us
+    assert timings["dbo-graph"].gpu_median_us < timings["dbo-eager"].gpu_median_us
+    assert d.races == []
+
+
+def test_gpu_check_reports_the_simulated_host_time_and_says_when_it_stays_ahead(tmp_path, capsys) -> None:
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--sim-only", "--layers", "1", "--only", "decode", "--out", str(out)]) == 0
+    timings = json.loads(out.read_text())["cases"][0]["timings"]
+    for variant in ("serial-graph", "dbo-graph"):  # a replay costs the host one graph launch
+        assert timings[variant]["sim_host_us"] == SimDevice("h200").profile.graph_launch_us
+    for variant in ("serial-eager", "dbo-eager"):
+        t = timings[variant]
+        assert t["sim_host_us"] > 10 * timings["dbo-graph"]["sim_host_us"]
+        # this case's host issues faster than the device runs: eager and replay coincide
+        assert t["sim_host_us"] < t["sim_us"] and t["sim_host_bound_fraction"] < 0.05
+    assert "simulated host stays ahead of the device" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the check would run")
