@@ -19,7 +19,15 @@ import dbo
 from dbo import ubatching
 from dbo.sim import SimDevice
 from dbo.split import split_batch
-from scenarios.harness import Comparison, RunOptions, compare_serial_dbo, new_device, write_artifacts, run_step
+from scenarios.harness import (
+    Comparison,
+    RunOptions,
+    StepRun,
+    compare_serial_dbo,
+    new_device,
+    run_step,
+    write_artifacts,
+)
 from scenarios.model import Batch, MoEModel, preset
 from workspace.testing import record_allocations
 from workspace import (
@@ -92,7 +100,9 @@ def run_scenario(name: str, opts: RunOptions) -> ScenarioResult:
     try:
         result = SCENARIOS[name].run(opts)
     except Exception as error:  # noqa: BLE001 - reported as the verdict
-        result = ScenarioResult(name, passed=False, negative=SCENARIOS[name].negative, error=f"{type(error).__name__}: {error}")
+        result = ScenarioResult(
+            name, passed=False, negative=SCENARIOS[name].negative, error=f"{type(error).__name__}: {error}"
+        )
     finally:
         reset_workspace_manager()
     result.wall_s = time.monotonic() - start
@@ -147,7 +157,12 @@ def _moe_decode_ll(opts: RunOptions) -> ScenarioResult:
     return _from_comparison("moe-decode-ll", c, mode="ll", tokens=TINY_DECODE.num_tokens)
 
 
-@scenario("moe-prefill-ht", "MoE prefill, DeepEP high-throughput style: comm stream, 3 yields per layer; a request is cut by the ubatch boundary", cuda=True)
+@scenario(
+    "moe-prefill-ht",
+    "MoE prefill, DeepEP high-throughput style: comm stream, 3 yields per layer; a request is cut by "
+    "the ubatch boundary",
+    cuda=True,
+)
 def _moe_prefill_ht(opts: RunOptions) -> ScenarioResult:
     c = compare_serial_dbo("moe-prefill-ht", preset("tiny"), TINY_PREFILL, "ht", opts)
     return _from_comparison("moe-prefill-ht", c, mode="ht", tokens=TINY_PREFILL.num_tokens)
@@ -166,13 +181,17 @@ DSV3_PREFILL = Batch.prefill(num_requests=2, prompt_len=4096)  # 8K tokens per d
 DSV3_DECODE = Batch.decode(num_requests=256, context_len=2048)  # 256 tokens per device
 
 
-@scenario("dsv3-prefill-ht", "DeepSeek-V3 size (meta, timing only), prefill 8K tokens per device, high-throughput EP")
+@scenario(
+    "dsv3-prefill-ht", "DeepSeek-V3 size (meta, timing only), prefill 8K tokens per device, high-throughput EP"
+)
 def _dsv3_prefill(opts: RunOptions) -> ScenarioResult:
     c = compare_serial_dbo("dsv3-prefill-ht", preset("deepseek-v3"), DSV3_PREFILL, "ht", opts)
     return _from_comparison("dsv3-prefill-ht", c, mode="ht", tokens=DSV3_PREFILL.num_tokens)
 
 
-@scenario("dsv3-decode-ll", "DeepSeek-V3 size (meta, timing only), decode 256 tokens per device, low-latency EP")
+@scenario(
+    "dsv3-decode-ll", "DeepSeek-V3 size (meta, timing only), decode 256 tokens per device, low-latency EP"
+)
 def _dsv3_decode(opts: RunOptions) -> ScenarioResult:
     c = compare_serial_dbo("dsv3-decode-ll", preset("deepseek-v3"), DSV3_DECODE, "ll", opts)
     return _from_comparison("dsv3-decode-ll", c, mode="ll", tokens=DSV3_DECODE.num_tokens)
@@ -202,22 +221,37 @@ def _ubatched(opts: RunOptions, fn: Callable[[int], Any]) -> tuple[SimDevice, li
     return device, outs
 
 
-def _case_result(name: str, device: Any, checks: dict[str, bool], opts: RunOptions, **details: Any) -> ScenarioResult:
+def _with_artifacts(result: ScenarioResult, device: Any, opts: RunOptions) -> ScenarioResult:
+    """Write the device's timeline (whatever ran, up to a caught fault) as the scenario's trace
+    and PNG, when there is an output folder and the device kept a timeline (the simulator)."""
+    records = list(getattr(device, "timeline", []))
+    if opts.out_dir is not None and records:
+        run = StepRun(torch.empty(0), 0.0, None, records, list(getattr(device, "races", [])))
+        result.trace, result.timeline_png = write_artifacts(result.scenario, run, opts.out_dir)
+    return result
+
+
+def _case_result(
+    name: str, device: Any, checks: dict[str, bool], opts: RunOptions, **details: Any
+) -> ScenarioResult:
+    """The verdict of a workspace case: every named check holds and nothing raced."""
     races = list(getattr(device, "races", []))
     failed = [k for k, ok in checks.items() if not ok]
-    passed = not failed and not races
     error = None
     if failed:
         error = "failed: " + ", ".join(failed)
     elif races:
         error = races[0].describe()
-    result = ScenarioResult(name, passed=passed, outputs_match=checks.get("outputs match"), races=len(races), error=error, workspace_peak_bytes=current_workspace_manager().stats().peak_bytes, details={**details, "checks": checks})
-    if opts.out_dir is not None and getattr(device, "timeline", None):
-        from scenarios.harness import StepRun
-
-        run = StepRun(torch.empty(0), 0.0, None, list(device.timeline), races)
-        result.trace, result.timeline_png = write_artifacts(name, run, opts.out_dir)
-    return result
+    result = ScenarioResult(
+        name,
+        passed=not failed and not races,
+        outputs_match=checks.get("outputs match"),
+        races=len(races),
+        error=error,
+        workspace_peak_bytes=current_workspace_manager().stats().peak_bytes,
+        details={**details, "checks": checks},
+    )
+    return _with_artifacts(result, device, opts)
 
 
 @scenario("dcp-attention", "Seed 6.1: two DCP attention buffers from two calls alias, per ubatch slot")
@@ -229,7 +263,8 @@ def _dcp_attention(opts: RunOptions) -> ScenarioResult:
     ptrs: dict[int, tuple[int, int]] = {}
 
     def attend(qq: torch.Tensor, kk: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        out.copy_(torch.einsum("nhm,mhd->nhd", torch.einsum("nhd,mhd->nhm", qq, kk).softmax(-1), kk))
+        scores = torch.einsum("nhd,mhd->nhm", qq, kk).softmax(-1)
+        out.copy_(torch.einsum("nhm,mhd->nhd", scores, kk))
         return out
 
     def fn(u: int) -> torch.Tensor:
@@ -243,7 +278,13 @@ def _dcp_attention(opts: RunOptions) -> ScenarioResult:
         return query + context
 
     device, outs = _ubatched(opts, fn)
-    expected = [attend(q[u] * 2, k[u], torch.empty(n, heads, dim, dtype=torch.float64)) + attend(q[u], k[u], torch.empty(n, heads, dim, dtype=torch.float64)).sum() for u in range(opts.num_ubatches)]
+
+    def fresh() -> torch.Tensor:
+        return torch.empty(n, heads, dim, dtype=torch.float64)
+
+    expected = [
+        attend(q[u] * 2, k[u], fresh()) + attend(q[u], k[u], fresh()).sum() for u in range(opts.num_ubatches)
+    ]
     checks = {
         "two calls alias within a ubatch": all(a == b for a, b in ptrs.values()),
         "ubatch slots are distinct": len({a for a, _ in ptrs.values()}) == opts.num_ubatches,
@@ -252,7 +293,10 @@ def _dcp_attention(opts: RunOptions) -> ScenarioResult:
     return _case_result("dcp-attention", device, checks, opts)
 
 
-@scenario("fused-moe-workspace", "Seed 6.2: one call gives a shared region (workspace13 / fused_out views) and an independent workspace2")
+@scenario(
+    "fused-moe-workspace",
+    "Seed 6.2: one call gives a shared region (workspace13 / fused_out views) and an independent workspace2",
+)
 def _fused_moe(opts: RunOptions) -> ScenarioResult:
     m, hidden, inter = 32, 48, 64
     gen = torch.Generator().manual_seed(1)
@@ -263,7 +307,9 @@ def _fused_moe(opts: RunOptions) -> ScenarioResult:
 
     def fn(u: int) -> torch.Tensor:
         shared_elems = max(m * inter, m * hidden)
-        common, workspace2 = current_workspace_manager().get_simultaneous(((shared_elems,), torch.float64), ((m, inter), torch.float64))
+        common, workspace2 = current_workspace_manager().get_simultaneous(
+            ((shared_elems,), torch.float64), ((m, inter), torch.float64)
+        )
         workspace13 = common[: m * inter].view(m, inter)
         fused_out = common[: m * hidden].view(m, hidden)
         torch.mm(xs[u], w1, out=workspace13)  # cache1
@@ -280,11 +326,16 @@ def _fused_moe(opts: RunOptions) -> ScenarioResult:
     device, outs = _ubatched(opts, fn)
     expected = [torch.nn.functional.silu(x @ w1) @ w2 for x in xs]
     checks = {k: all(r[k] for r in relations.values()) for k in next(iter(relations.values()))}
-    checks["outputs match"] = all(torch.allclose(o, e, rtol=0, atol=1e-9) for o, e in zip(outs, expected))
+    checks["outputs match"] = all(
+        torch.allclose(o, e, rtol=0, atol=1e-9) for o, e in zip(outs, expected)
+    )
     return _case_result("fused-moe-workspace", device, checks, opts)
 
 
-@scenario("sparse-indexer", "Seed 6.3: a profile call reserves three buffers; prefill and decode calls then allocate nothing")
+@scenario(
+    "sparse-indexer",
+    "Seed 6.3: a profile call reserves three buffers; prefill and decode calls then allocate nothing",
+)
 def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
     total_seq, head_dim, topk_ws = 96, 32, 4096
     allocations = {"profile": 0, "run": 0}
@@ -295,9 +346,15 @@ def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
     def fn(u: int) -> torch.Tensor:
         ws = current_workspace_manager()
         if phase[0] == "profile":
-            ws.get_simultaneous(((total_seq, head_dim), torch.float8_e4m3fn), ((total_seq, 4), torch.uint8), ((topk_ws,), torch.uint8))
+            ws.get_simultaneous(
+                ((total_seq, head_dim), torch.float8_e4m3fn),
+                ((total_seq, 4), torch.uint8),
+                ((topk_ws,), torch.uint8),
+            )
             return torch.zeros(1)
-        k_fp8, k_scale = ws.get_simultaneous(((total_seq, head_dim), torch.float8_e4m3fn), ((total_seq, 4), torch.uint8))
+        k_fp8, k_scale = ws.get_simultaneous(
+            ((total_seq, head_dim), torch.float8_e4m3fn), ((total_seq, 4), torch.uint8)
+        )
         for chunk in (40, total_seq):  # chunks slice the full-size buffers
             k_fp8[:chunk].view(torch.uint8).fill_(u + 1)
             k_scale[:chunk].fill_(u + 2)
@@ -315,16 +372,21 @@ def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
         with record_allocations(manager) as sizes:
             dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s)
         allocations[phase[0]] = len(sizes)
+    every_ubatch = len(outputs) == len(aliases) == opts.num_ubatches
     checks = {
         "profile grew the workspace": allocations["profile"] >= opts.num_ubatches,
         "run allocated nothing": allocations["run"] == 0,
-        "each ubatch kept its own scale buffer": len(outputs) == opts.num_ubatches and all(bool((outputs[u] == u + 2).all()) for u in outputs),
-        "decode topk workspace aliases the prefill key buffer": len(aliases) == opts.num_ubatches and all(aliases.values()),
+        "each ubatch kept its own scale buffer": every_ubatch
+        and all(bool((outputs[u] == u + 2).all()) for u in outputs),
+        "decode topk workspace aliases the prefill key buffer": every_ubatch and all(aliases.values()),
     }
     return _case_result("sparse-indexer", device, checks, opts, allocations=allocations)
 
 
-@scenario("mla-init-reservation", "Seed 6.4: a buffer reserved at init and held as an attribute; later calls alias it and never grow")
+@scenario(
+    "mla-init-reservation",
+    "Seed 6.4: a buffer reserved at init and held as an attribute; later calls alias it and never grow",
+)
 def _mla_init(opts: RunOptions) -> ScenarioResult:
     max_tokens, heads, head_size = 64, 4, 32
     device, manager = _fresh(opts)
@@ -332,7 +394,9 @@ def _mla_init(opts: RunOptions) -> ScenarioResult:
     class FlashMLASparseLike:
         def __init__(self) -> None:
             # Reserved outside any ubatch thread: slot 0, as at engine init.
-            (self.q_concat_buffer,) = manager.get_simultaneous(((max_tokens, heads, head_size), torch.bfloat16))
+            (self.q_concat_buffer,) = manager.get_simultaneous(
+                ((max_tokens, heads, head_size), torch.bfloat16)
+            )
 
         def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
             buf = self.q_concat_buffer[: q_nope.shape[0]]
@@ -362,8 +426,11 @@ def _mla_init(opts: RunOptions) -> ScenarioResult:
 # Graphs and elastic EP
 
 
-def _graph_step(opts: RunOptions, device: SimDevice, width: int) -> tuple[Any, list[torch.Tensor], torch.Tensor]:
-    """Capture one ubatched step that takes its scratch from the workspace."""
+def _graph_step(
+    opts: RunOptions, device: SimDevice, width: int
+) -> tuple[Any, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """Warm up, then capture one ubatched step that takes its scratch from the workspace:
+    (graph, per-ubatch inputs, weight, per-ubatch outputs); replays read the inputs in place."""
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(32, width, generator=gen, dtype=torch.float64)
     xs = [torch.randn(8, 32, generator=gen, dtype=torch.float64) for _ in range(opts.num_ubatches)]
@@ -378,10 +445,14 @@ def _graph_step(opts: RunOptions, device: SimDevice, width: int) -> tuple[Any, l
     dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device)  # warm-up grows the workspace
     graph = device.graph()
     dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, graph=graph)
-    return graph, xs, w, outs  # type: ignore[return-value]
+    return graph, xs, w, outs
 
 
-@scenario("graph-pointer-stability", "Seed section 8: warm up, capture, lock; replays reuse the captured workspace pointers and recompute from new inputs")
+@scenario(
+    "graph-pointer-stability",
+    "Seed section 8: warm up, capture, lock; replays reuse the captured workspace pointers and recompute "
+    "from new inputs",
+)
 def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
     device, manager = _fresh(opts, watch_pointers=True)
     graph, xs, w, outs = _graph_step(opts, device, width=16)
@@ -396,12 +467,16 @@ def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
     checks = {
         "outputs match": ok_values,
         "replays issue no host launch cost": bool(replayed) and all(r.issue_us <= r.start_us for r in replayed),
-        "workspace never regrew": all(g == 1 for g in (manager.slot_generation(k) for k in range(opts.num_ubatches))),
+        "workspace never regrew": all(manager.slot_generation(k) == 1 for k in range(opts.num_ubatches)),
     }
     return _case_result("graph-pointer-stability", device, checks, opts, replayed_ops=len(replayed))
 
 
-@scenario("elastic-ep", "Seed 6.5: unlock, re-warm with larger experts (growth), relock; the stale graph is refused and a recaptured one replays")
+@scenario(
+    "elastic-ep",
+    "Seed 6.5: unlock, re-warm with larger experts (growth), relock; the stale graph is refused and a "
+    "recaptured one replays",
+)
 def _elastic_ep(opts: RunOptions) -> ScenarioResult:
     from dbo.sim import GraphReplayError
 
@@ -417,6 +492,8 @@ def _elastic_ep(opts: RunOptions) -> ScenarioResult:
         old_graph.replay()
     except GraphReplayError as error:
         stale_error = str(error)
+    for x in xs:  # new inputs: the recaptured graph must recompute, not replay stale values
+        x.copy_(torch.randn_like(x))
     new_graph.replay()
     checks = {
         "grew while unlocked": manager.capacity > capacity_before,
@@ -444,19 +521,44 @@ class _NoWaitModel(MoEModel):
         dbo.dbo_switch_to_comm()
 
 
-@scenario("missing-wait-race", "Negative: dispatch switches to the comm stream without waiting for compute; the race checker must report it", negative=True)
+@scenario(
+    "missing-wait-race",
+    "Negative: dispatch switches to the comm stream without waiting for compute; the race checker must "
+    "report it",
+    negative=True,
+)
 def _missing_wait(opts: RunOptions) -> ScenarioResult:
     device = new_device(opts)
     model = _NoWaitModel(preset("tiny"), TINY_PREFILL)
-    run = run_step(model, model.inputs(), device=device, num_ubatches=opts.num_ubatches, mode="ht", timeout_s=opts.timeout_s)
+    run = run_step(
+        model, model.inputs(), device=device, num_ubatches=opts.num_ubatches, mode="ht", timeout_s=opts.timeout_s
+    )
     caught = [r for r in run.races if r.second.op.endswith("dispatch") and r.second.stream.startswith("comm")]
-    result = ScenarioResult("missing-wait-race", passed=bool(caught), negative=True, races=len(run.races), error=None if caught else "the missing wait was not reported as a race", details={"first_race": caught[0].describe() if caught else None})
+    result = ScenarioResult(
+        "missing-wait-race",
+        passed=bool(caught),
+        negative=True,
+        races=len(run.races),
+        error=None if caught else "the missing wait was not reported as a race",
+        details={"first_race": caught[0].describe() if caught else None},
+    )
     if opts.out_dir is not None:
         result.trace, result.timeline_png = write_artifacts("missing-wait-race", run, opts.out_dir)
     return result
 
 
-def _expect_failure(name: str, opts: RunOptions, fn: Callable[[int], Any], expected: type[BaseException], check: Callable[[BaseException], bool]) -> ScenarioResult:
+_PROMPT_S = 5.0  # a caught fault must end the step within this (or the step timeout, if less)
+
+
+def _expect_failure(
+    name: str,
+    opts: RunOptions,
+    fn: Callable[[int], Any],
+    expected: type[BaseException],
+    check: Callable[[BaseException], bool],
+) -> ScenarioResult:
+    """Run `fn` as a ubatched step; pass only if it raised `expected`, `check` accepts the
+    error, it ended promptly and the runtime's registries are empty afterwards."""
     device, _ = _fresh(opts)
     start = time.monotonic()
     caught: BaseException | None = None
@@ -465,27 +567,49 @@ def _expect_failure(name: str, opts: RunOptions, fn: Callable[[int], Any], expec
     except BaseException as error:  # noqa: BLE001 - the fault under test
         caught = error
     elapsed = time.monotonic() - start
-    prompt = elapsed < min(5.0, opts.timeout_s)
+    prompt = elapsed < min(_PROMPT_S, opts.timeout_s)
     ok = isinstance(caught, expected) and check(caught) and _registries_empty() and prompt
-    return ScenarioResult(
+    got = f"{type(caught).__name__}: {caught}" if caught is not None else "no error"
+    result = ScenarioResult(
         name,
         passed=ok,
         negative=True,
-        error=None if ok else f"expected {expected.__name__} within 5 s with empty registries, got {type(caught).__name__ if caught else 'no error'} after {elapsed:.2f} s",
-        details={"caught": f"{type(caught).__name__}: {caught}" if caught else None, "seconds": round(elapsed, 3), "threads_alive": threading.active_count()},
+        error=None if ok else (
+            f"expected {expected.__name__} within {_PROMPT_S:g} s with empty registries, got {got} "
+            f"after {elapsed:.2f} s"
+        ),
+        details={
+            "caught": got if caught is not None else None,
+            "seconds": round(elapsed, 3),
+            "threads_alive": threading.active_count(),
+        },
     )
+    return _with_artifacts(result, device, opts)
 
 
-@scenario("yield-mismatch", "Negative: one ubatch yields once more than the others; a YieldMismatchError must name every count", negative=True, cuda=True)
+@scenario(
+    "yield-mismatch",
+    "Negative: one ubatch yields once more than the others; a YieldMismatchError must name every count",
+    negative=True,
+    cuda=True,
+)
 def _yield_mismatch(opts: RunOptions) -> ScenarioResult:
     def fn(u: int) -> None:
         for _ in range(3 + (1 if u == 0 else 0)):
             dbo.dbo_yield()
 
-    return _expect_failure("yield-mismatch", opts, fn, dbo.YieldMismatchError, lambda e: all(f"ubatch {i}:" in str(e) for i in range(opts.num_ubatches)))
+    def names_every_count(error: BaseException) -> bool:
+        return all(f"ubatch {i}:" in str(error) for i in range(opts.num_ubatches))
+
+    return _expect_failure("yield-mismatch", opts, fn, dbo.YieldMismatchError, names_every_count)
 
 
-@scenario("exception-in-ubatch", "Negative: the last ubatch raises mid-step; every peer is released and one UBatchError names it", negative=True, cuda=True)
+@scenario(
+    "exception-in-ubatch",
+    "Negative: the last ubatch raises mid-step; every peer is released and one UBatchError names it",
+    negative=True,
+    cuda=True,
+)
 def _exception_in_ubatch(opts: RunOptions) -> ScenarioResult:
     last = opts.num_ubatches - 1
 
@@ -495,28 +619,58 @@ def _exception_in_ubatch(opts: RunOptions) -> ScenarioResult:
             raise RuntimeError("expert kernel failed")
         dbo.dbo_yield()
 
-    return _expect_failure("exception-in-ubatch", opts, fn, dbo.UBatchError, lambda e: getattr(e, "ubatch_id", None) == last and isinstance(e.__cause__, RuntimeError))
+    def names_the_raiser(error: BaseException) -> bool:
+        return getattr(error, "ubatch_id", None) == last and isinstance(error.__cause__, RuntimeError)
+
+    return _expect_failure("exception-in-ubatch", opts, fn, dbo.UBatchError, names_the_raiser)
 
 
-@scenario("locked-growth", "Negative: after warm-up and lock, a larger batch needs more workspace; the error names the caller and both sizes", negative=True)
+@scenario(
+    "locked-growth",
+    "Negative: after warm-up and lock, a larger batch needs more workspace; the error names the caller "
+    "and both sizes",
+    negative=True,
+)
 def _locked_growth(opts: RunOptions) -> ScenarioResult:
     device = new_device(opts)
     small = MoEModel(preset("tiny"), Batch.decode(64, 16))
-    run_step(small, small.inputs(), device=device, num_ubatches=opts.num_ubatches, mode="ll", timeout_s=opts.timeout_s)
+    run_step(
+        small, small.inputs(), device=device, num_ubatches=opts.num_ubatches, mode="ll", timeout_s=opts.timeout_s
+    )
     # run_step left the workspace warmed for 64 tokens and locked; now 128 tokens arrive.
     big = MoEModel(preset("tiny"), Batch.decode(128, 16))
     slices = split_batch(big.batch.query_start_loc, big.batch.num_tokens, opts.num_ubatches)
     x = big.inputs()
     caught: BaseException | None = None
     try:
-        dbo.run_ubatches(lambda s: big.forward(x[s.token_slice], s, mode="ll"), slices, device=device, timeout=opts.timeout_s)
+        dbo.run_ubatches(
+            lambda s: big.forward(x[s.token_slice], s, mode="ll"), slices, device=device, timeout=opts.timeout_s
+        )
     except dbo.UBatchError as error:
         caught = error.__cause__
-    ok = isinstance(caught, WorkspaceLockedError) and "model.py" in str(caught) and "MB" in str(caught) and _registries_empty()
-    return ScenarioResult("locked-growth", passed=ok, negative=True, error=None if ok else f"expected WorkspaceLockedError naming model.py, got {caught!r}", details={"caught": str(caught) if caught else None})
+    message = str(caught)
+    ok = (
+        isinstance(caught, WorkspaceLockedError)
+        and "model.py" in message  # the caller, outside the manager
+        and "MB" in message  # both sizes
+        and _registries_empty()
+    )
+    result = ScenarioResult(
+        "locked-growth",
+        passed=ok,
+        negative=True,
+        error=None if ok else f"expected WorkspaceLockedError naming model.py, got {caught!r}",
+        details={"caught": message if caught is not None else None},
+    )
+    return _with_artifacts(result, device, opts)
 
 
-@scenario("dp-disagreement", "Negative, 2 processes (or --ranks N): DP ranks decide ubatching alone (2 vs 1 ubatches); the EP step handshake must stop every rank with an error naming each rank's count, and the agreed step must then run", negative=True)
+@scenario(
+    "dp-disagreement",
+    "Negative, 2 processes (or --ranks N): DP ranks decide ubatching alone (2 vs 1 ubatches); the EP step "
+    "handshake must stop every rank with an error naming each rank's count, and the agreed step must then run",
+    negative=True,
+)
 def _dp_disagreement(opts: RunOptions) -> ScenarioResult:
     from scenarios.distributed import run_local_ranks
 

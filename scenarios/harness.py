@@ -10,7 +10,6 @@ with `dbo.run_ubatches`.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -32,7 +31,15 @@ from workspace import (
     reset_workspace_manager,
 )
 
-__all__ = ["RunOptions", "StepRun", "Comparison", "new_device", "run_step", "compare_serial_dbo"]
+__all__ = [
+    "RunOptions",
+    "StepRun",
+    "Comparison",
+    "new_device",
+    "run_step",
+    "compare_serial_dbo",
+    "write_artifacts",
+]
 
 
 @dataclass(frozen=True)
@@ -156,15 +163,23 @@ def compare_serial_dbo(
         config = config.with_(tensor_device=opts.device)  # real streams need the tensors there
     model = MoEModel(config, batch)
     x = model.inputs()
-    serial = run_step(model, x, device=new_device(opts, config.tensor_device), num_ubatches=None, mode=mode, timeout_s=opts.timeout_s)
+    serial = run_step(
+        model, x, device=new_device(opts, config.tensor_device), num_ubatches=None, mode=mode,
+        timeout_s=opts.timeout_s,
+    )
     model = MoEModel(config, batch)  # a fresh KV cache, so both runs start from the same state
-    ubatched = run_step(model, x, device=new_device(opts, config.tensor_device), num_ubatches=opts.num_ubatches, mode=mode, timeout_s=opts.timeout_s)
+    ubatched = run_step(
+        model, x, device=new_device(opts, config.tensor_device), num_ubatches=opts.num_ubatches, mode=mode,
+        timeout_s=opts.timeout_s,
+    )
     if config.tensor_device == "meta":
         match, diff = True, 0.0  # shapes only: there are no values to compare
     else:
         diff = (serial.output.double() - ubatched.output.double()).abs().max().item()
         match = diff <= tolerance
-    comparison = Comparison(serial, ubatched, match, diff, tolerance, values_checked=config.tensor_device != "meta")
+    comparison = Comparison(
+        serial, ubatched, match, diff, tolerance, values_checked=config.tensor_device != "meta"
+    )
     if opts.out_dir is not None and ubatched.records:
         comparison.trace, comparison.timeline_png = write_artifacts(name, ubatched, opts.out_dir)
     return comparison
@@ -172,10 +187,8 @@ def compare_serial_dbo(
 
 def write_artifacts(name: str, run: StepRun, out_dir: Path) -> tuple[str, str]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    trace = write_chrome_trace(out_dir / f"{name}.trace.json", run.records, races=run.races, metadata={"scenario": name})
+    trace = write_chrome_trace(
+        out_dir / f"{name}.trace.json", run.records, races=run.races, metadata={"scenario": name}
+    )
     png = plot_timeline(out_dir / f"{name}.png", run.records, title=f"{name} (DBO)")
     return str(trace), str(png)
-
-
-def elapsed_since(start: float) -> float:
-    return time.monotonic() - start
