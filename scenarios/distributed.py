@@ -109,6 +109,9 @@ class RankOutcome:
     races: list[RaceReport] = field(default_factory=list)
     serial_records: list[OpRecord] = field(default_factory=list)
     dbo_records: list[OpRecord] = field(default_factory=list)
+    # Drawn in the trace when there are no dbo_records, never summarised as a step time: what
+    # a negative scenario ran (dp-disagreement: the agreed step).
+    trace_records: list[OpRecord] = field(default_factory=list)
     workspace_peak_bytes: int | None = None
     wall_s: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)
@@ -333,6 +336,19 @@ def _moe_rank(env: RankEnv, opts: RunOptions, *, decode: bool, mode: str, num_ub
 _DISAGREEMENT_BOUND_S = 5.0
 
 
+def disagreement_checks(caught: BaseException | None, world: int, stopped_s: float, diff: float) -> dict[str, bool]:
+    """The dp-disagreement verdict on one rank: the unagreed step must have stopped with
+    `EPStepMismatchError` naming every rank's ubatch count, within the bound, and the agreed
+    step must have matched the single-process run (max abs diff `diff`)."""
+    message = str(caught) if caught is not None else ""
+    return {
+        "every rank stopped with EPStepMismatchError": isinstance(caught, EPStepMismatchError),
+        "the error names every rank's ubatch count": all(f"rank {r}: " in message for r in range(world)),
+        f"stopped within {_DISAGREEMENT_BOUND_S:g} s": stopped_s < _DISAGREEMENT_BOUND_S,
+        "agreed step matches the single-process run": diff <= _TOLERANCE,
+    }
+
+
 def _dp_disagreement_rank(env: RankEnv, opts: RunOptions) -> RankOutcome:
     start = time.monotonic()
     if env.world < 2:
@@ -340,51 +356,55 @@ def _dp_disagreement_rank(env: RankEnv, opts: RunOptions) -> RankOutcome:
     n = opts.num_ubatches
     config = _tiny(env)
     # Alone, with a 128-token threshold, rank 0 (160 tokens) splits and the others (96) do not.
-    batch = Batch(query_start_loc=(0, 40, 70, 128, 160), context_lens=(0,) * 4) if env.rank == 0 else Batch.prefill(3, 32)
+    if env.rank == 0:
+        batch = Batch(query_start_loc=(0, 40, 70, 128, 160), context_lens=(0,) * 4)
+    else:
+        batch = Batch.prefill(3, 32)
     thresholds = UBatchThresholds(decode_min_tokens=32, prefill_min_tokens=128)
     alone = should_ubatch(batch.num_tokens, batch.is_decode, n, thresholds)
     x = MoEModel(config, batch).inputs(seed=1 + env.rank)
     ep = _ep_group(env, config, opts)
 
+    def step(slices: Sequence[UBatchSlice] | None) -> StepRun:
+        with use_ep_group(ep):
+            return run_rank_step(
+                MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=slices,
+                mode="ht", timeout_s=opts.timeout_s,
+            )
+
     # Without agreement: each rank runs what it decided alone.
-    slices = split_batch(batch.query_start_loc, batch.num_tokens, n) if alone else None
     caught: BaseException | None = None
     began = time.monotonic()
     try:
-        with use_ep_group(ep):
-            run_rank_step(MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=slices, mode="ht", timeout_s=opts.timeout_s)
+        step(split_batch(batch.query_start_loc, batch.num_tokens, n) if alone else None)
     except Exception as error:  # noqa: BLE001 - the fault under test; its type is checked below
         caught = error
     stopped_s = time.monotonic() - began
 
     # With agreement: the same step, and the same decision on every rank.
     decision = coordinate_ubatching(alone, batch.num_tokens, n, group=env.cpu_group, num_tokens=batch.num_tokens)
-    agreed_slices = split_batch(batch.query_start_loc, decision.num_tokens_padded, n) if decision.split else None
-    with use_ep_group(ep):
-        agreed = run_rank_step(MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=agreed_slices, mode="ht", timeout_s=opts.timeout_s)
-    reference = run_step(MoEModel(config, batch), x, device=SimDevice(opts.profile), num_ubatches=None, mode="ht", timeout_s=opts.timeout_s)
+    agreed = step(split_batch(batch.query_start_loc, decision.num_tokens_padded, n) if decision.split else None)
+    reference = run_step(
+        MoEModel(config, batch), x, device=SimDevice(opts.profile), num_ubatches=None, mode="ht",
+        timeout_s=opts.timeout_s,
+    )
     diff = (agreed.output.double() - reference.output.double()).abs().max().item()
 
-    message = str(caught) if caught is not None else ""
-    checks = {
-        "ranks decided differently alone": True,  # by construction; the counts below show it
-        "every rank stopped with EPStepMismatchError": isinstance(caught, EPStepMismatchError),
-        "the error names every rank's ubatch count": all(f"rank {r}: " in message for r in range(env.world)),
-        f"stopped within {_DISAGREEMENT_BOUND_S:g} s": stopped_s < _DISAGREEMENT_BOUND_S,
-        "agreed step matches the single-process run": diff <= _TOLERANCE,
-    }
+    checks = disagreement_checks(caught, env.world, stopped_s, diff)
     failed = [name for name, ok in checks.items() if not ok]
+    caught_text = f"{type(caught).__name__}: {caught}" if caught is not None else None
     return RankOutcome(
         rank=env.rank,
         passed=not failed,
-        error=None if not failed else f"rank {env.rank} failed: {', '.join(failed)} (caught {type(caught).__name__ if caught else 'nothing'}: {message})",
+        error=None if not failed else f"rank {env.rank} failed: {', '.join(failed)} (caught {caught_text or 'nothing'})",
         outputs_match=diff <= _TOLERANCE,
         max_abs_diff=diff,
         races=agreed.races,
+        trace_records=agreed.records,
         wall_s=time.monotonic() - start,
         details={
             "ubatches_alone": n if alone else 1,
-            "caught": f"{type(caught).__name__}: {message}" if caught else None,
+            "caught": caught_text,
             "seconds_to_stop": round(stopped_s, 3),
             "agreed_split": decision.split,
             "agreed_reason": decision.reason,
@@ -474,14 +494,22 @@ def merge_outcomes(name: str, outcomes: Sequence[RankOutcome | None], opts: RunO
             "per_rank": [{"rank": o.rank, "passed": o.passed, "wall_s": round(o.wall_s, 3), **o.details} for o in present],
         },
     )
-    if opts.out_dir is not None and dbo_records:
+    traced = [o.dbo_records or o.trace_records for o in present]
+    traced = [records for records in traced if records]
+    if opts.out_dir is not None and traced:
         opts.out_dir.mkdir(parents=True, exist_ok=True)
-        per_rank = [o.dbo_records for o in present if o.dbo_records]
-        trace = merge_traces(per_rank, races=races, metadata={"scenario": name, "ranks": len(outcomes)})
+        trace = merge_traces(traced, races=races, metadata={"scenario": name, "ranks": len(outcomes)})
         path = opts.out_dir / f"{name}.trace.json"
         path.write_text(json.dumps(trace, allow_nan=False, separators=(",", ":")), encoding="utf-8")
         result.trace = str(path)
-        result.timeline_png = str(plot_timeline(opts.out_dir / f"{name}.png", dbo_records, title=f"{name} (DBO, {len(outcomes)} ranks)"))
+        what = "DBO" if dbo_records else "what ran"
+        result.timeline_png = str(
+            plot_timeline(
+                opts.out_dir / f"{name}.png",
+                [r for records in traced for r in records],
+                title=f"{name} ({what}, {len(outcomes)} ranks)",
+            )
+        )
     return result
 
 
@@ -514,6 +542,19 @@ def check_names(names: Sequence[str]) -> list[str]:
     return [n for n in names if n not in RANK_SCENARIOS]
 
 
+def check_world_size(world: int) -> str | None:
+    """Why the rank scenarios cannot run on `world` ranks (None when they can): EP spans every
+    rank and shards the tiny model's experts evenly, so the rank count must divide them."""
+    experts = preset("tiny").num_experts
+    if world < 1 or experts % world:
+        fits = ", ".join(str(w) for w in range(1, experts + 1) if experts % w == 0)
+        return (
+            f"the tiny model's {experts} experts are sharded evenly over the EP ranks (EP spans "
+            f"every rank), so the world size must divide {experts}: {fits}"
+        )
+    return None
+
+
 def run_local_ranks(names: Sequence[str], opts: RunOptions, ranks: int, *, deadline_s: float | None = None) -> list[Any]:
     """Start `ranks` processes on this machine, run `names` on each, merge, and return one
     `ScenarioResult` per name. Every process is ended by the deadline; none is left behind."""
@@ -522,6 +563,9 @@ def run_local_ranks(names: Sequence[str], opts: RunOptions, ranks: int, *, deadl
         raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(RANK_SCENARIOS)}")
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
+    bad_world = check_world_size(ranks)
+    if bad_world:
+        raise ValueError(f"ranks={ranks}: {bad_world}")
     timeout = timedelta(seconds=opts.timeout_s)
     raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     store = dist.PrefixStore("dbo-sim", raw)
@@ -584,6 +628,9 @@ def run_as_torchrun_rank(names: Sequence[str], opts: RunOptions) -> list[Any] | 
     unknown = check_names(names)
     if unknown:
         raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(RANK_SCENARIOS)}")
+    bad_world = check_world_size(_env_int("WORLD_SIZE"))
+    if bad_world:
+        raise RankSetupError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: {bad_world}")
     env = init_rank(opts)
     run_rank_scenarios(env, names, opts)
     if env.rank != 0:
