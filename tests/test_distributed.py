@@ -382,6 +382,10 @@ def test_cli_ranks_runs_each_scenario_on_every_rank_and_merges_one_trace(capsys,
     processes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M" and e["name"] == "process_name"}
     assert processes == {"rank 0", "rank 1"}
     assert Path(prefill["timeline_png"]).read_bytes().startswith(b"\x89PNG")
+    # The negative scenario's trace shows the agreed step, a process per rank as well.
+    trace = json.loads(Path(reports[1]["trace"]).read_text())
+    processes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M" and e["name"] == "process_name"}
+    assert processes == {"rank 0", "rank 1"}
 
 
 @pytest.mark.timeout(120)
@@ -404,6 +408,40 @@ def test_bad_launches_are_clear_errors(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["run", "--ranks", "2", "moe-prefill-ht"]) == 2
     assert "under torchrun drop it" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_count_that_does_not_divide_the_experts_is_refused_before_any_process_starts(capsys, monkeypatch):
+    started = []
+    monkeypatch.setattr(distributed.subprocess, "Popen", lambda *a, **k: started.append(a))
+    assert main(["run", "--ranks", "3", "moe-prefill-ht"]) == 2
+    err = capsys.readouterr().err
+    assert "--ranks 3" in err and "must divide 8: 1, 2, 4, 8" in err
+    assert started == []
+
+
+@pytest.mark.timeout(60)
+def test_a_torchrun_world_size_that_does_not_divide_the_experts_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(distributed, "init_rank", lambda opts: pytest.fail("joined a group it cannot use"))
+    assert main(["run", "moe-prefill-ht", "--no-artifacts"]) == 1
+    assert "WORLD_SIZE=3" in capsys.readouterr().err
+
+
+def test_the_disagreement_verdict_passes_only_when_the_mismatch_is_caught_naming_every_rank():
+    from dbo.comm import EPStepMismatchError, EPTimeoutError
+
+    named = EPStepMismatchError(
+        "EP ranks disagree (rank 0: 2 ubatches, rank 1: 1 ubatch)", ubatch_counts={0: 2, 1: 1}, steps={0: 1, 1: 1}
+    )
+    assert all(distributed.disagreement_checks(named, 2, 0.1, 0.0).values())
+    # Not caught (a real system would hang), caught late, caught as a timeout, or unnamed ranks.
+    assert not all(distributed.disagreement_checks(None, 2, 0.1, 0.0).values())
+    assert not all(distributed.disagreement_checks(named, 2, 30.0, 0.0).values())
+    assert not all(distributed.disagreement_checks(EPTimeoutError("rank 0: rank 1:", what="x"), 2, 0.1, 0.0).values())
+    assert not all(distributed.disagreement_checks(named, 3, 0.1, 0.0).values())
+    assert not all(distributed.disagreement_checks(named, 2, 0.1, 1.0).values())
 
 
 @pytest.mark.timeout(60)

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
+import re
+from pathlib import Path
 
 import pytest
+import torch
 
+import dbo
 import scenarios.catalog as catalog
+import scenarios.cli as cli
+from dbo.sim import SimDevice
 from scenarios.cli import main
+from scenarios.harness import new_device
+from scenarios.model import MoEModel
+from scenarios.progress import Progress
+from scenarios.sweep import SweepPoint, pays_from, run_sweep
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,6 +50,32 @@ def _run_json(capsys, *argv: str) -> tuple[int, list[dict]]:
     return code, [json.loads(line) for line in lines]
 
 
+# Every scenario issues 5 and 6 name; all of them run by default.
+NAMED_SCENARIOS = {
+    "moe-decode-ll", "moe-prefill-ht", "dcp-attention", "fused-moe-workspace", "sparse-indexer",
+    "mla-init-reservation", "elastic-ep", "graph-pointer-stability", "three-ubatches",
+    "missing-wait-race", "yield-mismatch", "exception-in-ubatch", "locked-growth", "dp-disagreement",
+}
+NEGATIVE = {"missing-wait-race", "yield-mismatch", "exception-in-ubatch", "locked-growth", "dp-disagreement"}
+
+
+def _fake(name: str, seen: list | None = None, *, passed: bool = True) -> catalog.Scenario:
+    """A scenario that runs nothing: records the options it was given, returns a verdict."""
+
+    def run(opts):
+        if seen is not None:
+            seen.append((name, opts))
+        return catalog.ScenarioResult(name, passed=passed, error=None if passed else "injected")
+
+    return catalog.Scenario(name, "fake", run)
+
+
+def test_the_catalog_holds_every_named_scenario_and_runs_all_by_default():
+    assert NAMED_SCENARIOS <= set(catalog.SCENARIOS)
+    assert {n for n, s in catalog.SCENARIOS.items() if s.negative} == NEGATIVE
+    assert catalog.DEFAULT_SCENARIOS == list(catalog.SCENARIOS)
+
+
 @pytest.mark.parametrize("name", list(catalog.SCENARIOS))
 def test_every_scenario_passes_through_the_cli(capsys, name):
     code, reports = _run_json(capsys, name, "--no-artifacts")
@@ -55,6 +92,7 @@ def test_json_report_follows_the_documented_schema(capsys, tmp_path):
         for key, kind in JSON_FIELDS.items():
             assert isinstance(report[key], kind), (key, report[key])
     overlap = reports[0]
+    assert overlap["trace"] and Path(overlap["trace"]).is_file()
     assert overlap["outputs_match"] is True and overlap["races"] == 0
     assert overlap["step_us_serial"] > 0 and overlap["step_us_dbo"] > 0
     assert overlap["speedup"] == pytest.approx(overlap["step_us_serial"] / overlap["step_us_dbo"])
@@ -69,6 +107,98 @@ def test_run_writes_a_trace_and_a_timeline_per_scenario(capsys, tmp_path):
     assert any(n.startswith("compute") for n in names)
     assert (tmp_path / "moe-decode-ll.png").read_bytes().startswith(b"\x89PNG")
     assert report["trace"].endswith("moe-decode-ll.trace.json")
+
+
+def test_every_json_field_is_documented_in_the_readme():
+    readme = (Path(catalog.__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("### JSON report") :]
+    documented = set(re.findall(r"`([a-z_]+)`", section[: section.index("\n#", 1)]))
+    assert set(JSON_FIELDS) <= documented
+
+
+def test_negative_scenarios_write_a_trace_and_timeline_of_what_ran(capsys, tmp_path):
+    code, reports = _run_json(capsys, "yield-mismatch", "exception-in-ubatch", "locked-growth", "--out", str(tmp_path))
+    assert code == 0
+    for report in reports:
+        name = report["scenario"]
+        assert report["trace"] == str(tmp_path / f"{name}.trace.json")
+        events = json.loads(Path(report["trace"]).read_text())["traceEvents"]
+        assert any(e.get("ph") == "X" for e in events), name
+        assert Path(report["timeline_png"]).read_bytes().startswith(b"\x89PNG")
+
+
+def test_table_shows_every_column_the_issue_asks_for(capsys):
+    assert main(["run", "dcp-attention", "--no-artifacts"]) == 0
+    header = capsys.readouterr().out.splitlines()[0].split()
+    for column in ("scenario", "verdict", "match", "races", "serial", "dbo", "speedup", "overlap", "peak"):
+        assert column in header
+
+
+def test_run_without_names_runs_every_default_scenario(capsys, monkeypatch):
+    seen: list = []
+    for name in ("fake-a", "fake-b", "fake-c"):
+        monkeypatch.setitem(catalog.SCENARIOS, name, _fake(name, seen))
+    monkeypatch.setattr(cli, "DEFAULT_SCENARIOS", ["fake-a", "fake-c"])
+    assert main(["run", "--no-artifacts"]) == 0
+    assert [name for name, _ in seen] == ["fake-a", "fake-c"]
+
+
+def test_run_options_reach_each_scenario(capsys, monkeypatch, tmp_path):
+    seen: list = []
+    monkeypatch.setitem(catalog.SCENARIOS, "fake-a", _fake("fake-a", seen))
+    argv = ["run", "fake-a", "-n", "3", "--profile", "h800", "--out", str(tmp_path), "--timeout", "7"]
+    assert main(argv) == 0
+    ((_, opts),) = seen
+    assert (opts.num_ubatches, opts.device, opts.profile, opts.out_dir, opts.timeout_s) == (3, "sim", "h800", tmp_path, 7.0)
+    device = new_device(opts)
+    assert isinstance(device, SimDevice) and device.profile.name == "h800"
+
+
+def test_an_unknown_profile_is_a_usage_error(capsys):
+    assert main(["run", "moe-decode-ll", "--profile", "h999"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown hardware profile 'h999'" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_a_usage_error(capsys):
+    assert main(["run", "moe-decode-ll", "--device", "cuda"]) == 2
+    assert "--device cuda needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_simulator_only_scenario_on_cuda_is_refused_naming_it(capsys):
+    assert main(["run", "dcp-attention", "--device", "cuda"]) == 2
+    assert "dcp-attention: simulator-only" in capsys.readouterr().err
+
+
+def test_progress_bar_draws_on_a_terminal():
+    stream = io.StringIO()
+    bar = Progress(2, "scenarios", stream=stream, enabled=True)
+    bar.update("first: pass")
+    bar.update("second: pass")
+    bar.close()
+    drawn = stream.getvalue()
+    assert "scenarios [" + "#" * 14 + "-" * 14 + "] 1/2" in drawn
+    assert "] 2/2" in drawn and "second: pass" in drawn and drawn.endswith("\n")
+
+
+def test_progress_bar_is_silent_off_a_terminal_and_in_json_mode(capsys, monkeypatch):
+    stream = io.StringIO()
+    bar = Progress(3, "x", stream=stream)  # a StringIO is not a terminal
+    bar.update("note")
+    bar.close()
+    assert stream.getvalue() == ""
+    drawn: list = []
+
+    class Recording(Progress):
+        def update(self, note: str = "", step: int = 1) -> None:
+            drawn.append((self.enabled, note))
+            super().update(note, step)
+
+    monkeypatch.setattr(cli, "Progress", Recording)
+    monkeypatch.setitem(catalog.SCENARIOS, "fake-a", _fake("fake-a"))
+    assert main(["run", "fake-a", "--json", "--no-artifacts"]) == 0
+    assert drawn == [(False, "fake-a: pass")]
 
 
 def test_table_output_and_exit_status_when_a_scenario_fails(capsys, monkeypatch):
@@ -97,6 +227,43 @@ def test_missing_wait_scenario_fails_if_the_wait_is_present(capsys, monkeypatch)
     monkeypatch.setattr(catalog._NoWaitModel, "_yield_to_comm", catalog.MoEModel._yield_to_comm)
     code, (report,) = _run_json(capsys, "missing-wait-race", "--no-artifacts")
     assert code == 1 and report["passed"] is False and report["races"] == 0
+
+
+def test_yield_mismatch_scenario_fails_if_the_runtime_does_not_raise(capsys, monkeypatch):
+    monkeypatch.setattr(dbo, "run_ubatches", lambda fn, inputs, **kw: [None] * len(inputs))
+    code, (report,) = _run_json(capsys, "yield-mismatch", "--no-artifacts")
+    assert code == 1 and report["passed"] is False and "got no error" in report["error"]
+
+
+def test_exception_scenario_fails_if_the_error_names_the_wrong_ubatch(capsys, monkeypatch):
+    def wrong(fn, inputs, **kw):
+        try:
+            raise RuntimeError("expert kernel failed")
+        except RuntimeError as cause:
+            raise dbo.UBatchError("ubatch 0 raised", ubatch_id=0) from cause
+
+    monkeypatch.setattr(dbo, "run_ubatches", wrong)
+    code, (report,) = _run_json(capsys, "exception-in-ubatch", "--no-artifacts")
+    assert code == 1 and report["passed"] is False
+
+
+def test_low_latency_scenario_fails_if_the_recv_hook_does_not_wait(capsys, monkeypatch):
+    def receive_without_waiting(arrival):
+        if dbo.dbo_enabled():
+            dbo.dbo_register_recv_hook(lambda: None)
+            dbo.dbo_yield()
+
+    monkeypatch.setattr(MoEModel, "_receive", staticmethod(receive_without_waiting))
+    code, (report,) = _run_json(capsys, "moe-decode-ll", "--no-artifacts")
+    assert code == 1 and report["passed"] is False and report["races"] > 0
+    assert "comm::dispatch" in report["error"]
+
+
+def test_elastic_ep_scenario_fails_if_a_stale_graph_replays(capsys, monkeypatch):
+    # Without the workspace registered as a buffer owner, replay cannot see the stale pointers.
+    monkeypatch.setattr(SimDevice, "add_buffer_owner", lambda self, owner: None)
+    code, (report,) = _run_json(capsys, "elastic-ep", "--no-artifacts")
+    assert code == 1 and report["passed"] is False and "stale graph refused" in report["error"]
 
 
 def test_locked_growth_scenario_fails_if_lock_does_not_hold(capsys, monkeypatch):
@@ -133,7 +300,29 @@ def test_sweep_writes_csv_and_plot(capsys, tmp_path):
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
     assert [(r["phase"], r["tokens_per_device"]) for r in rows] == [("decode", "32"), ("prefill", "1024")]
     assert all(float(r["step_us_serial"]) > 0 and float(r["step_us_dbo"]) > 0 for r in rows)
+    for r in rows:
+        assert float(r["comm_compute_ratio"]) == pytest.approx(float(r["comm_us"]) / float(r["compute_us"]))
     assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
+    out = capsys.readouterr().out
+    assert "decode: DBO pays at no point tried" in out and "prefill: DBO pays from 1024 tokens" in out
+
+
+def test_sweep_shows_dbo_losing_on_small_decode_and_paying_on_large_prefill():
+    # Virtual time: deterministic, not a timed assertion.
+    small, large = run_sweep(cli.RunOptions(), decode_tokens=(16,), prefill_tokens=(8192,), num_layers=2)
+    assert small.phase == "decode" and small.speedup < 1.0
+    assert large.phase == "prefill" and large.speedup > 1.0
+    assert small.comm_compute_ratio < large.comm_compute_ratio
+
+
+def test_pays_from_is_the_start_of_the_winning_tail():
+    def point(tokens: int, speedup: float) -> SweepPoint:
+        return SweepPoint("decode", tokens, 1.0, 1.0 / speedup, speedup, 0.0, 0.0, 0.0, 1.0)
+
+    assert pays_from([point(16, 0.5), point(64, 1.1), point(32, 0.9), point(128, 1.2)]) == 64
+    assert pays_from([point(16, 1.1), point(32, 0.9), point(64, 1.2)]) == 64  # not an early fluke
+    assert pays_from([point(16, 1.1), point(32, 0.9)]) is None
+    assert pays_from([]) is None
 
 
 def test_stress_command_reports_invariants(capsys):
@@ -141,3 +330,30 @@ def test_stress_command_reports_invariants(capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"] is True
     assert report["threads"] == 8 and report["requests"] > 0 and report["violations"] == []
+
+
+def test_stress_text_report_names_the_invariants_and_passes(capsys):
+    assert main(["stress", "--threads", "2", "--iterations", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "2 threads x 50 iterations" in out and "invariants:" in out and out.rstrip().endswith("PASS")
+
+
+def test_stress_fails_when_a_view_lies_outside_its_slot(capsys, monkeypatch):
+    import scenarios.stress as stress
+
+    class Leaky(stress.WorkspaceManager):
+        """Hands out fresh tensors instead of views into the caller's slot."""
+
+        def get_simultaneous(self, *pairs):
+            views = super().get_simultaneous(*pairs)
+            return [torch.empty(v.shape, dtype=v.dtype) for v in views]
+
+    monkeypatch.setattr(stress, "WorkspaceManager", Leaky)
+    assert main(["stress", "--threads", "2", "--iterations", "20", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] is False and "is not in a buffer of slot" in report["violations"][0]
+
+
+def test_stress_refuses_a_zero_thread_count(capsys):
+    assert main(["stress", "--threads", "0"]) == 2
+    assert "--threads and --iterations must be >= 1" in capsys.readouterr().err
