@@ -176,7 +176,8 @@ def test_quick_reproduction_has_every_row(quick_report: fidelity.FidelityReport)
             assert r.note, f"{r.key} misses its target without saying why"
     assert all(rows[k].met for k in EXPECTED_ROWS if k.startswith("deepep"))
     # the signs the published results have
-    assert rows["sglang-prefill-8192"].simulated > 0 and rows["sglang-decode-256"].simulated > 0
+    assert rows["sglang-prefill-8192"].simulated > 0 and rows["sglang-prefill-16384"].simulated > 0
+    assert rows["sglang-decode-256"].simulated > 0
     assert rows["sglang-decode-32"].simulated < 0
     assert rows["vllm-graph-host-bound"].met and rows["vllm-gain-vs-comm"].met
 
