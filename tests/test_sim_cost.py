@@ -256,3 +256,49 @@ def test_deepseek_size_step_on_meta_is_fast_and_allocates_nothing() -> None:
     assert all(r.flops > 0 for r in ops if r.name in ("aten::mm", "aten::bmm"))
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     assert (rss_after - rss_before) < 300 * 1024
+
+
+def _cpu_allocation_sizes(fn) -> list[int]:
+    """Bytes of every CPU allocation made by the calling thread while `fn` runs (the
+    profiler's memory events: an op's own allocations, and "[memory]" outside any op)."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+    return [
+        e.self_cpu_memory_usage if e.self_cpu_memory_usage > 0 else e.cpu_memory_usage
+        for e in prof.events()
+        if e.self_cpu_memory_usage > 0 or (e.name == "[memory]" and e.cpu_memory_usage > 0)
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_deepseek_v3_model_step_on_meta_allocates_no_tensor_memory() -> None:
+    """The model's own forward (MLA, dense and MoE layers, FP8 linears, LL dispatch/combine)
+    on the simulated device with meta tensors: gigabytes of placed traffic, and no CPU
+    allocation larger than the 8-byte scalars torch wraps Python numbers in."""
+    from dbo.streams import use_device
+    from scenarios.model import Batch, MoEModel, preset
+    from workspace import init_workspace_manager, reset_workspace_manager
+
+    assert max(_cpu_allocation_sizes(lambda: torch.ones(1000) + 1)) >= 4000  # the probe works
+    d = SimDevice("h200", tensor_device="meta")
+    model = MoEModel(preset("deepseek-v3", num_layers=5), Batch.decode(64, 128))
+    x = model.inputs()
+    reset_workspace_manager()
+    init_workspace_manager("meta", 1)
+    try:
+
+        def forward() -> None:
+            with use_device(d), d.thread_scope(None):
+                model.forward(x, None, mode="ll")
+
+        sizes = _cpu_allocation_sizes(forward)
+    finally:
+        reset_workspace_manager()
+    assert sum(r.bytes for r in placed(d)) > 1e9
+    assert max(sizes, default=0) <= 8, sorted(sizes)[-5:]
