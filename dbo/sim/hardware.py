@@ -55,7 +55,7 @@ class HardwareProfile:
     hbm_gbps: float  # HBM bandwidth, GB/s
     nvlink_total_gbps: float  # NVLink bandwidth per GPU as datasheets quote it (both directions)
     rdma_gbps: float  # inter-node RDMA bandwidth per GPU, one direction
-    gpus_per_node: int = 8  # EP groups larger than this cross nodes (RDMA)
+    gpus_per_node: int = 8  # HGX/DGX boards: EP groups larger than this cross nodes (RDMA)
     # Achieved fraction of the peaks above. A roofline at 100% of peak is an upper bound no
     # real kernel reaches; the factors turn it into a typical large-kernel rate.
     compute_efficiency: float = 0.8  # DESIGN.md anchor: H200 ~790 of 989 TFLOP/s measured
@@ -84,12 +84,14 @@ class HardwareProfile:
     launch_us: float = 10.0  # host time to launch one kernel eagerly (Python + CUDA launch)
     kernel_fixed_us: float = 2.5  # fixed device time of any kernel (ramp-up, tail, sync)
     handoff_us: float = 30.0  # host time of one baton pass between ubatch threads
-    graph_launch_us: float = 8.0  # host time of one CUDA graph launch (whole graph)
+    # Host time of one CUDA graph launch (the whole graph): an assumption (a few us of
+    # cudaGraphLaunch), not measured; it matters only against a whole step's device time.
+    graph_launch_us: float = 8.0
     # Communication. Latency is the fixed cost of one collective/dispatch kernel before bytes
     # flow (signalling, barriers): assumption, order of magnitude only.
     nvlink_latency_us: float = 5.0
     rdma_latency_us: float = 10.0
-    ll_send_us: float = 2.5  # device time of the tiny "send" kernel of a low-latency op
+    ll_send_us: float = 2.5  # device time of the tiny "send" kernel of a low-latency op (assumption)
     # Fixed time of one low-latency (DeepEP LL-style) dispatch or combine on top of its bytes
     # over the link: launching the send, the per-expert count/flag message that follows the
     # data and the receiver polls for (a second network latency), and the receive-side unpack
@@ -101,7 +103,7 @@ class HardwareProfile:
     # SMs a high-throughput comm kernel occupies while it runs. DeepEP's README example sets
     # `Buffer.set_num_sms(24)` for its normal (high-throughput) kernels.
     comm_sms: int = 24
-    max_comm_sm_share: float = 0.9  # concurrent comm kernels never starve compute completely
+    max_comm_sm_share: float = 0.9  # assumption: concurrent comm kernels never starve compute completely
     extra: dict = field(default_factory=dict)  # free-form notes for reports
 
     def __post_init__(self) -> None:
