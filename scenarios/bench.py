@@ -531,24 +531,32 @@ def _one_core() -> Iterator[int | None]:
 # Workspace
 
 
+def _get_simultaneous_samples(
+    request: Sequence[tuple[tuple[int, ...], torch.dtype]], *, locked: bool, sample_ns: int, reps: int
+) -> dict[str, list[float]]:
+    """ns per fitting get_simultaneous(*request) call on a fresh 2-slot CPU WorkspaceManager
+    ("ours") and on SeedWorkspace ("seed"), both warmed up (grown; ours has cached the
+    request's layout) and optionally locked, sampled interleaved `reps` times."""
+    ours = WorkspaceManager("cpu", 2)
+    seed = SeedWorkspace("cpu", 2)
+    ours.get_simultaneous(*request)  # warm-up: grow, and cache the signature
+    seed.get_simultaneous(*request)
+    if locked:
+        ours.lock()
+        seed.locked = True
+    return _interleave(
+        {
+            "ours": _per_call_sampler(ours.get_simultaneous, request, sample_ns),
+            "seed": _per_call_sampler(seed.get_simultaneous, request, sample_ns),
+        },
+        reps,
+    )
+
+
 def bench_get_simultaneous(plan: Plan) -> list[Figure]:
     figures = []
     for n, locked in ((1, True), (3, True), (8, True), (3, False)):
-        request = _request(n)
-        ours = WorkspaceManager("cpu", 2)
-        seed = SeedWorkspace("cpu", 2)
-        ours.get_simultaneous(*request)  # warm-up: grow, and cache the signature
-        seed.get_simultaneous(*request)
-        if locked:
-            ours.lock()
-            seed.locked = True
-        samples = _interleave(
-            {
-                "ours": _per_call_sampler(ours.get_simultaneous, request, plan.sample_ns),
-                "seed": _per_call_sampler(seed.get_simultaneous, request, plan.sample_ns),
-            },
-            plan.reps,
-        )
+        samples = _get_simultaneous_samples(_request(n), locked=locked, sample_ns=plan.sample_ns, reps=plan.reps)
         state = "locked" if locked else "unlocked"
         figures.append(
             Figure(
@@ -1050,18 +1058,8 @@ def bench_deepseek(plan: Plan) -> list[Figure]:
 def bench_scaling_get_simultaneous(plan: Plan) -> list[Figure]:
     figures = []
     for n in plan.tensor_counts:
-        request = _request(n)
-        ours, seed = WorkspaceManager("cpu", 2), SeedWorkspace("cpu", 2)
-        ours.get_simultaneous(*request)
-        seed.get_simultaneous(*request)
-        ours.lock()
-        seed.locked = True
-        samples = _interleave(
-            {
-                "ours": _per_call_sampler(ours.get_simultaneous, request, plan.sample_ns // 2),
-                "seed": _per_call_sampler(seed.get_simultaneous, request, plan.sample_ns // 2),
-            },
-            max(3, plan.reps // 2),
+        samples = _get_simultaneous_samples(
+            _request(n), locked=True, sample_ns=plan.sample_ns // 2, reps=max(3, plan.reps // 2)
         )
         stats = Stats.of(samples["ours"])
         figures.append(

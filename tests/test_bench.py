@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from scenarios.bench import BENCHMARKS
 from scenarios.cli import main
@@ -55,3 +56,57 @@ def test_bench_quick_writes_every_benchmark(tmp_path, capsys):
 
     table = capsys.readouterr().out
     assert all(name in table for name in names)
+
+
+# --------------------------------------------------------------------------------------------
+# The measuring instruments themselves (no timing)
+
+
+def test_seed_baseline_lays_out_the_same_views_as_the_workspace_manager():
+    from scenarios.bench import SeedWorkspace, _request
+    from workspace import WorkspaceManager
+
+    request = _request(8)
+    ours = WorkspaceManager("cpu", 2).get_simultaneous(*request)
+    seed = SeedWorkspace("cpu", 2).get_simultaneous(*request)
+    assert [(v.shape, v.dtype) for v in ours] == [(v.shape, v.dtype) for v in seed]
+    assert [v.data_ptr() - ours[0].data_ptr() for v in ours] == [v.data_ptr() - seed[0].data_ptr() for v in seed]
+
+
+def test_seed_baseline_grows_every_slot_and_refuses_growth_when_locked():
+    from scenarios.bench import SeedWorkspace
+
+    seed = SeedWorkspace("cpu", 3)
+    seed.get_simultaneous(((1000,), torch.uint8))
+    assert [s.numel() for s in seed.slots] == [1024, 1024, 1024]
+    seed.locked = True
+    seed.get_simultaneous(((1024,), torch.uint8))  # fits
+    with pytest.raises(AssertionError, match="locked"):
+        seed.get_simultaneous(((1025,), torch.uint8))
+
+
+def test_the_storage_allocation_counter_sees_an_allocation():
+    # The zero-allocation figure means something only if the counter can count.
+    from scenarios.bench import _storage_allocations
+
+    assert _storage_allocations(lambda: torch.empty(1 << 16)) >= 1
+    x = torch.zeros(16)
+    assert _storage_allocations(lambda: x.add_(x)) == 0  # in place, no scalar to wrap
+
+
+def test_a_paired_ratio_is_the_median_of_per_repetition_ratios():
+    from scenarios.bench import Figure, Stats, Target
+
+    figure = Figure(
+        bench="baton", name="x", what="x", unit="ns",
+        ours=Stats.of([10.0, 40.0, 12.0]), baseline=Stats.of([10.0, 20.0, 10.0]),
+        targets=[Target("ratio", "<=", 1.1, "<= 1.1x")],
+    )
+    assert figure.paired and figure.ratio == pytest.approx(1.2)  # median of 1.0, 2.0, 1.2
+    assert figure.met is False
+    speedup = Figure(
+        bench="x", name="y", what="y", unit="ns", ours=Stats.exact(2.0), baseline=Stats.exact(10.0),
+        ratio_def="baseline/ours", targets=[Target("ratio", ">=", 5.0, ">= 5x")],
+    )
+    assert not speedup.paired and speedup.ratio == 5.0 and speedup.met is True
+    assert Figure(bench="x", name="z", what="z", unit="count", ours=Stats.exact(0)).met is None
