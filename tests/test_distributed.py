@@ -107,6 +107,8 @@ def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
     # Made first, while every rank is healthy: the failure checks at the end each break one.
     fail_group = dist.new_group([0, 1])
     hang_group = dist.new_group([0, 1])
+    only_rank_0 = dist.new_group([0])
+    out["group without this rank"] = _attempt(lambda: EPGroup(only_rank_0, num_experts=E).ep_size)
 
     ep = EPGroup(env.group, num_experts=E, store=env.store, timeout_s=30)
     out["comm"] = _comm_round_trip(ep, rank, lambda r: 13 + 5 * r)
@@ -314,6 +316,9 @@ def test_two_ranks_bad_input_is_an_error_on_every_rank(group_results):
         status, (kind, message, _), _ = results["ep_size 3 of 2"]
         assert status == "error" and kind == "ValueError" and "must divide the process group's size (2)" in message
         assert results["after bad routing"] is True
+    assert r0["group without this rank"][:2] == ("ok", 1)
+    status, (kind, message, _), _ = r1["group without this rank"]
+    assert status == "error" and kind == "ValueError" and "not a member of the given process group" in message
     assert r1["bad routing"][0] == "error" and "outside [0, 8) on rank 1" in r1["bad routing"][1][1]
     assert r0["bad routing"][0] == "error" and "EP rank(s) [1] routed tokens to expert ids outside" in r0["bad routing"][1][1]
 
