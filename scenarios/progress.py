@@ -8,7 +8,12 @@ from typing import IO
 
 
 class Progress:
-    def __init__(self, total: int, label: str, *, stream: IO[str] | None = None, enabled: bool | None = None) -> None:
+    """`update(note)` per finished item redraws one line: label, bar, done/total, elapsed, note.
+    `enabled=None` draws only when `stream` (default stderr) is a terminal."""
+
+    def __init__(
+        self, total: int, label: str, *, stream: IO[str] | None = None, enabled: bool | None = None
+    ) -> None:
         self.total = max(total, 1)
         self.label = label
         self.stream = stream or sys.stderr

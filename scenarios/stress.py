@@ -56,6 +56,9 @@ def run_stress(
     deadline_s: float = 60.0,
     on_progress: Callable[[int], None] | None = None,
 ) -> StressReport:
+    """`threads` ubatch threads make `iterations` random requests each while a locker thread
+    locks and unlocks the manager; `on_progress(n)` hears how many iterations thread 0 has
+    done (every 50, and at the end)."""
     if threads < 1 or iterations < 1:
         raise ValueError(f"threads and iterations must be >= 1, got {threads} and {iterations}")
     manager = WorkspaceManager("cpu", num_ubatches=threads)
@@ -99,8 +102,8 @@ def run_stress(
                 _check_views(manager, slot, pairs, views, report, record_lock)
                 with record_lock:
                     report.requests += 1
-                if on_progress is not None and slot == 0 and i % 50 == 0:
-                    on_progress(i)
+                if on_progress is not None and slot == 0 and ((i + 1) % 50 == 0 or i + 1 == iterations):
+                    on_progress(i + 1)  # iterations slot 0 has completed
         finally:
             ubatching._THREAD_ID_TO_CONTEXT.pop(threading.get_ident(), None)
             with record_lock:
@@ -118,7 +121,9 @@ def run_stress(
             time.sleep(rng.uniform(0.0005, 0.002))
 
     start = time.monotonic()
-    workers = [threading.Thread(target=worker, args=(k,), daemon=True, name=f"stress-{k}") for k in range(threads)]
+    workers = [
+        threading.Thread(target=worker, args=(k,), daemon=True, name=f"stress-{k}") for k in range(threads)
+    ]
     lock_thread = threading.Thread(target=locker, daemon=True, name="stress-locker")
     for t in workers:
         t.start()
@@ -138,12 +143,16 @@ def run_stress(
         report.violations.append(f"slots unequal at the end: {caps}")
     for growth in manager.growth_history():
         if growth.num_slots != threads:
-            report.violations.append(f"a growth from {growth.caller} resized {growth.num_slots} of {threads} slots")
+            report.violations.append(
+                f"a growth from {growth.caller} resized {growth.num_slots} of {threads} slots"
+            )
     report.orphaned_bytes_after = manager.orphaned_bytes()
     return report
 
 
-def _check_views(manager: WorkspaceManager, slot: int, pairs, views, report: StressReport, lock: threading.Lock) -> None:
+def _check_views(
+    manager: WorkspaceManager, slot: int, pairs, views, report: StressReport, lock: threading.Lock
+) -> None:
     # Another thread may grow every slot between the call and this check: then the views sit
     # in a former buffer of this slot (an orphan), which `describe_buffer` still identifies.
     others = [b for b in manager.slot_buffers() if b is not None and b.slot != slot]

@@ -357,3 +357,11 @@ def test_stress_fails_when_a_view_lies_outside_its_slot(capsys, monkeypatch):
 def test_stress_refuses_a_zero_thread_count(capsys):
     assert main(["stress", "--threads", "0"]) == 2
     assert "--threads and --iterations must be >= 1" in capsys.readouterr().err
+
+
+def test_stress_progress_ends_at_the_iteration_count():
+    import scenarios.stress as stress
+
+    heard: list = []
+    report = stress.run_stress(2, 120, on_progress=heard.append)
+    assert report.passed and heard == [50, 100, 120]
