@@ -3,9 +3,10 @@
 `run_ubatches(fn, inputs)` is the launcher half of vLLM's `UBatchWrapper`: it builds the
 contexts, hands each ubatch to a worker thread (long-lived, reused across steps, unlike
 vLLM's thread per ubatch per step: see `_UBatchWorker`), waits for all of them at the ready
-barrier, releases ubatch 0, and waits for the step to finish. Unlike the reference it always comes back: a raising ubatch, a yield-count
-mismatch or a stuck thread ends the step with one error (`dbo.errors`), the peers released and
-the registries empty.
+barrier, releases ubatch 0, and waits for the step to finish. Unlike the reference it always
+comes back: a raising ubatch, a yield-count mismatch, a stuck thread or a failing launcher
+ends the step with one error (`dbo.errors`), the peers released, the registries empty and
+every worker thread either back in the pool or, if stuck in user code, ending when it returns.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def run_ubatches(
     `timeout`: seconds for the whole step; past it, `UBatchTimeoutError` with every thread's
     stack. `graph`: a capture from `device.graph()`, entered after every thread is ready (so
     threads create their handles before capture, as vLLM does) and exited after they finish.
+
+    One step at a time per process: a call made while another step runs (from another
+    thread, or from inside a ubatch) raises RuntimeError at once. If the launcher itself
+    fails (the graph cannot be entered, KeyboardInterrupt), every ubatch is released first
+    and that exception is raised.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -58,6 +64,40 @@ def run_ubatches(
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     device = resolve_device(device)
+    # Non-blocking: the holder may be this very thread's caller (fn calling run_ubatches),
+    # which would deadlock a blocking acquire.
+    if not _STEP_LOCK.acquire(blocking=False):
+        raise RuntimeError(
+            "another ubatched step is still running in this process (started from another "
+            "thread, or fn called run_ubatches); DBO runs one step at a time (the registries "
+            "are process-wide)"
+        )
+    try:
+        return _run_step(
+            fn, ubatch_inputs, device, timeout, forward_contexts, compute_stream, comm_stream,
+            schedule, graph,
+        )
+    finally:
+        _STEP_LOCK.release()
+
+
+# Held by the launcher for a whole step: two launcher threads racing past
+# make_ubatch_contexts' check would otherwise both run, each taking over the other's slots.
+_STEP_LOCK = threading.Lock()
+
+
+def _run_step(
+    fn: Callable[[Any], Any],
+    ubatch_inputs: Sequence[Any],
+    device: Device,
+    timeout: float,
+    forward_contexts: Sequence[Any] | None,
+    compute_stream: Stream | None,
+    comm_stream: Stream | None,
+    schedule: str,
+    graph: Any,
+) -> list[Any]:
+    num = len(ubatch_inputs)
     default_compute, default_comm = device.ubatch_streams()
     compute_stream = compute_stream or default_compute
     comm_stream = comm_stream or default_comm
@@ -82,36 +122,60 @@ def run_ubatches(
             if remaining[0] == 0:
                 all_done.set()
 
-    workers = _WORKERS.acquire(num)
-    threads = [w.thread for w in workers]
     deadline = time.monotonic() + timeout
     launch_stream = device.current_stream()
     # The ubatches' streams start after whatever the launcher issued before the step.
     compute_stream.wait_stream(launch_stream)
     comm_stream.wait_stream(launch_stream)
-    try:
-        for ctx, worker in zip(contexts, workers):
-            worker.submit(on_done, _ubatch_main, ctx, fn, ubatch_inputs[ctx.id], outputs, device)
-        try:
-            barrier.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except threading.BrokenBarrierError:
-            if step.error is None:
-                step.abort(_timeout_error(step, threads, timeout, "at the ready barrier"))
+    workers = _WORKERS.acquire(num)
+    threads = [w.thread for w in workers]
+
+    def on_timeout(where: str) -> None:
         if step.error is None:
-            if graph is not None:
-                graph.capture_stream = compute_stream
-                with graph:
-                    _release_and_wait(step, comm_stream, compute_stream, all_done, deadline)
-            else:
-                _release_and_wait(step, comm_stream, compute_stream, all_done, deadline)
-        if not all_done.is_set() and step.error is None:
-            step.abort(_timeout_error(step, threads, timeout, "while running"))
+            step.abort(_timeout_error(step, threads, timeout, where))
+
+    launcher_error: BaseException | None = None
+    try:
+        try:
+            for ctx, worker in zip(contexts, workers):
+                worker.submit(
+                    on_done, _ubatch_main, ctx, fn, ubatch_inputs[ctx.id], outputs, device
+                )
+            try:
+                barrier.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except threading.BrokenBarrierError:
+                on_timeout("at the ready barrier")  # no-op if a ubatch broke it by failing
+            if step.error is None:
+                if graph is not None:
+                    # Entered only now, with every thread parked at its baton: their per-thread
+                    # set-up (device scope, handles) happened before capture, as in vLLM.
+                    graph.capture_stream = compute_stream
+                    with graph:
+                        _release_and_wait(
+                            step, comm_stream, compute_stream, all_done, deadline, on_timeout
+                        )
+                else:
+                    _release_and_wait(
+                        step, comm_stream, compute_stream, all_done, deadline, on_timeout
+                    )
+        except BaseException as error:  # noqa: BLE001 - re-raised below, after the peers go
+            # The launcher's own failure: without an abort the parked ubatches would wait for
+            # a baton that never comes, holding their worker threads forever.
+            if step.error is None:
+                launcher_error = error
+                step.abort(
+                    UBatchError(f"the launcher failed: {type(error).__name__}: {error}")
+                )
+            elif not isinstance(error, Exception):
+                launcher_error = error  # an interrupt is never swallowed by a step's error
         # Peers wake promptly after an abort; a thread stuck in user code cannot be stopped,
         # so it is left behind (and never reused) instead of hanging the caller.
         all_done.wait(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
     finally:
-        _clear_registries(contexts, threads)
+        step.close()
         _WORKERS.release(workers)
+    if launcher_error is not None:
+        raise launcher_error
     if step.error is not None:
         raise step.error
     launch_stream.wait_stream(compute_stream)
@@ -144,6 +208,13 @@ class _UBatchWorker:
         self.busy = True
         self._jobs.put((on_done, job, args))
 
+    def abandon(self) -> None:
+        """Let the thread end as soon as its current job (if any) returns."""
+        self.abandoned = True
+        # The thread may already be back in _jobs.get() (it finished between the pool's
+        # `busy` check and the flag above): the sentinel ends it there too.
+        self._jobs.put(None)
+
     def _loop(self) -> None:
         while True:
             item = self._jobs.get()
@@ -170,20 +241,30 @@ class _WorkerPool:
     def acquire(self, num: int) -> list[_UBatchWorker]:
         with self._lock:
             # Most recently used first, so a steady N-ubatch loop keeps the same N threads.
+            self._idle = [w for w in self._idle if w.thread.is_alive()]
             keep = max(len(self._idle) - num, 0)
             taken, self._idle = self._idle[keep:], self._idle[:keep]
-            while len(taken) < num:
-                taken.append(_UBatchWorker(self._created))
-                self._created += 1
+            try:
+                while len(taken) < num:
+                    taken.append(_UBatchWorker(self._created))
+                    self._created += 1
+            except BaseException:  # thread creation failed: keep what we have for later
+                self._idle.extend(taken)
+                raise
             return taken
 
     def release(self, workers: list[_UBatchWorker]) -> None:
         with self._lock:
             for worker in workers:
-                if worker.busy:
-                    worker.abandoned = True
+                if worker.busy or not worker.thread.is_alive():
+                    worker.abandon()
                 else:
                     self._idle.append(worker)
+
+    def idle_count(self) -> int:
+        """Idle threads ready for the next step (for tests and reports)."""
+        with self._lock:
+            return len(self._idle)
 
 
 _WORKERS = _WorkerPool()
@@ -195,6 +276,7 @@ def _release_and_wait(
     compute_stream: Stream,
     all_done: threading.Event,
     deadline: float,
+    on_timeout: Callable[[str], None],
 ) -> None:
     # Under graph capture the comm stream must fork from, and join back into, the capturing
     # stream; outside capture these waits are free ordering.
@@ -203,6 +285,9 @@ def _release_and_wait(
     all_done.wait(timeout=max(deadline - time.monotonic(), 0.0))
     if all_done.is_set():
         compute_stream.wait_stream(comm_stream)
+    else:
+        # Still inside a graph capture, if any: the peers are released before it ends.
+        on_timeout("while running")
 
 
 def _ubatch_main(
@@ -241,15 +326,6 @@ def _timeout_error(
         f"outside the dbo primitives:\n{step.describe()}\n{detail}",
         stacks=stacks,
     )
-
-
-def _clear_registries(contexts: list[UBatchContext], threads: list[threading.Thread]) -> None:
-    for thread in threads:
-        if thread.ident is not None:
-            ubatching._THREAD_ID_TO_CONTEXT.pop(thread.ident, None)
-    for ctx in contexts:
-        if ubatching._CURRENT_CONTEXTS[ctx.id] is ctx:
-            ubatching._CURRENT_CONTEXTS[ctx.id] = None
 
 
 def merge_outputs(outputs: Sequence[Any]) -> Any:

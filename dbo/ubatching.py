@@ -10,7 +10,12 @@ Documented registries (the only module state):
 - `_THREAD_ID_TO_CONTEXT`: thread ident -> ubatch id, for the threads of the running step;
 - `_CURRENT_CONTEXTS`: ubatch id -> its `UBatchContext` while it runs, else None;
 - `_NUM_UBATCHES`: the ubatch count of the current step;
-- `_forward_context`: the running ubatch's forward context, restored on every resume.
+- `_forward_context`: the forward context of threads that are not ubatches (serial steps,
+  set by `set_forward_context`); a ubatch thread reads its own context's instead, so its
+  forward context is restored on every resume and never leaks into the launcher.
+Threads register and unregister under `_REGISTRY_LOCK` (once per ubatch per step, never on
+the yield path), so a late thread of a finished or aborted step cannot register into the
+next one, and a second step cannot take over the slots of a running one.
 
 Differences from vLLM's `vllm/v1/worker/ubatching.py`, all on failure paths: an exception or an
 early exit in one ubatch releases its peers (`UBatchStep.abort`), a yield count that differs
@@ -54,6 +59,9 @@ _THREAD_ID_TO_CONTEXT: dict[int, int] = {}
 _CURRENT_CONTEXTS: list["UBatchContext | None"] = []
 _NUM_UBATCHES: int = 0
 _forward_context: Any = None
+# Guards registration and step close. Readers (dbo_current_ubatch_id, the helpers) take no
+# lock: a single dict/list read is atomic, and a thread only ever reads its own entry.
+_REGISTRY_LOCK = threading.Lock()
 
 _get_ident = threading.get_ident
 
@@ -121,8 +129,10 @@ class UBatchStep:
         self.ready_barrier = ready_barrier
         self.signals = [CpuSignal() for _ in range(num_ubatches)]
         self.states = [_UBatchState() for _ in range(num_ubatches)]
+        self.contexts: list[UBatchContext] = []  # filled by make_ubatch_contexts
         self.error: BaseException | None = None
         self.aborted = False
+        self.closed = False  # after close(): no thread may register for this step any more
         self._lock = threading.Lock()
 
     def release_first(self) -> None:
@@ -141,6 +151,15 @@ class UBatchStep:
             pass
         for signal in self.signals:
             signal.set()
+
+    def close(self) -> None:
+        """End the step for the registries: drop every registration it still has and refuse
+        late ones (a thread left behind by a timeout that reaches `__enter__` afterwards).
+        The launcher calls it once the step is over, whatever the outcome."""
+        with _REGISTRY_LOCK:
+            self.closed = True
+            for ctx in self.contexts:
+                ctx._unregister_locked()
 
     def describe(self) -> str:
         frames = sys._current_frames()
@@ -214,24 +233,34 @@ class UBatchContext:
         self.schedule = schedule
         self.current_stream = compute_stream
         self.recv_hook: Callable[[], Any] | None = None
+        self._registered_ident: int | None = None
         self._state = step.states[id]
         self._next_state = step.states[(id + 1) % step.num_ubatches]
 
     # -- enter / exit ------------------------------------------------------------------------
 
     def __enter__(self) -> "UBatchContext":
-        _THREAD_ID_TO_CONTEXT[_get_ident()] = self.id
-        _CURRENT_CONTEXTS[self.id] = self
-        self._state.thread_ident = _get_ident()
         try:
-            self.ready_barrier.wait()
-        except threading.BrokenBarrierError:
+            self._register()
+            try:
+                self.ready_barrier.wait()
+            except threading.BrokenBarrierError:
+                raise _StepAborted() from None
+            self._wait_for_baton()
+            self._state.status = RUNNING
+            self.update_stream(self.compute_stream)
+        except _StepAborted:
+            # A peer failed (or the launcher gave up) before this ubatch ran: __exit__ will not
+            # be called, so leave the registries here.
+            self._state.status = ABORTED
             self._unregister()
-            raise _StepAborted() from None
-        self._wait_for_baton()
-        self._state.status = RUNNING
-        self._restore_context()
-        self.update_stream(self.compute_stream)
+            raise
+        except BaseException as error:
+            self._state.status = FAILED
+            self._unregister()
+            self.step.abort(error if isinstance(error, UBatchError)
+                            else _as_ubatch_error(self.id, error))
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -243,21 +272,51 @@ class UBatchContext:
             except BaseException as error:  # noqa: BLE001 - reported through the step
                 self._state.status = FAILED
                 self._unregister()
-                step.abort(error if isinstance(error, UBatchError) else _as_ubatch_error(self.id, error))
+                step.abort(error if isinstance(error, UBatchError)
+                           else _as_ubatch_error(self.id, error))
                 return False
             self._state.status = FINISHED
             self._unregister()
             self.device.on_handoff()
             self.cpu_signal_event.set()
             return False
-        self._state.status = ABORTED if exc_type is _StepAborted else FAILED
+        # exc_type None here: fn returned, but the step was aborted meanwhile (a timeout)
+        self._state.status = (
+            FINISHED if exc_type is None else ABORTED if exc_type is _StepAborted else FAILED
+        )
         self._unregister()
         if exc_type is not None and exc_type is not _StepAborted:
             step.abort(exc if isinstance(exc, UBatchError) else _as_ubatch_error(self.id, exc))
         return False
 
+    def _register(self) -> None:
+        ident = _get_ident()
+        self._state.thread_ident = ident
+        with _REGISTRY_LOCK:
+            if self.step.closed or self.step.aborted:
+                raise _StepAborted()  # a late thread of a step that is already over
+            occupant = _CURRENT_CONTEXTS[self.id]
+            if occupant is not None and occupant is not self:
+                raise RuntimeError(
+                    f"ubatch {self.id} cannot start: ubatch {self.id} of another step is "
+                    f"still running in this process; DBO runs one step at a time (the "
+                    f"registries are process-wide)"
+                )
+            _THREAD_ID_TO_CONTEXT[ident] = self.id
+            _CURRENT_CONTEXTS[self.id] = self
+            self._registered_ident = ident
+
     def _unregister(self) -> None:
-        _THREAD_ID_TO_CONTEXT.pop(_get_ident(), None)
+        with _REGISTRY_LOCK:
+            self._unregister_locked()
+
+    def _unregister_locked(self) -> None:
+        # Only this context's own entries: the thread ident may already serve a newer step
+        # (workers are reused), and the slot may hold a newer step's context.
+        ident = self._registered_ident
+        if ident is not None and _THREAD_ID_TO_CONTEXT.get(ident) == self.id:
+            del _THREAD_ID_TO_CONTEXT[ident]
+        self._registered_ident = None
         if self.id < len(_CURRENT_CONTEXTS) and _CURRENT_CONTEXTS[self.id] is self:
             _CURRENT_CONTEXTS[self.id] = None
 
@@ -274,10 +333,6 @@ class UBatchContext:
         if self.step.aborted:
             raise _StepAborted()
 
-    def _restore_context(self) -> None:
-        global _forward_context
-        _forward_context = self.forward_context
-
     def _cpu_yield(self) -> None:
         state = self._state
         step = self.step
@@ -291,7 +346,6 @@ class UBatchContext:
         self.cpu_signal_event.set()
         self._wait_for_baton()
         state.status = RUNNING
-        self._restore_context()
 
     # -- streams -----------------------------------------------------------------------------
 
@@ -406,16 +460,20 @@ def make_ubatch_contexts(
             f"ready_barrier must have num_micro_batches + 1 = {num_micro_batches + 1} parties "
             f"(the ubatch threads and the launcher), got {ready_barrier.parties}"
         )
-    if any(ctx is not None for ctx in _CURRENT_CONTEXTS):
-        raise RuntimeError(
-            "another ubatched step is still running in this process; DBO runs one step at a "
-            "time (the registries are process-wide)"
-        )
+    with _REGISTRY_LOCK:
+        # Catches a step started while another runs (a nested call from inside a ubatch, a
+        # second launcher thread); one that slips in before the first step's threads have
+        # registered is refused when its threads try to (UBatchContext._register).
+        if any(ctx is not None for ctx in _CURRENT_CONTEXTS):
+            raise RuntimeError(
+                "another ubatched step is still running in this process; DBO runs one step "
+                "at a time (the registries are process-wide)"
+            )
+        _NUM_UBATCHES = num_micro_batches
+        if len(_CURRENT_CONTEXTS) < num_micro_batches:
+            _CURRENT_CONTEXTS.extend([None] * (num_micro_batches - len(_CURRENT_CONTEXTS)))
     step = UBatchStep(num_micro_batches, ready_barrier)
-    _NUM_UBATCHES = num_micro_batches
-    if len(_CURRENT_CONTEXTS) < num_micro_batches:
-        _CURRENT_CONTEXTS.extend([None] * (num_micro_batches - len(_CURRENT_CONTEXTS)))
-    return [
+    step.contexts = [
         UBatchContext(
             id=i,
             step=step,
@@ -430,6 +488,7 @@ def make_ubatch_contexts(
         )
         for i in range(num_micro_batches)
     ]
+    return list(step.contexts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,9 +551,9 @@ def dbo_register_recv_hook(recv_hook: Callable[[], Any]) -> None:
         return
     if not callable(recv_hook):
         raise TypeError(f"recv_hook must be callable, got {type(recv_hook).__name__}")
-    next_id = (ctx.id + 1) % _NUM_UBATCHES
-    nxt = _CURRENT_CONTEXTS[next_id]
-    if nxt is None:
+    next_id = (ctx.id + 1) % ctx.step.num_ubatches
+    nxt = ctx.step.contexts[next_id]
+    if nxt._state.status in (FINISHED, FAILED, ABORTED):
         raise RuntimeError(
             f"ubatch {ctx.id} registered a recv hook on ubatch {next_id}, which has already "
             f"finished; the hook would never run"
@@ -522,14 +581,26 @@ def dbo_get_previous_event(func: Callable[..., Any], *args: Any, **kwargs: Any) 
 
 
 def current_forward_context() -> Any:
-    """The forward context of the running ubatch (or the one set by `set_forward_context`)."""
-    return _forward_context
+    """The calling ubatch's forward context; on any other thread, the one set by
+    `set_forward_context` (None if none)."""
+    ctx = _current_context()
+    return ctx.forward_context if ctx is not None else _forward_context
 
 
 @contextmanager
 def set_forward_context(context: Any) -> Iterator[Any]:
-    """Set the forward context for a serial (non-ubatched) step."""
+    """Set the forward context for the block: the calling ubatch's own (until the block
+    ends, across its yields), or, on any other thread, the one of a serial step."""
     global _forward_context
+    ctx = _current_context()
+    if ctx is not None:
+        previous = ctx.forward_context
+        ctx.forward_context = context
+        try:
+            yield context
+        finally:
+            ctx.forward_context = previous
+        return
     previous = _forward_context
     _forward_context = context
     try:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
 import dbo
-from dbo import ubatching
+from dbo import runner, ubatching
+from dbo.sim import SimDevice
+from dbo.streams import GraphCapture
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -201,3 +204,240 @@ def test_a_thread_stuck_past_the_timeout_is_never_reused(device):
         assert stuck_ident[0] not in idents
     finally:
         stop.set()
+
+
+def test_a_failing_recv_hook_at_exit_is_reported_for_the_ubatch_that_ran_it(device):
+    def hook():
+        raise ValueError("recv failed")
+
+    def fn(i):
+        if i == 0:
+            dbo.dbo_register_recv_hook(hook)  # stored on ubatch 1, run when it exits
+
+    with pytest.raises(dbo.UBatchError) as info:
+        dbo.run_ubatches(fn, [0, 1], device=device, timeout=20)
+    assert info.value.ubatch_id == 1
+    assert isinstance(info.value.__cause__, ValueError)
+    assert _registries_empty()
+
+
+def test_run_ubatches_called_from_inside_a_ubatch_is_refused_clearly(device):
+    def fn(i):
+        if i == 0:
+            dbo.run_ubatches(lambda x: x, [0, 1], device=device)
+
+    with pytest.raises(dbo.UBatchError) as info:
+        dbo.run_ubatches(fn, [0, 1], device=device, timeout=20)
+    assert info.value.ubatch_id == 0
+    assert "another ubatched step" in str(info.value.__cause__)
+    assert _registries_empty()
+
+
+# ------------------------------------------------------------------ the launcher's own failures
+
+
+def _worker_threads() -> set[int]:
+    return {t.ident for t in threading.enumerate() if t.name.startswith("dbo-ubatch-worker")}
+
+
+def _step_thread_idents(device) -> set[int]:
+    idents: set[int] = set()
+    dbo.run_ubatches(lambda i: idents.add(threading.get_ident()), [0, 1], device=device)
+    return idents
+
+
+class _FailingGraph(GraphCapture):
+    """A capture whose enter or exit raises `error`, standing in for a CUDA capture error."""
+
+    def __init__(self, error: BaseException, on: str) -> None:
+        self.error, self.on = error, on
+
+    def __enter__(self):
+        if self.on == "enter":
+            raise self.error
+        return self
+
+    def __exit__(self, *exc):
+        if self.on == "exit":
+            raise self.error
+
+    def replay(self) -> None:
+        pass
+
+
+def test_a_graph_that_cannot_be_entered_releases_every_ubatch_thread(device):
+    def fn(i):
+        dbo.dbo_yield()
+
+    graph = device.graph()
+    dbo.run_ubatches(fn, [0, 1], device=device, graph=graph)
+    before = _step_thread_idents(device)
+    with pytest.raises(RuntimeError, match="captured already"):
+        dbo.run_ubatches(fn, [0, 1], device=device, graph=graph)  # a graph captures once
+    assert _registries_empty()
+    # The threads parked for that step were released and reused, not left waiting forever.
+    assert _step_thread_idents(device) == before
+    assert _worker_threads() == before
+
+
+def test_an_interrupted_launcher_releases_every_ubatch_and_re_raises_the_interrupt(device):
+    before = _step_thread_idents(device)
+    with pytest.raises(KeyboardInterrupt):
+        dbo.run_ubatches(lambda i: dbo.dbo_yield(), [0, 1], device=device,
+                         graph=_FailingGraph(KeyboardInterrupt(), "enter"))
+    assert _registries_empty()
+    assert _step_thread_idents(device) == before
+
+
+def test_a_graph_exit_failure_after_the_ubatches_finished_is_raised_as_is(device):
+    before = _step_thread_idents(device)
+    with pytest.raises(RuntimeError, match="capture invalidated"):
+        dbo.run_ubatches(lambda i: dbo.dbo_yield(), [0, 1], device=device,
+                         graph=_FailingGraph(RuntimeError("capture invalidated"), "exit"))
+    assert _registries_empty()
+    assert _step_thread_idents(device) == before
+
+
+# ------------------------------------------------------------------ one step at a time
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_launchers_each_get_a_whole_step_or_a_clear_refusal():
+    # Two threads launching at once used to slip both past make_ubatch_contexts' check and
+    # take over each other's slots: wrong outputs, mismatches, timeouts.
+    device = SimDevice(check_races=False)
+
+    def fn(i):
+        for _ in range(3):
+            dbo.dbo_yield()
+        return dbo.dbo_current_ubatch_id()
+
+    outcomes: list[str] = []
+    for _ in range(30):
+        start = threading.Barrier(2)
+
+        def launch():
+            start.wait(10)
+            try:
+                outcomes.append(repr(dbo.run_ubatches(fn, [0, 1], device=device, timeout=10)))
+            except RuntimeError as exc:
+                outcomes.append("refused" if "another ubatched step" in str(exc) else repr(exc))
+
+        launchers = [threading.Thread(target=launch, daemon=True) for _ in range(2)]
+        for t in launchers:
+            t.start()
+        for t in launchers:
+            t.join(20)
+        assert not any(t.is_alive() for t in launchers)
+    assert set(outcomes) <= {"[0, 1]", "refused"}
+    assert outcomes.count("[0, 1]") >= 30  # at least one launcher of each pair ran its step
+    assert _registries_empty()
+
+
+def _run_by_hand(device, contexts, fns):
+    """vLLM's launcher protocol without run_ubatches: one thread per context, the launcher
+    at the barrier, then ubatch 0 released. Returns each thread's exception, if any."""
+    errors: dict[int, BaseException] = {}
+
+    def body(i):
+        try:
+            with contexts[i]:
+                fns[i]()
+        except BaseException as exc:  # handed to the test below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True)
+               for i in range(len(contexts))]
+    for t in threads:
+        t.start()
+    try:
+        contexts[0].ready_barrier.wait(timeout=10)
+        contexts[0].step.release_first()
+    except threading.BrokenBarrierError:
+        pass  # a ubatch failed before the step began
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    return errors
+
+
+def test_contexts_used_by_hand_leave_empty_registries_after_an_abort(device):
+    compute, comm = device.Stream("compute"), device.Stream("comm")
+    contexts = dbo.make_ubatch_contexts(3, compute, comm, [None] * 3, threading.Barrier(4))
+
+    def fail():
+        raise ValueError("boom")
+
+    errors = _run_by_hand(device, contexts, [fail, dbo.dbo_yield, dbo.dbo_yield])
+    assert isinstance(errors[0], ValueError)
+    # the peers, still waiting for their first turn, unwound out of __enter__
+    assert contexts[0].step.error.ubatch_id == 0
+    assert _registries_empty()
+
+
+def test_a_step_started_while_another_runs_cannot_take_over_its_slots(device):
+    compute, comm = device.Stream("compute"), device.Stream("comm")
+    # Made before the first step runs, so make_ubatch_contexts' own check cannot see it.
+    intruder = dbo.make_ubatch_contexts(2, compute, comm, [None] * 2, threading.Barrier(3))
+    intruder_errors: dict[int, BaseException] = {}
+
+    def fn(i):
+        if i == 0:
+            intruder_errors.update(_run_by_hand(device, intruder, [dbo.dbo_yield] * 2))
+        dbo.dbo_yield()
+        return dbo.dbo_current_ubatch_id()
+
+    assert dbo.run_ubatches(fn, [0, 1], device=device, timeout=20) == [0, 1]
+    error = intruder[0].step.error
+    assert isinstance(error, dbo.UBatchError)
+    assert "another step is still running" in str(error.__cause__)
+    assert _registries_empty()
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_reaching_a_step_that_timed_out_cannot_register_into_the_next():
+    gate, late_thread_done = threading.Event(), threading.Event()
+
+    class SlowStart(SimDevice):
+        """Ubatch 1's thread of the first step is held before it reaches its context."""
+
+        hold = True
+
+        @contextmanager
+        def thread_scope(self, ubatch_id=None):
+            if ubatch_id == 1 and SlowStart.hold:
+                SlowStart.hold = False
+                gate.wait(20)
+                try:
+                    with super().thread_scope(ubatch_id):
+                        yield
+                finally:
+                    late_thread_done.set()
+                return
+            with super().thread_scope(ubatch_id):
+                yield
+
+    device = SlowStart(check_races=False)
+    with pytest.raises(dbo.UBatchTimeoutError, match="at the ready barrier"):
+        dbo.run_ubatches(lambda i: dbo.dbo_yield(), [0, 1], device=device, timeout=0.3)
+
+    def fn(i):
+        if i == 0:
+            gate.set()  # the held thread now enters the timed-out step's context
+            assert late_thread_done.wait(20)
+        dbo.dbo_yield()
+        return dbo.dbo_current_ubatch_id()
+
+    assert dbo.run_ubatches(fn, [0, 1], device=device, timeout=20) == [0, 1]
+    assert _registries_empty()
+
+
+def test_an_abandoned_worker_ends_even_if_it_was_already_back_waiting_for_jobs():
+    pool = runner._WorkerPool()
+    worker = runner._UBatchWorker(-1)
+    # As if the pool saw it busy just before the thread finished and went back to waiting.
+    worker.busy = True
+    pool.release([worker])
+    worker.thread.join(5)
+    assert not worker.thread.is_alive()
+    assert pool.idle_count() == 0

@@ -194,6 +194,25 @@ def test_registering_a_second_unrun_recv_hook_is_an_error(device):
     assert _registries_empty()
 
 
+def test_registering_a_recv_hook_on_a_finished_ubatch_is_an_error(device):
+    def fn(i):
+        if i == 1:  # ubatch 0 ran first and has finished: its hook would never run
+            dbo.dbo_register_recv_hook(lambda: None)
+
+    with pytest.raises(dbo.UBatchError, match="already finished") as info:
+        dbo.run_ubatches(fn, [0, 1], device=device)
+    assert info.value.ubatch_id == 1
+    assert _registries_empty()
+
+
+def test_registering_a_non_callable_recv_hook_is_a_type_error(device):
+    with pytest.raises(dbo.UBatchError) as info:
+        dbo.run_ubatches(lambda i: dbo.dbo_register_recv_hook("not a hook"), [0, 1],
+                         device=device)
+    assert isinstance(info.value.__cause__, TypeError)
+    assert "recv_hook must be callable" in str(info.value.__cause__)
+
+
 def test_forward_context_is_restored_on_every_resume(device):
     seen: list[tuple[int, str]] = []
 
@@ -206,6 +225,53 @@ def test_forward_context_is_restored_on_every_resume(device):
     dbo.run_ubatches(fn, [0, 1], device=device, forward_contexts=["ctx-a", "ctx-b"])
     assert all(ctx == ("ctx-a" if i == 0 else "ctx-b") for i, ctx in seen)
     assert len(seen) == 8
+
+
+def test_a_step_leaves_the_launchers_forward_context_as_it_was(device):
+    with dbo.set_forward_context("launcher"):
+        dbo.run_ubatches(lambda i: dbo.dbo_yield(), [0, 1], device=device,
+                         forward_contexts=["ctx-a", "ctx-b"])
+        assert dbo.current_forward_context() == "launcher"
+    assert dbo.current_forward_context() is None
+
+
+def test_a_thread_outside_the_step_never_sees_a_ubatchs_forward_context(device):
+    seen = []
+    ubatch_running, looked = threading.Event(), threading.Event()
+
+    def fn(i):
+        if i == 0:
+            ubatch_running.set()
+            looked.wait(5)
+
+    def outsider():
+        ubatch_running.wait(5)
+        seen.append(dbo.current_forward_context())
+        looked.set()
+
+    t = threading.Thread(target=outsider)
+    t.start()
+    dbo.run_ubatches(fn, [0, 1], device=device, forward_contexts=["ctx-a", "ctx-b"])
+    t.join(5)
+    assert seen == [None]
+
+
+def test_set_forward_context_inside_a_ubatch_changes_only_that_ubatch_until_the_block_ends(
+        device):
+    seen: list[tuple[int, str]] = []
+
+    def fn(i):
+        if i == 0:
+            with dbo.set_forward_context("override"):
+                dbo.dbo_yield()
+                seen.append((i, dbo.current_forward_context()))
+            seen.append((i, dbo.current_forward_context()))
+        else:
+            dbo.dbo_yield()
+            seen.append((i, dbo.current_forward_context()))
+
+    dbo.run_ubatches(fn, [0, 1], device=device, forward_contexts=["ctx-a", "ctx-b"])
+    assert seen == [(0, "override"), (0, "ctx-a"), (1, "ctx-b")]
 
 
 def test_get_previous_event_runs_on_the_compute_stream(device):
@@ -279,12 +345,29 @@ def test_make_ubatch_contexts_builds_a_ring(device):
     for i, ctx in enumerate(ctxs):
         assert ctx.cpu_signal_event is ctxs[(i + 1) % 3].cpu_wait_event
         assert ctx.compute_stream is s and ctx.comm_stream is c
-    assert len({id(ctx.gpu_compute_done_event) for ctx in ctxs}) == 3
+    events = [e for ctx in ctxs for e in (ctx.gpu_compute_done_event, ctx.gpu_comm_done_event)]
+    assert len({id(e) for e in events}) == 6  # a compute-done and a comm-done per context
 
 
 def test_run_ubatches_needs_two_inputs(device):
     with pytest.raises(ValueError, match=">= 2 ubatch inputs"):
         dbo.run_ubatches(lambda x: x, [1], device=device)
+
+
+def test_every_runtime_name_of_the_contract_is_importable_from_dbo():
+    names = [
+        "dbo_enabled", "dbo_current_ubatch_id", "dbo_yield",
+        "dbo_yield_and_switch_from_compute_to_comm", "dbo_yield_and_switch_from_comm_to_compute",
+        "dbo_switch_to_comm", "dbo_switch_to_compute", "dbo_switch_to_comm_sync",
+        "dbo_switch_to_compute_sync", "dbo_register_recv_hook", "dbo_maybe_run_recv_hook",
+        "dbo_get_previous_event", "make_ubatch_contexts", "UBatchContext", "current_stream",
+        "current_forward_context", "run_ubatches", "merge_outputs", "UBatchError",
+        "YieldMismatchError", "UBatchTimeoutError",
+    ]
+    missing = [n for n in names if n not in dbo.__all__ or not hasattr(dbo, n)]
+    assert missing == []
+    assert issubclass(dbo.YieldMismatchError, dbo.UBatchError)
+    assert issubclass(dbo.UBatchTimeoutError, dbo.UBatchError)
 
 
 def test_merge_outputs_concatenates_tensors_and_tuples():
