@@ -226,7 +226,21 @@ def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-_GENERATIONS = itertools.count()
+# Abort-key generations, counted per process group (by its name, which every member agrees on).
+_GENERATIONS: dict[str, Iterator[int]] = {}
+_GENERATIONS_LOCK = threading.Lock()
+
+
+def _abort_key(pg: Any, members: tuple[int, ...]) -> str:
+    """The store key this EP group's aborts go under: its process group's name and how many
+    EPGroups this process has built over that group before. The members of a group build their
+    EPGroups over it at the same points, so the key agrees across them; a rank outside the
+    group is refused before drawing one, and groups it is not in keep their own counts (one
+    process-wide count went out of step when a non-member's construction failed)."""
+    name = str(getattr(pg, "group_name", "") or ",".join(map(str, members)))
+    with _GENERATIONS_LOCK:
+        generation = next(_GENERATIONS.setdefault(name, itertools.count()))
+    return f"dbo-ep-abort/{name}/{generation}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,9 +297,9 @@ class EPGroup:
                 f"each EP rank owns the same number of experts"
             )
         self.experts_per_rank = self.num_experts // self.ep_size
-        # Members construct their EPGroups at the same points, so this count agrees across
-        # ranks and names this generation's abort key; a later group starts with a clean key.
-        self._abort_key = f"dbo-ep-abort/{next(_GENERATIONS)}" if self._pg is not None else ""
+        # A later EPGroup over the same process group gets a fresh key, so an old abort stays
+        # with the group it ended.
+        self._abort_key = _abort_key(self._pg, self._members) if self._pg is not None else ""
         # A host poll would turn NCCL's stream-ordered collectives into host syncs.
         self._poll = self._pg is not None and "nccl" not in self.backend
 
@@ -549,8 +563,11 @@ class EPGroup:
             arrived = torch.empty(plan.num_recv_rows, hidden, dtype=x.dtype, device=x.device)
             with device.comm_region("dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size) as sent:
                 rows = x.index_select(0, plan.token_of_row)
-                self._all_to_all(arrived_ids, plan.row_expert, plan.recv_counts, plan.send_counts, "dispatch expert ids")
-                self._all_to_all(_as_bytes(arrived, "receive buffer"), _as_bytes(rows, "x rows"), plan.recv_counts, plan.send_counts, "dispatch")
+                splits = (plan.recv_counts, plan.send_counts)  # (output, input) rows per rank
+                self._all_to_all(arrived_ids, plan.row_expert, *splits, "dispatch expert ids")
+                self._all_to_all(
+                    _as_bytes(arrived, "receive buffer"), _as_bytes(rows, "x rows"), *splits, "dispatch"
+                )
                 handle.recv_order = arrived_ids.argsort(stable=True)
                 recv_ids = arrived_ids[handle.recv_order]
                 torch.index_select(arrived, 0, handle.recv_order, out=out)
@@ -596,7 +613,10 @@ class EPGroup:
                 # them: its expert-major send order, and the scatter-add below is then the
                 # in-process one, row for row.
                 staged.index_copy_(0, handle.recv_order, expert_out)
-                self._all_to_all(_as_bytes(back, "combine buffer"), _as_bytes(staged, "expert_out"), plan.send_counts, plan.recv_counts, "combine")
+                self._all_to_all(
+                    _as_bytes(back, "combine buffer"), _as_bytes(staged, "expert_out"),
+                    plan.send_counts, plan.recv_counts, "combine",
+                )
                 out.index_add_(0, plan.token_of_row, back * plan.row_weight)
         handle.combine_event = sent.event
         return out

@@ -260,6 +260,20 @@ def test_step_reports_a_local_failure_to_peers_but_not_a_peer_failure_back():
     assert store.get(ep._abort_key).decode().startswith("0\nZeroDivisionError")
 
 
+def test_abort_keys_are_counted_per_process_group():
+    # A rank refused by one group (not a member) must not shift the keys of the groups it is in.
+    from dbo.comm import _abort_key
+
+    class Group:
+        def __init__(self, name: str) -> None:
+            self.group_name = name
+
+    first, second = Group("test-keys-a"), Group("test-keys-b")
+    assert _abort_key(first, (0, 1)) == "dbo-ep-abort/test-keys-a/0"
+    assert _abort_key(second, (0, 1)) == "dbo-ep-abort/test-keys-b/0"
+    assert _abort_key(first, (0, 1)) == "dbo-ep-abort/test-keys-a/1"
+
+
 # --------------------------------------------------------------------------------------------
 # The all-to-all path over a gloo group of one, in this process
 

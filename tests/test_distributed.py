@@ -107,6 +107,8 @@ def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
     # Made first, while every rank is healthy: the failure checks at the end each break one.
     fail_group = dist.new_group([0, 1])
     hang_group = dist.new_group([0, 1])
+    # Rank 1 is refused by this group; the EP groups both ranks build later must still agree on
+    # their abort keys (a process-wide count once went out of step here).
     only_rank_0 = dist.new_group([0])
     out["group without this rank"] = _attempt(lambda: EPGroup(only_rank_0, num_experts=E).ep_size)
 
