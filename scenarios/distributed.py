@@ -276,14 +276,19 @@ def _ep_group(env: RankEnv, config: ModelConfig, opts: RunOptions) -> EPGroup:
     return EPGroup(env.group, num_experts=config.num_experts, store=env.store, timeout_s=opts.timeout_s)
 
 
-def _moe_rank(env: RankEnv, opts: RunOptions, *, decode: bool, mode: str, num_ubatches: int | None = None) -> RankOutcome:
+def _moe_rank(
+    env: RankEnv, opts: RunOptions, *, decode: bool, mode: str, num_ubatches: int | None = None
+) -> RankOutcome:
     start = time.monotonic()
     n = num_ubatches or opts.num_ubatches
     config = _tiny(env)
     batch = _rank_batch(env.rank, decode)
     x = MoEModel(config, batch).inputs(seed=1 + env.rank)
     # This rank's batch in one process, every expert local: the values to reproduce.
-    reference = run_step(MoEModel(config, batch), x, device=SimDevice(opts.profile), num_ubatches=None, mode=mode, timeout_s=opts.timeout_s)
+    reference = run_step(
+        MoEModel(config, batch), x, device=SimDevice(opts.profile), num_ubatches=None, mode=mode,
+        timeout_s=opts.timeout_s,
+    )
 
     ep = _ep_group(env, config, opts)
     real = batch.num_tokens
@@ -292,8 +297,13 @@ def _moe_rank(env: RankEnv, opts: RunOptions, *, decode: bool, mode: str, num_ub
     )
     slices = split_batch(batch.query_start_loc, decision.num_tokens_padded, n) if decision.split else None
     with use_ep_group(ep):
-        serial = run_rank_step(MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=None, mode=mode, timeout_s=opts.timeout_s)
-        ubatched = run_rank_step(MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=slices, mode=mode, timeout_s=opts.timeout_s)
+        serial, ubatched = (
+            run_rank_step(
+                MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=cuts, mode=mode,
+                timeout_s=opts.timeout_s,
+            )
+            for cuts in (None, slices)
+        )
 
     diff = max(
         (serial.output.double() - reference.output.double()).abs().max().item(),
@@ -336,7 +346,9 @@ def _moe_rank(env: RankEnv, opts: RunOptions, *, decode: bool, mode: str, num_ub
 _DISAGREEMENT_BOUND_S = 5.0
 
 
-def disagreement_checks(caught: BaseException | None, world: int, stopped_s: float, diff: float) -> dict[str, bool]:
+def disagreement_checks(
+    caught: BaseException | None, world: int, stopped_s: float, diff: float
+) -> dict[str, bool]:
     """The dp-disagreement verdict on one rank: the unagreed step must have stopped with
     `EPStepMismatchError` naming every rank's ubatch count, within the bound, and the agreed
     step must have matched the single-process run (max abs diff `diff`)."""
@@ -396,7 +408,9 @@ def _dp_disagreement_rank(env: RankEnv, opts: RunOptions) -> RankOutcome:
     return RankOutcome(
         rank=env.rank,
         passed=not failed,
-        error=None if not failed else f"rank {env.rank} failed: {', '.join(failed)} (caught {caught_text or 'nothing'})",
+        error=None if not failed else (
+            f"rank {env.rank} failed: {', '.join(failed)} (caught {caught_text or 'nothing'})"
+        ),
         outputs_match=diff <= _TOLERANCE,
         max_abs_diff=diff,
         races=agreed.races,
@@ -456,7 +470,9 @@ def run_rank_scenarios(env: RankEnv, names: Sequence[str], opts: RunOptions) -> 
 # Merging the ranks' outcomes
 
 
-def merge_outcomes(name: str, outcomes: Sequence[RankOutcome | None], opts: RunOptions, *, missing: str = "") -> Any:
+def merge_outcomes(
+    name: str, outcomes: Sequence[RankOutcome | None], opts: RunOptions, *, missing: str = ""
+) -> Any:
     """One `ScenarioResult` from every rank's outcome (None: the rank reported nothing)."""
     from scenarios.catalog import ScenarioResult
 
@@ -491,7 +507,9 @@ def merge_outcomes(name: str, outcomes: Sequence[RankOutcome | None], opts: RunO
         details={
             "ranks": len(outcomes),
             "slowest_rank": ubatched.slowest_rank if ubatched else None,
-            "per_rank": [{"rank": o.rank, "passed": o.passed, "wall_s": round(o.wall_s, 3), **o.details} for o in present],
+            "per_rank": [
+                {"rank": o.rank, "passed": o.passed, "wall_s": round(o.wall_s, 3), **o.details} for o in present
+            ],
         },
     )
     traced = [o.dbo_records or o.trace_records for o in present]
@@ -555,7 +573,9 @@ def check_world_size(world: int) -> str | None:
     return None
 
 
-def run_local_ranks(names: Sequence[str], opts: RunOptions, ranks: int, *, deadline_s: float | None = None) -> list[Any]:
+def run_local_ranks(
+    names: Sequence[str], opts: RunOptions, ranks: int, *, deadline_s: float | None = None
+) -> list[Any]:
     """Start `ranks` processes on this machine, run `names` on each, merge, and return one
     `ScenarioResult` per name. Every process is ended by the deadline; none is left behind."""
     unknown = check_names(names)

@@ -515,11 +515,15 @@ class MoEModel:
         # -- dispatch ------------------------------------------------------------------------
         if mode == "ht":
             self._yield_to_comm()
-            sent = ep.dispatch(x, experts, weights, plan=plan, out=recv, mode="ht", bytes_per_elem=c.dispatch_bytes_per_elem)
+            sent = ep.dispatch(
+                x, experts, weights, plan=plan, out=recv, mode="ht", bytes_per_elem=c.dispatch_bytes_per_elem
+            )
             dbo.dbo_yield_and_switch_from_comm_to_compute()
         else:
             dbo.dbo_maybe_run_recv_hook()
-            sent = ep.dispatch(x, experts, weights, plan=plan, out=recv, mode="ll", bytes_per_elem=c.dispatch_bytes_per_elem)
+            sent = ep.dispatch(
+                x, experts, weights, plan=plan, out=recv, mode="ll", bytes_per_elem=c.dispatch_bytes_per_elem
+            )
             self._receive(sent.event)
 
         # -- experts (a grouped GEMM over the received rows) ---------------------------------
@@ -555,7 +559,9 @@ class MoEModel:
         else:
             hook()
 
-    def _experts(self, layer: dict, recv: torch.Tensor, inter: torch.Tensor, out: torch.Tensor, row_expert: torch.Tensor) -> None:
+    def _experts(
+        self, layer: dict, recv: torch.Tensor, inter: torch.Tensor, out: torch.Tensor, row_expert: torch.Tensor
+    ) -> None:
         c = self.config
         if layer["w1"].dtype != recv.dtype:
             # FP8 experts (shapes only): DeepEP delivers FP8 rows; one grouped GEMM per
