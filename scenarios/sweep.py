@@ -13,6 +13,7 @@ panel per phase) and against the comm/compute ratio.
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -43,7 +44,8 @@ class SweepPoint:
 
     def to_dict(self) -> dict[str, float | int | str]:
         """One CSV row (and one `sweep --json` line): the fields and the comm/compute ratio."""
-        return {**asdict(self), "comm_compute_ratio": self.comm_compute_ratio}
+        ratio = self.comm_compute_ratio
+        return {**asdict(self), "comm_compute_ratio": ratio if math.isfinite(ratio) else None}
 
 
 def pays_from(points: Sequence[SweepPoint]) -> int | None:

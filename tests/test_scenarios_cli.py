@@ -365,3 +365,12 @@ def test_stress_progress_ends_at_the_iteration_count():
     heard: list = []
     report = stress.run_stress(2, 120, on_progress=heard.append)
     assert report.passed and heard == [50, 100, 120]
+
+
+def test_a_reduced_sweep_model_keeps_its_dense_to_moe_mix():
+    from scenarios.model import preset
+    from scenarios.sweep import reduced
+
+    full = preset("deepseek-v3")
+    assert [reduced(full, n).num_dense_layers for n in (1, 2, 20, 61)] == [0, 0, 1, 3]
+    assert reduced(full, 2).num_layers == 2
