@@ -542,6 +542,19 @@ def test_debug_env_logs_resize_lock_and_unlock(monkeypatch, caplog):
     assert "unlocked" in messages[2] and "[12.50, 12.50] MB" in messages[2]
 
 
+def test_debug_env_logs_a_failed_growth_and_its_rollback(monkeypatch, caplog):
+    monkeypatch.setenv("DBO_DEBUG_WORKSPACE", "1")
+    caplog.set_level(logging.INFO, logger="workspace")
+    m = WorkspaceManager("cpu", num_ubatches=2)
+    m.get_simultaneous(((1 << 20,), U8))
+    with failing_allocations(m, 2):
+        with pytest.raises(WorkspaceAllocationError):
+            m.get_simultaneous(((4 << 20,), U8))
+    message = [r.getMessage() for r in caplog.records if r.name == "workspace"][-1]
+    assert "to 4.00 MB per slot failed (InjectedAllocationError)" in message
+    assert "rolled back to 1.00 MB (2 slots, total 2.00 MB)" in message
+
+
 def test_no_debug_log_without_the_env_variable(monkeypatch, caplog):
     monkeypatch.delenv("DBO_DEBUG_WORKSPACE", raising=False)
     caplog.set_level(logging.DEBUG, logger="workspace")

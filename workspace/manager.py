@@ -255,9 +255,16 @@ class WorkspaceManager:
             if orphaned:  # the released buffers stay orphaned whatever the rollback does
                 self._ledger.orphaning_events += 1
             self._roll_back(old_bytes)
+            now = _nbytes(self._slots[0])
+            if debug_enabled():  # a rollback resizes too: the log must show it
+                logger.info(
+                    "workspace growth by '%s' to %s per slot failed (%s); every slot rolled "
+                    "back to %s (%d slots, total %s)",
+                    caller, mb(new_bytes), type(exc).__name__, mb(now), self._num_ubatches,
+                    mb(now * self._num_ubatches),
+                )
             if not isinstance(exc, Exception):
                 raise
-            now = _nbytes(self._slots[0])
             raise WorkspaceAllocationError(
                 f"could not grow the workspace slots on {self._device} to {mb(new_bytes)} "
                 f"({new_bytes} bytes) for '{caller}': {type(exc).__name__}: {exc}; every slot "
