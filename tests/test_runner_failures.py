@@ -204,6 +204,27 @@ def test_a_thread_stuck_past_the_timeout_is_never_reused(device):
         assert stuck_ident[0] not in idents
     finally:
         stop.set()
+    # Once its user code returns, the abandoned thread ends instead of idling forever.
+    stuck = next((t for t in threading.enumerate() if t.ident == stuck_ident[0]), None)
+    if stuck is not None:  # None: it has ended already
+        stuck.join(5)
+        assert not stuck.is_alive()
+
+
+def test_threads_of_a_step_that_raised_are_reused_by_the_next(device):
+    # A raising ubatch unwinds every peer, so no thread is stuck and none is abandoned.
+    first: set[int] = set()
+
+    def bad(i):
+        first.add(threading.get_ident())
+        dbo.dbo_yield()
+        if i == 1:
+            raise RuntimeError("x")
+        dbo.dbo_yield()
+
+    with pytest.raises(dbo.UBatchError):
+        dbo.run_ubatches(bad, [0, 1], device=device)
+    assert _step_thread_idents(device) == first
 
 
 def test_a_failing_recv_hook_at_exit_is_reported_for_the_ubatch_that_ran_it(device):
