@@ -395,8 +395,11 @@ def resolve_device(device: "Device | str | None", **sim_options: Any) -> Device:
 
             return SimDevice(**sim_options)
         if device == "cuda" or device.startswith("cuda:"):
-            index = int(device.split(":", 1)[1]) if ":" in device else None
-            return CudaDevice(index)
+            suffix = device.split(":", 1)[1] if ":" in device else None
+            if suffix is not None and not suffix.isdigit():
+                raise ValueError(f"device {device!r}: the GPU index after 'cuda:' must be a "
+                                 f"non-negative integer")
+            return CudaDevice(None if suffix is None else int(suffix))
     raise ValueError(
         f"device must be 'sim', 'cuda', 'cuda:N' or a dbo.streams.Device, got {device!r}"
     )
