@@ -17,10 +17,11 @@ Threads register and unregister under `_REGISTRY_LOCK` (once per ubatch per step
 the yield path), so a late thread of a finished or aborted step cannot register into the
 next one, and a second step cannot take over the slots of a running one.
 
-Differences from vLLM's `vllm/v1/worker/ubatching.py`, all on failure paths: an exception or an
-early exit in one ubatch releases its peers (`UBatchStep.abort`), a yield count that differs
-between ubatches is reported instead of hanging, `dbo_current_ubatch_id()` answers 0 for a
-thread that is not a ubatch, and `dbo_enabled()` answers for the calling thread.
+Differences from vLLM's `vllm/v1/worker/ubatching.py`, all on failure or misuse paths: an
+exception or an early exit in one ubatch releases its peers (`UBatchStep.abort`), a yield
+count that differs between ubatches is reported instead of hanging, `dbo_current_ubatch_id()`
+answers 0 for a thread that is not a ubatch, `dbo_enabled()` and `current_forward_context()`
+answer for the calling thread, and a second step started while one runs is refused.
 """
 
 from __future__ import annotations
