@@ -8,7 +8,6 @@ import inspect
 import logging
 import math
 import threading
-import timeit
 import types
 import warnings
 import weakref
@@ -794,28 +793,17 @@ def test_every_public_name_is_exported():
         assert name in workspace.__all__ and hasattr(workspace, name)
 
 
-# ------------------------------------------------------------------ hot path speed
+# ------------------------------------------------------------------ hot path
 
 
-def _seed_naive(slot: torch.Tensor, *shapes_and_dtypes):
-    """The seed's algorithm: byte sizes, round to 256, accumulate, slice + view + reshape."""
-    actual = [math.prod(s) * d.itemsize for s, d in shapes_and_dtypes]
-    aligned = [-(-a // 256) * 256 for a in actual]
-    offsets = list(accumulate([0] + aligned[:-1]))
-    return [slot[offsets[i]:offsets[i] + actual[i]].view(d).reshape(s)
-            for i, (s, d) in enumerate(shapes_and_dtypes)]
-
-
-def test_hot_path_beats_the_seed_algorithm_and_allocates_nothing():
-    # A loose bound (the product target is 5x, measured in the report); this guards against
-    # the hot path regressing to per-call layout work.
+def test_hot_path_allocates_nothing():
+    # Its speed against the seed's algorithm is a benchmark (`python -m scenarios bench`,
+    # workspace.get_simultaneous.*), not a test: timings on a shared machine are noise.
     m = WorkspaceManager("cpu")
     request = (((64, 128), torch.float16), ((32,), F32), ((4, 4, 4), torch.bfloat16))
     m.get_simultaneous(*request)
     m.lock()
-    slot = torch.empty(1 << 16, dtype=U8)
     with record_allocations(m) as allocs:
-        ours = min(timeit.repeat(lambda: m.get_simultaneous(*request), number=2000, repeat=5))
-    naive = min(timeit.repeat(lambda: _seed_naive(slot, *request), number=2000, repeat=5))
+        for _ in range(2000):
+            m.get_simultaneous(*request)
     assert allocs == []
-    assert naive / ours > 2.0, f"hot path only {naive / ours:.1f}x faster than the seed's"
