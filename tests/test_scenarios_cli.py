@@ -266,6 +266,14 @@ def test_elastic_ep_scenario_fails_if_a_stale_graph_replays(capsys, monkeypatch)
     assert code == 1 and report["passed"] is False and "stale graph refused" in report["error"]
 
 
+def test_a_positive_scenario_fails_if_its_measured_step_allocates(capsys, monkeypatch):
+    import scenarios.harness as harness
+
+    monkeypatch.setattr(harness, "_count_allocations", lambda fn: (fn(), 1))
+    code, (report,) = _run_json(capsys, "moe-prefill-ht", "--no-artifacts")
+    assert code == 1 and report["passed"] is False and "1 workspace allocation(s) after lock" in report["error"]
+
+
 def test_locked_growth_scenario_fails_if_lock_does_not_hold(capsys, monkeypatch):
     monkeypatch.setattr("scenarios.harness.lock_workspace", lambda: None)
     code, (report,) = _run_json(capsys, "locked-growth", "--no-artifacts")
