@@ -137,25 +137,34 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-_GROUPED_MM_OK: list[bool] = []  # [] untried, [True] works here, [False] fell back
+# (device type, dtype) -> whether torch._grouped_mm runs there. Kept per kind because support
+# differs by both (float64 is refused where bf16 works), and one failure must not send every
+# later call, on meta too, down the fallback (whose host read cannot run on meta).
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of `a` in expert-major groups ending at `offs` times their expert's `b`: one
-    `torch._grouped_mm` kernel; where this torch or GPU lacks it, one mm per expert with the
-    group sizes read on the host (a sync, so not capturable in a graph), said once on stderr."""
-    if not _GROUPED_MM_OK or _GROUPED_MM_OK[0]:
+    `torch._grouped_mm` kernel; where this torch, device or dtype lacks it, one mm per expert
+    with the group sizes read on the host (a sync, so not capturable in a graph), said once per
+    kind on stderr."""
+    kind = (a.device.type, a.dtype)
+    if _GROUPED_MM_OK.get(kind, True):
         try:
             out = torch._grouped_mm(a, b, offs=offs)
-            _GROUPED_MM_OK[:] = [True]
+            _GROUPED_MM_OK[kind] = True
             return out
         except (AttributeError, RuntimeError, NotImplementedError) as error:
-            if _GROUPED_MM_OK:
+            if _GROUPED_MM_OK.get(kind) or a.is_meta:  # meta has no group sizes to read
                 raise
-            _GROUPED_MM_OK[:] = [False]
+            _GROUPED_MM_OK[kind] = False
             import sys
 
-            print(f"scenarios.model: torch._grouped_mm unavailable ({error}); one mm per expert", file=sys.stderr)
+            print(
+                f"scenarios.model: torch._grouped_mm unavailable for {kind[1]} on {kind[0]} "
+                f"({error}); one mm per expert",
+                file=sys.stderr,
+            )
     ends = [0] + offs.tolist()
     out = a.new_empty(a.shape[0], b.shape[-1])
     for e in range(b.shape[0]):
