@@ -30,6 +30,7 @@ projection (`torch._grouped_mm`), as engines run them.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -421,18 +422,11 @@ class MoEModel:
             attn_out.copy_(out.reshape(t, -1))
         else:
             # Prefill: per request segment of this ubatch, causal over the request's tokens so far.
-            q = self.batch.query_start_loc
-            seg_start = start
-            while seg_start < start + t:
-                r = self.token_request[seg_start]
-                seg_end = min(q[r + 1], start + t)
-                base = self.context_offset[r] + self.batch.context_lens[r]
-                lo, hi = base + seg_start - q[r], base + seg_end - q[r]
-                rows = slice(seg_start - start, seg_end - start)
+            for r, rows, lo, hi in self._segments(start, t):
                 kv[0, lo:hi].copy_(qkv[rows, 1])
                 kv[1, lo:hi].copy_(qkv[rows, 2])
                 keys, vals = kv[0, self.context_offset[r] : hi], kv[1, self.context_offset[r] : hi]
-                n_q, n_k = seg_end - seg_start, keys.shape[0]
+                n_q, n_k = rows.stop - rows.start, keys.shape[0]
                 if x.device.type == "cpu":
                     scores = torch.einsum("qhd,khd->hqk", qkv[rows, 0], keys) * scale
                     causal = torch.ones(n_q, n_k, dtype=torch.bool, device=kv.device).tril(n_k - n_q)
@@ -444,8 +438,20 @@ class MoEModel:
                         vals.transpose(0, 1).unsqueeze(0), causal=True, scale=scale,
                     )[0].transpose(0, 1)
                 attn_out[rows].copy_(out.reshape(n_q, -1))
-                seg_start = seg_end
         return attn_out @ layer["wo"]
+
+    def _segments(self, start: int, t: int) -> Iterator[tuple[int, slice, int, int]]:
+        """The prefill pieces of tokens [start, start + t): per request r they touch, the rows
+        of this ubatch that are r's, and where those tokens' K/V go in the cache ([lo, hi),
+        after r's context). A request cut by the ubatch boundary yields only its part here."""
+        q = self.batch.query_start_loc
+        seg_start = start
+        while seg_start < start + t:
+            r = self.token_request[seg_start]
+            seg_end = min(q[r + 1], start + t)
+            base = self.context_offset[r] + self.batch.context_lens[r]
+            yield r, slice(seg_start - start, seg_end - start), base + seg_start - q[r], base + seg_end - q[r]
+            seg_start = seg_end
 
     def _mla(self, index: int, layer: dict, x: torch.Tensor, start: int) -> torch.Tensor:
         """Multi-head latent attention (DeepSeek-V2/V3). The cache holds, per token, one latent
@@ -484,18 +490,11 @@ class MoEModel:
             o = torch.bmm(o_latent.squeeze(1).transpose(0, 1), layer["w_uv"])  # (h, t, dv)
             attn_out.copy_(o.transpose(0, 1).reshape(t, h * dv))
         else:
-            q_loc = self.batch.query_start_loc
-            seg_start = start
-            while seg_start < start + t:
-                r = self.token_request[seg_start]
-                seg_end = min(q_loc[r + 1], start + t)
-                base = self.context_offset[r] + self.batch.context_lens[r]
-                lo, hi = base + seg_start - q_loc[r], base + seg_end - q_loc[r]
-                rows = slice(seg_start - start, seg_end - start)
+            for r, rows, lo, hi in self._segments(start, t):
                 cache[lo:hi, :rank].copy_(latent[rows])
                 cache[lo:hi, rank:].copy_(kv_a[rows, rank:])
                 keys = cache[self.context_offset[r] : hi]  # the request's latents so far
-                n_q, n_k = seg_end - seg_start, keys.shape[0]
+                n_q, n_k = rows.stop - rows.start, keys.shape[0]
                 kv = self._linear(keys[:, :rank], layer["wkv_b"]).view(n_k, h, dn + dv)
                 k = torch.cat([kv[:, :, :dn], keys[:, None, rank:].expand(n_k, h, dr)], dim=-1)
                 out = self._attend(
@@ -503,7 +502,6 @@ class MoEModel:
                     kv[:, :, dn:].transpose(0, 1).unsqueeze(0), causal=True, scale=scale,
                 )[0].transpose(0, 1)  # (n_q, h, dv)
                 attn_out[rows].copy_(out.reshape(n_q, h * dv))
-                seg_start = seg_end
         return self._linear(attn_out, layer["wo"])
 
     def _moe(self, layer: dict, x: torch.Tensor, mode: str) -> torch.Tensor:
