@@ -31,7 +31,7 @@ and ends at that rank's own last op. The top-level time fields are those of the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -160,20 +160,7 @@ class RankSummary:
     num_ops: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "start_us": self.start_us,
-            "end_us": self.end_us,
-            "step_us": self.step_us,
-            "busy_us_per_stream": dict(self.busy_us_per_stream),
-            "compute_us": self.compute_us,
-            "comm_us": self.comm_us,
-            "hidden_comm_us": self.hidden_comm_us,
-            "overlap_fraction": self.overlap_fraction,
-            "exposed_comm_us": self.exposed_comm_us,
-            "host_bound_fraction": self.host_bound_fraction,
-            "num_ops": self.num_ops,
-        }
+        return _plain(self)
 
 
 @dataclass(frozen=True)
@@ -196,21 +183,20 @@ class StepSummary:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of JSON types (finite floats, ints, strs, lists, dicts)."""
-        return {
-            "step_us": self.step_us,
-            "busy_us_per_stream": dict(self.busy_us_per_stream),
-            "compute_us": self.compute_us,
-            "comm_us": self.comm_us,
-            "hidden_comm_us": self.hidden_comm_us,
-            "overlap_fraction": self.overlap_fraction,
-            "exposed_comm_us": self.exposed_comm_us,
-            "host_bound_fraction": self.host_bound_fraction,
-            "num_ops": self.num_ops,
-            "num_races": self.num_races,
-            "workspace_peak_bytes": self.workspace_peak_bytes,
-            "slowest_rank": self.slowest_rank,
-            "ranks": [r.to_dict() for r in self.ranks],
-        }
+        return _plain(self)
+
+
+def _plain(summary: Any) -> dict[str, Any]:
+    """A summary record's fields as JSON types: maps become dicts, nested records dicts."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return dict(value)
+        if isinstance(value, tuple):
+            return [v.to_dict() if hasattr(v, "to_dict") else v for v in value]
+        return value
+
+    return {f.name: plain(getattr(summary, f.name)) for f in fields(summary)}
 
 
 def _summarize_rank(rank: int, records: Sequence[OpRecord], lo: float, hi: float) -> RankSummary:
