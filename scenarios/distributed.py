@@ -265,15 +265,19 @@ def _rank_batch(rank: int, decode: bool) -> Batch:
     return Batch(query_start_loc=(0, 40, 70, 128, 160 - 8 * shorter), context_lens=(0, 0, 0, 0))
 
 
-def _tiny(env: RankEnv) -> ModelConfig:
-    # EP spans the ranks: each owns num_experts / world experts.
-    return preset("tiny", ep_size=env.world)
+def _tiny(env: RankEnv, opts: RunOptions) -> ModelConfig:
+    # EP spans the ranks: each owns num_experts / world experts. Under --device cuda the
+    # rank's tensors live on its own GPU, so the all-to-all runs over NCCL.
+    config = preset("tiny", ep_size=env.world)
+    if env.cuda_group is not None:
+        config = config.with_(tensor_device=f"cuda:{env.local_rank}")
+    return config
 
 
 def _ep_group(env: RankEnv, config: ModelConfig, opts: RunOptions) -> EPGroup:
-    # The tiny preset keeps its tensors on the CPU (the values path), so its all-to-all goes
-    # over gloo even under --device cuda; a model with CUDA tensors would use env.cuda_group.
-    return EPGroup(env.group, num_experts=config.num_experts, store=env.store, timeout_s=opts.timeout_s)
+    # CUDA tensors travel over the NCCL group, CPU tensors over gloo.
+    group = env.cuda_group if config.tensor_device.startswith("cuda") else env.group
+    return EPGroup(group, num_experts=config.num_experts, store=env.store, timeout_s=opts.timeout_s)
 
 
 def _moe_rank(
@@ -281,12 +285,13 @@ def _moe_rank(
 ) -> RankOutcome:
     start = time.monotonic()
     n = num_ubatches or opts.num_ubatches
-    config = _tiny(env)
+    config = _tiny(env, opts)
     batch = _rank_batch(env.rank, decode)
     x = MoEModel(config, batch).inputs(seed=1 + env.rank)
     # This rank's batch in one process, every expert local: the values to reproduce.
+    reference_device = rank_device(env, opts) if config.tensor_device.startswith("cuda") else SimDevice(opts.profile)
     reference = run_step(
-        MoEModel(config, batch), x, device=SimDevice(opts.profile), num_ubatches=None, mode=mode,
+        MoEModel(config, batch), x, device=reference_device, num_ubatches=None, mode=mode,
         timeout_s=opts.timeout_s,
     )
 
@@ -366,7 +371,9 @@ def _dp_disagreement_rank(env: RankEnv, opts: RunOptions) -> RankOutcome:
     if env.world < 2:
         return RankOutcome(env.rank, passed=False, error="dp-disagreement needs at least 2 ranks")
     n = opts.num_ubatches
-    config = _tiny(env)
+    # CPU tensors over gloo even under --device cuda: after the caught mismatch the group is
+    # torn down, which gloo's host-side waits survive and NCCL's stream-side ones may not.
+    config = preset("tiny", ep_size=env.world)
     # Alone, with a 128-token threshold, rank 0 (160 tokens) splits and the others (96) do not.
     if env.rank == 0:
         batch = Batch(query_start_loc=(0, 40, 70, 128, 160), context_lens=(0,) * 4)
