@@ -75,15 +75,17 @@ class HardwareProfile:
     # Assumed to carry over to H100/H200/B200 (same NVLink protocol, same NIC).
     nvlink_efficiency: float = 0.8
     rdma_efficiency: float = 0.92
-    # Host costs, measured on the lent H200's host (Python 3.12, torch 2.11+cu130, 2026-11-30,
-    # .calib scripts in the session notes): an eager torch op from Python costs 6.3 us of host
-    # time for a tiny elementwise kernel and 12-17 us for a cuBLAS mm, so 10 us is a typical
-    # model op; one dbo_yield between two ubatch threads costs 31-34 us (OS wake-up of the
-    # parked thread plus the GIL hand-over). They belong to the host, not the GPU: adjust per
-    # machine. kernel_fixed_us is an assumption.
+    # Host costs, measured on lent H200 hosts (Python 3.12, torch 2.11+cu130, 2026-11-30)
+    # with `python -m scenarios.calibrate_host`: an eager torch op from Python costs 6.3-9.5 us
+    # of host time for a tiny elementwise kernel and 12-19 us for a cuBLAS mm, so 10 us is a
+    # typical model op; one dbo_yield between two (reused) ubatch threads costs 9.6 us (OS
+    # wake-up of the parked thread plus the GIL hand-over; 31-34 us before the yield path
+    # stopped capturing frames and the runner stopped making new threads per step). They
+    # belong to the host, not the GPU: measure and override them per machine.
+    # kernel_fixed_us is an assumption.
     launch_us: float = 10.0  # host time to launch one kernel eagerly (Python + CUDA launch)
     kernel_fixed_us: float = 2.5  # fixed device time of any kernel (ramp-up, tail, sync)
-    handoff_us: float = 30.0  # host time of one baton pass between ubatch threads
+    handoff_us: float = 10.0  # host time of one baton pass between ubatch threads
     # Host time of one CUDA graph launch (the whole graph): an assumption (a few us of
     # cudaGraphLaunch), not measured; it matters only against a whole step's device time.
     graph_launch_us: float = 8.0
