@@ -58,7 +58,6 @@ than its group is itself collective over the whole world (it creates the EP subg
 from __future__ import annotations
 
 import itertools
-import operator
 import threading
 import time
 from contextlib import contextmanager
@@ -68,6 +67,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from dbo._checks import as_int
 from dbo.split import UBatchAgreementError
 from dbo.streams import Event, current_device
 from dbo.ubatching import dbo_current_ubatch_id
@@ -190,15 +190,7 @@ class DispatchResult:
 
 
 def _as_positive(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got a bool ({value!r})")
-    try:
-        count = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if count < 1:
-        raise ValueError(f"{name} must be >= 1, got {count}")
-    return count
+    return as_int(name, value, minimum=1)
 
 
 def _check_mode(mode: Any) -> str:

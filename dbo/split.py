@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 import numpy as np
+
+from dbo._checks import as_int
 import torch
 import torch.distributed as dist
 
@@ -178,16 +180,7 @@ class UBatchDecision:
 
 
 def _as_count(name: str, value: Any) -> int:
-    """A non-negative integer; bools are refused because True passing as 1 hides a mix-up."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, got a bool ({value!r})")
-    try:
-        count = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if count < 0:
-        raise ValueError(f"{name} must be >= 0, got {count}")
-    return count
+    return as_int(name, value, minimum=0)
 
 
 def _as_bool(name: str, value: Any) -> bool:
