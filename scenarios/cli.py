@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
-from scenarios.progress import Progress
+from scenarios.tools.progress import Progress
 
 
 def _positive_int(text: str) -> int:
@@ -183,7 +183,7 @@ def _report(args: argparse.Namespace, opts: RunOptions, results: Sequence[Scenar
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from scenarios.sweep import DECODE_TOKENS, PREFILL_TOKENS, pays_from, plot_sweep, run_sweep, write_csv
+    from scenarios.tools.sweep import DECODE_TOKENS, PREFILL_TOKENS, pays_from, plot_sweep, run_sweep, write_csv
 
     if args.ubatches < 2:
         raise UsageError(f"--ubatches must be >= 2, got {args.ubatches}")
@@ -224,7 +224,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_stress(args: argparse.Namespace) -> int:
-    from scenarios.stress import run_stress
+    from scenarios.tools.stress import run_stress
 
     if args.threads < 1 or args.iterations < 1:
         raise UsageError("--threads and --iterations must be >= 1")
@@ -254,13 +254,13 @@ def cmd_stress(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from scenarios.bench import main as bench_main
+    from scenarios.tools.bench import main as bench_main
 
     return bench_main(args)
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    from scenarios.fidelity import run_command
+    from scenarios.tools.fidelity import run_command
 
     return run_command(args)
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from scenarios.bench import BENCHMARKS
+from scenarios.tools.bench import BENCHMARKS
 from scenarios.cli import main
 
 # Figures that carry the project's targets; a quick run must report each of them.
@@ -63,7 +63,7 @@ def test_bench_quick_writes_every_benchmark(tmp_path, capsys):
 
 
 def test_seed_baseline_lays_out_the_same_views_as_the_workspace_manager():
-    from scenarios.bench import SeedWorkspace, _request
+    from scenarios.tools.bench import SeedWorkspace, _request
     from workspace import WorkspaceManager
 
     request = _request(8)
@@ -74,7 +74,7 @@ def test_seed_baseline_lays_out_the_same_views_as_the_workspace_manager():
 
 
 def test_seed_baseline_grows_every_slot_and_refuses_growth_when_locked():
-    from scenarios.bench import SeedWorkspace
+    from scenarios.tools.bench import SeedWorkspace
 
     seed = SeedWorkspace("cpu", 3)
     seed.get_simultaneous(((1000,), torch.uint8))
@@ -87,7 +87,7 @@ def test_seed_baseline_grows_every_slot_and_refuses_growth_when_locked():
 
 def test_the_storage_allocation_counter_sees_an_allocation():
     # The zero-allocation figure means something only if the counter can count.
-    from scenarios.bench import _storage_allocations
+    from scenarios.tools.bench import _storage_allocations
 
     assert _storage_allocations(lambda: torch.empty(1 << 16)) >= 1
     x = torch.zeros(16)
@@ -95,7 +95,7 @@ def test_the_storage_allocation_counter_sees_an_allocation():
 
 
 def test_a_paired_ratio_is_the_median_of_per_repetition_ratios():
-    from scenarios.bench import Figure, Stats, Target
+    from scenarios.tools.bench import Figure, Stats, Target
 
     figure = Figure(
         bench="baton", name="x", what="x", unit="ns",

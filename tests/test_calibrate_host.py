@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from scenarios.calibrate_host import main
+from scenarios.tools.calibrate_host import main
 
 pytestmark = pytest.mark.timeout(60)
 

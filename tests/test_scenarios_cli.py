@@ -18,8 +18,8 @@ from dbo.sim import SimDevice
 from scenarios.cli import main
 from scenarios.harness import new_device
 from scenarios.model import MoEModel
-from scenarios.progress import Progress
-from scenarios.sweep import SweepPoint, pays_from, run_sweep
+from scenarios.tools.progress import Progress
+from scenarios.tools.sweep import SweepPoint, pays_from, run_sweep
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -347,7 +347,7 @@ def test_stress_text_report_names_the_invariants_and_passes(capsys):
 
 
 def test_stress_fails_when_a_view_lies_outside_its_slot(capsys, monkeypatch):
-    import scenarios.stress as stress
+    import scenarios.tools.stress as stress
 
     class Leaky(stress.WorkspaceManager):
         """Hands out fresh tensors instead of views into the caller's slot."""
@@ -368,7 +368,7 @@ def test_stress_refuses_a_zero_thread_count(capsys):
 
 
 def test_stress_progress_ends_at_the_iteration_count():
-    import scenarios.stress as stress
+    import scenarios.tools.stress as stress
 
     heard: list = []
     report = stress.run_stress(2, 120, on_progress=heard.append)
@@ -377,7 +377,7 @@ def test_stress_progress_ends_at_the_iteration_count():
 
 def test_a_reduced_sweep_model_keeps_its_dense_to_moe_mix():
     from scenarios.model import preset
-    from scenarios.sweep import reduced
+    from scenarios.tools.sweep import reduced
 
     full = preset("deepseek-v3")
     assert [reduced(full, n).num_dense_layers for n in (1, 2, 20, 61)] == [0, 0, 1, 3]

@@ -5,7 +5,7 @@ or by constructing `HardwareProfile` directly. Datasheet numbers carry their sou
 comment; numbers that are modelling assumptions say so. The link efficiencies and the
 low-latency fixed time come from DeepEP's published measurements (sources beside them); the
 SGLang step-level results quoted in DESIGN.md are never used to set a number here: they are
-what `scenarios.fidelity` checks the model against.
+what `scenarios.tools.fidelity` checks the model against.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class HardwareProfile:
     nvlink_efficiency: float = 0.8
     rdma_efficiency: float = 0.92
     # Host costs, measured on lent H200 hosts (Python 3.12, torch 2.11+cu130, 2026-11-30)
-    # with `python -m scenarios.calibrate_host`: an eager torch op from Python costs 6.3-9.5 us
+    # with `python -m scenarios.tools.calibrate_host`: an eager torch op from Python costs 6.3-9.5 us
     # of host time for a tiny elementwise kernel and 12-19 us for a cuBLAS mm, so 10 us is a
     # typical model op; one dbo_yield between two (reused) ubatch threads costs 9.6 us (OS
     # wake-up of the parked thread plus the GIL hand-over; 31-34 us before the yield path
@@ -99,7 +99,7 @@ class HardwareProfile:
     # data and the receiver polls for (a second network latency), and the receive-side unpack
     # into the expert-major layout. Not a datasheet number: DeepEP's EP 8 dispatch (77 us for
     # 6.6 MB that ~160 GB/s NVLink moves in 41 us) leaves ~35 us that no bandwidth explains.
-    # One value for every EP size, both kernels and every GPU; `scenarios.fidelity` checks it
+    # One value for every EP size, both kernels and every GPU; `scenarios.tools.fidelity` checks it
     # against the five other DeepEP latencies it was not taken from.
     ll_latency_us: float = 35.0
     # SMs a high-throughput comm kernel occupies while it runs. DeepEP's README example sets

@@ -24,8 +24,8 @@ The GPU half is device-agnostic up to three CUDA calls (`dbo.CudaDevice()`, CUDA
 `torch.cuda.empty_cache`): `measure_case(..., device=SimDevice(), timer=virtual_timer(d))`
 runs the same warm-up, lock, capture and replay sequence on a CPU, which the tests do.
 
-    python -m scenarios.gpu_check [--out gpu_check.json] [--reps 10] [--warmup 3] [--layers 8]
-    python -m scenarios.gpu_check --sim-only      # the simulated half alone (any machine)
+    python -m scenarios.tools.gpu_check [--out gpu_check.json] [--reps 10] [--warmup 3] [--layers 8]
+    python -m scenarios.tools.gpu_check --sim-only      # the simulated half alone (any machine)
 
 Exit status: 0 measured (or --sim-only done); 2 no CUDA GPU present (nothing measured);
 1 a measurement failed (the others are still reported). About a minute on an H200.
@@ -49,7 +49,7 @@ import torch
 
 import dbo
 from dbo.split import split_batch
-from scenarios.fidelity import simulate_step
+from scenarios.tools.fidelity import simulate_step
 from scenarios.model import Batch, ModelConfig, MoEModel
 from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
 
@@ -335,7 +335,7 @@ def _pct(value: float | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scenarios.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m scenarios.tools.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gpu_check.json", help="JSON report path (default gpu_check.json)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per variant (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")

@@ -1,6 +1,6 @@
 """Measure this host's launch and handoff costs, the two host numbers of a hardware profile.
 
-`python -m scenarios.calibrate_host` times, on the machine it runs on:
+`python -m scenarios.tools.calibrate_host` times, on the machine it runs on:
 - `launch_us`: host time of one eager torch op from Python (a tiny elementwise kernel and a
   small cuBLAS matmul; the profile's value is a typical model op between the two);
 - `handoff_us`: host time of one `dbo_yield` between two ubatch threads, through
@@ -85,7 +85,7 @@ def calibrate(device_name: str, *, quick: bool = False) -> HostCosts:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scenarios.calibrate_host", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scenarios.tools.calibrate_host", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "sim"], default="cuda", help="where to measure (default cuda)")
     parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

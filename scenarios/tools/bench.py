@@ -57,7 +57,7 @@ from dbo.split import split_batch
 from dbo.streams import Device, Event, Stream
 from dbo.ubatching import dbo_current_ubatch_id, dbo_yield
 from scenarios.model import Batch, MoEModel, preset
-from scenarios.progress import Progress
+from scenarios.tools.progress import Progress
 from workspace import (
     WorkspaceManager,
     init_workspace_manager,
