@@ -306,9 +306,9 @@ def test_synchronous_growth_per_slot_growth_would_fail_the_same_locked_request()
     slot 1 undersized at lock time, so the same locked request fails."""
 
     class PerSlotGrowth(WorkspaceManager):
-        def _grow(self, new_bytes, caller):
+        def _grow(self, lane, new_bytes, caller):
             k = dbo.ubatching.dbo_current_ubatch_id()
-            self._views = {j: {} for j in range(self.num_ubatches)}
+            self._views[lane] = {j: {} for j in range(self.num_ubatches)}
             self._release(k)
             self._install(k, new_bytes)
 

@@ -44,8 +44,8 @@ def random_request(rng: random.Random, max_bytes: int) -> tuple:
 class Harness:
     """One manager, an allocation log, a growth checker and per-thread error capture."""
 
-    def __init__(self, num_slots: int) -> None:
-        self.manager = WorkspaceManager("cpu", num_ubatches=num_slots)
+    def __init__(self, num_slots: int, num_lanes: int = 1) -> None:
+        self.manager = WorkspaceManager("cpu", num_ubatches=num_slots, num_lanes=num_lanes)
         self.allocations: list[int] = []
         self.errors: list[str] = []
         self.unequal_after_growth: list[list[int]] = []
@@ -56,12 +56,13 @@ class Harness:
             self.allocations.append(nbytes)
             return real_allocate(nbytes)
 
-        def grow(new_bytes: int, caller: str) -> None:
+        def grow(lane: int, new_bytes: int, caller: str) -> None:
             try:
-                real_grow(new_bytes, caller)
+                real_grow(lane, new_bytes, caller)
             finally:  # still under the manager's lock: nobody else can change the slots
                 caps = [0 if b is None else b.numel() for b in self.manager._slots]
-                if len(set(caps)) != 1:
+                lane_caps = caps[lane::num_lanes]
+                if len(set(lane_caps)) != 1:
                     self.unequal_after_growth.append(caps)
 
         self.manager._allocate = allocate

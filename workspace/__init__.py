@@ -10,6 +10,7 @@ from .errors import (
     WorkspaceNotInitializedError,
     WorkspaceSlotError,
 )
+from .lanes import current_workspace_lane, use_workspace_lane
 from .layout import ALIGNMENT
 from .manager import WorkspaceManager
 from .records import BufferInfo, GrowthRecord, WorkspaceStats
@@ -18,6 +19,7 @@ from .singleton import (
     init_workspace_manager,
     is_workspace_manager_initialized,
     lock_workspace,
+    reserve_workspace,
     reset_workspace_manager,
     unlock_workspace,
 )
@@ -38,4 +40,7 @@ __all__ = [
     "unlock_workspace",
     "reset_workspace_manager",
     "is_workspace_manager_initialized",
+    "reserve_workspace",
+    "use_workspace_lane",
+    "current_workspace_lane",
 ]

@@ -18,8 +18,13 @@ class WorkspaceLockedError(AssertionError):
     """
 
 
-class WorkspaceNotInitializedError(RuntimeError):
-    """`current_workspace_manager()` was called before `init_workspace_manager()`."""
+class WorkspaceNotInitializedError(RuntimeError, AssertionError):
+    """`current_workspace_manager()` was called before `init_workspace_manager()`.
+
+    vLLM asserts here (an AssertionError); this project raised a RuntimeError. Both bases, like
+    `WorkspaceLockedError`'s: handlers written against either keep catching it, and unlike a
+    bare `assert` it survives `python -O`.
+    """
 
 
 class WorkspaceAllocationError(RuntimeError, MemoryError):
@@ -31,4 +36,5 @@ class WorkspaceAllocationError(RuntimeError, MemoryError):
 
 
 class WorkspaceSlotError(RuntimeError, IndexError):
-    """The calling thread's ubatch id has no slot in this manager (too few ubatches)."""
+    """The calling thread's ubatch id or workspace lane has no slot in this manager (too few
+    ubatches or lanes). A RuntimeError, as vLLM raises for an unconfigured lane."""

@@ -49,6 +49,18 @@ dies -- the same numbers `peak_bytes` and `orphaned_bytes()` reported. So we cou
 instead of hiding them: `orphaned_bytes()`, `stats().orphaning_growths`, `peak_bytes`
 (orphans included), the resize debug log, and each `GrowthRecord.orphaned_bytes`.
 
+Lanes and persistent resources (vLLM's names and semantics). A manager has `num_lanes`
+independent lanes (`use_workspace_lane(lane)`), so there is one slot per (ubatch, lane),
+numbered `ubatch * num_lanes + lane` as in vLLM. Growth stays synchronous *within a lane*:
+every ubatch's slot of the requesting lane grows together, other lanes are not touched.
+`get_persistent_resource(key, factory)` and `get_persistent(key, shape, dtype, zero_init=)`
+keep one object per (ubatch, lane) for the manager's lifetime, apart from the slots, so
+growth never moves them; once locked, a key not created during warmup is refused with
+`WorkspaceLockedError`. `try_get_simultaneous` answers None where `get_simultaneous` would
+raise the locked error; `reserve` grows the lane's slots without handing out views;
+`available_bytes()` is what the caller's slot can serve without growing. Deliberate
+difference: vLLM's current manager grows only the requesting slot (see "Known tension").
+
 Pointer checks. `describe_buffer(ptr)` names the slot buffer (current or former, with its
 generation) a device pointer falls in, for the simulator's graph-replay check; it needs a
 real device: on `meta` every data_ptr is 0, so it returns None there.
@@ -58,9 +70,11 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, TypeVar, cast
 
+import numpy as np
 import torch
 
 from dbo.ubatching import dbo_current_ubatch_id as _current_ubatch_id
@@ -68,10 +82,13 @@ from dbo.ubatching import dbo_current_ubatch_id as _current_ubatch_id
 from .buffers import BufferLedger, storage_ref
 from .diagnostics import caller_info, debug_enabled, logger, mb
 from .errors import WorkspaceAllocationError, WorkspaceLockedError, WorkspaceSlotError
+from .lanes import current_workspace_lane as _current_lane
 from .layout import Layout, plan_layout
 from .records import BufferInfo, GrowthRecord, WorkspaceStats
 
 __all__ = ["WorkspaceManager"]
+
+T = TypeVar("T")
 
 # Distinct signatures cached per slot before the cache is dropped and refilled. Token counts
 # vary per step, so signatures are unbounded in principle; a cleared cache costs one slow
@@ -121,18 +138,53 @@ def _check_num_ubatches(num_ubatches: Any) -> int:
     return value
 
 
+def _check_num_lanes(num_lanes: Any) -> int:
+    if isinstance(num_lanes, bool):
+        raise TypeError(f"num_lanes must be an int >= 1, got bool {num_lanes!r}")
+    try:
+        value = operator.index(num_lanes)
+    except TypeError:
+        raise TypeError(
+            f"num_lanes must be an int >= 1, got {type(num_lanes).__name__} {num_lanes!r}"
+        ) from None
+    if value < 1:
+        raise ValueError(f"num_lanes must be at least one, got {value}")
+    return value
+
+
+def _check_alloc_context(alloc_context: Any) -> Callable[[], AbstractContextManager]:
+    if not callable(alloc_context):
+        raise TypeError(
+            f"alloc_context must be a callable returning a context manager (such as "
+            f"contextlib.nullcontext), got {type(alloc_context).__name__} {alloc_context!r}"
+        )
+    return cast(Callable[[], AbstractContextManager], alloc_context)
+
+
 class WorkspaceManager:
     """Per-ubatch scratch slots on one device (see the module docstring for the contract)."""
 
-    def __init__(self, device: Any, num_ubatches: int | None = None) -> None:
+    def __init__(
+        self,
+        device: Any,
+        num_ubatches: int | None = None,
+        num_lanes: int = 1,
+        alloc_context: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> None:
         self._device = _resolve_device(device)
         self._num_ubatches = _check_num_ubatches(num_ubatches)
-        n = self._num_ubatches
-        self._slots: list[torch.Tensor | None] = [None] * n
-        self._generations = [0] * n
-        # slot -> {request key -> template views}; read lock-free by the hot path, replaced
-        # wholesale (never edited in place) when buffers change.
-        self._views: dict[int, dict[Any, tuple[torch.Tensor, ...]]] = {k: {} for k in range(n)}
+        self._num_lanes = _check_num_lanes(num_lanes)
+        self._alloc_context = _check_alloc_context(alloc_context)
+        n, lanes = self._num_ubatches, self._num_lanes
+        # One slot per (ubatch, lane), at index ubatch * num_lanes + lane (vLLM's numbering).
+        self._slots: list[torch.Tensor | None] = [None] * (n * lanes)
+        self._generations = [0] * (n * lanes)
+        self._persistent: list[dict[Hashable, Any]] = [{} for _ in range(n * lanes)]
+        # lane -> ubatch -> {request key -> template views}; read lock-free by the hot path.
+        # A lane's dict is replaced wholesale (never edited in place) when its buffers change.
+        self._views: list[dict[int, dict[Any, tuple[torch.Tensor, ...]]]] = [
+            {k: {} for k in range(n)} for _ in range(lanes)
+        ]
         self._layouts: dict[Any, Layout] = {}
         self._empty: torch.Tensor | None = None  # 0-byte stand-in before a slot's first growth
         self._locked = False
@@ -154,8 +206,8 @@ class WorkspaceManager:
         from the same ubatch. Grows all slots if needed (unless locked).
         """
         try:
-            views = self._views[_current_ubatch_id()][shapes_and_dtypes]
-        except (KeyError, TypeError):  # new signature, unhashable args, or a foreign slot id
+            views = self._views[_current_lane()][_current_ubatch_id()][shapes_and_dtypes]
+        except (KeyError, TypeError, IndexError):  # new signature, unhashable, foreign slot
             return self._get_simultaneous_slow(shapes_and_dtypes)
         # A hit means the args *equal* a validated request; equality would let 2.0 or True
         # stand in for 2 or 1, so only exact ints pass (others get validated on the slow path).
@@ -169,31 +221,151 @@ class WorkspaceManager:
 
     # ---------------------------------------------------------------- slow path
 
+    def try_get_simultaneous(
+        self, *shapes_and_dtypes: tuple[Sequence[int], torch.dtype]
+    ) -> list[torch.Tensor] | None:
+        """`get_simultaneous`, but None where that would raise `WorkspaceLockedError`.
+
+        For callers with a correct slower fallback. Bad input still raises, and an unlocked
+        workspace still grows.
+        """
+        return self._serve(shapes_and_dtypes, soft=True)
+
+    def reserve(self, *shapes_and_dtypes: tuple[Sequence[int], torch.dtype]) -> None:
+        """Grow the caller's lane so every ubatch's slot fits this request; hand out nothing.
+
+        For init-time sizing before `lock()`. Idempotent; a request that already fits
+        allocates nothing. While locked, one that does not fit raises `WorkspaceLockedError`.
+        """
+        lane = self._check_lane(_current_lane())
+        layout = self._layout_for(shapes_and_dtypes, "reserve")
+        with self._mutex:
+            have = self._lane_capacity(lane)
+            if layout.total_bytes > have:
+                caller = caller_info()
+                if self._locked:
+                    raise self._locked_error(caller, layout.total_bytes, have)
+                self._grow(lane, layout.total_bytes, caller)
+
+    def available_bytes(self) -> int:
+        """Bytes the caller's slot (its ubatch and lane) can hand out without growing."""
+        wid = self._slot_id(_current_ubatch_id(), _current_lane())
+        with self._mutex:
+            return _nbytes(self._slots[wid])
+
+    # ---------------------------------------------------------------- persistent resources
+
+    def get_persistent_resource(self, key: Hashable, factory: Callable[[], T]) -> T:
+        """The object kept under `key` for the caller's (ubatch, lane), made by `factory()`
+        on first request and returned as is afterwards.
+
+        Every (ubatch, lane) has its own; they live apart from the scratch slots, so growth
+        never moves them. Once locked, a key this (ubatch, lane) did not create during warmup
+        raises `WorkspaceLockedError`. If `factory` raises, nothing is stored.
+        """
+        if not callable(factory):
+            raise TypeError(
+                f"get_persistent_resource: factory must be callable, got "
+                f"{type(factory).__name__} {factory!r:.100}"
+            )
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(
+                f"get_persistent_resource: key must be hashable, got {type(key).__name__}"
+            ) from None
+        ubatch, lane = _current_ubatch_id(), _current_lane()
+        resources = self._persistent[self._slot_id(ubatch, lane)]
+        try:
+            return cast(T, resources[key])
+        except KeyError:
+            pass
+        with self._mutex:
+            if key in resources:  # made by another thread while we waited
+                return cast(T, resources[key])
+            if self._locked:
+                raise WorkspaceLockedError(
+                    f"Workspace is locked but persistent resource {key!r:.200} requested from "
+                    f"'{caller_info()}' was not allocated during warmup for ubatch {ubatch}, "
+                    f"lane {lane}; create it in every ubatch and lane before "
+                    f"lock_workspace() (or unlock_workspace() to re-warm)"
+                )
+            value = factory()
+            resources[key] = value
+            return value
+
+    def get_persistent(
+        self,
+        key: Hashable,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        zero_init: bool = False,
+    ) -> torch.Tensor:
+        """A fixed-shape tensor kept under `key` for the caller's (ubatch, lane); zeroed on
+        its first allocation only if `zero_init`. Asking again with another shape or dtype
+        raises ValueError (use a new key)."""
+        layout = plan_layout(((shape, dtype),), "get_persistent")
+        dims, dtype = layout.key[0]
+        if not isinstance(zero_init, (bool, np.bool_)):
+            raise TypeError(f"get_persistent: zero_init must be a bool, got "
+                            f"{type(zero_init).__name__}")
+        device = self._device
+
+        def make() -> torch.Tensor:
+            with torch.inference_mode(False):  # usable in place outside inference mode too
+                if zero_init:
+                    return torch.zeros(dims, dtype=dtype, device=device)
+                return torch.empty(dims, dtype=dtype, device=device)
+
+        tensor = self.get_persistent_resource((torch.Tensor, key), make)
+        if tuple(tensor.shape) != dims or tensor.dtype != dtype:
+            raise ValueError(
+                f"get_persistent: persistent tensor {key!r:.200} has shape="
+                f"{tuple(tensor.shape)}, dtype={tensor.dtype}; requested shape={dims}, "
+                f"dtype={dtype} (a key names one fixed shape and dtype: use a new key)"
+            )
+        return tensor
+
+    # ---------------------------------------------------------------- slow path
+
     def _get_simultaneous_slow(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
+        views = self._serve(args, soft=False)
+        assert views is not None  # only soft calls answer None
+        return views
+
+    def _serve(self, args: tuple[Any, ...], soft: bool) -> list[torch.Tensor] | None:
         ubatch = self._check_slot(_current_ubatch_id())
+        lane = self._check_lane(_current_lane())
         layout = self._layout_for(args)  # validates; raises before touching any state
-        views = self._views[ubatch].get(layout.key)
+        views = self._views[lane][ubatch].get(layout.key)
         if views is None:
             with self._mutex:
+                wid = ubatch * self._num_lanes + lane
                 # Size only, no reference: a local holding the buffer across _grow would keep
                 # it allocated while its replacement is allocated.
-                have = _nbytes(self._slots[ubatch])
+                have = _nbytes(self._slots[wid])
                 if layout.total_bytes > have:
                     caller = caller_info()
                     if self._locked:
-                        raise WorkspaceLockedError(
-                            f"Workspace is locked but allocation from '{caller}' requires "
-                            f"{mb(layout.total_bytes)}, current size is {mb(have)}; "
-                            f"growth is not allowed after lock_workspace() (call "
-                            f"unlock_workspace() to re-warm)"
-                        )
-                    self._grow(layout.total_bytes, caller)
-                views = self._make_views(self._slots[ubatch], layout)
-                cache = self._views[ubatch]
+                        if soft:
+                            return None
+                        raise self._locked_error(caller, layout.total_bytes, have)
+                    self._grow(lane, layout.total_bytes, caller)
+                views = self._make_views(self._slots[wid], layout)
+                cache = self._views[lane][ubatch]
                 if len(cache) >= MAX_CACHED_SIGNATURES:
                     cache.clear()
                 cache[layout.key] = views
         return [view.data for view in views]
+
+    @staticmethod
+    def _locked_error(caller: str, need: int, have: int) -> WorkspaceLockedError:
+        return WorkspaceLockedError(
+            f"Workspace is locked but allocation from '{caller}' requires {mb(need)}, current "
+            f"size is {mb(have)}; growth is not allowed after lock_workspace() (call "
+            f"unlock_workspace() to re-warm)"
+        )
 
     def _check_slot(self, ubatch: Any) -> int:
         if isinstance(ubatch, int) and 0 <= ubatch < self._num_ubatches:
@@ -204,7 +376,25 @@ class WorkspaceManager:
             f"(init_workspace_manager(device, num_ubatches=N) with N > every ubatch id in use)"
         )
 
-    def _layout_for(self, args: tuple[Any, ...]) -> Layout:
+    def _check_lane(self, lane: int) -> int:
+        if 0 <= lane < self._num_lanes:
+            return lane
+        raise WorkspaceSlotError(
+            f"workspace lane {lane} is not configured: the manager has {self._num_lanes} "
+            f"lane(s); init it with more (init_workspace_manager(device, num_ubatches, "
+            f"num_lanes=N) with N > every lane in use)"
+        )
+
+    def _slot_id(self, ubatch: Any, lane: int) -> int:
+        return self._check_slot(ubatch) * self._num_lanes + self._check_lane(lane)
+
+    def _lane_slots(self, lane: int) -> range:
+        return range(lane, self._num_ubatches * self._num_lanes, self._num_lanes)
+
+    def _lane_capacity(self, lane: int) -> int:
+        return max(_nbytes(self._slots[w]) for w in self._lane_slots(lane))
+
+    def _layout_for(self, args: tuple[Any, ...], who: str = "get_simultaneous") -> Layout:
         try:
             layout = self._layouts.get(args)
         except TypeError:  # unhashable (lists): validate, then look up by the normalised key
@@ -213,7 +403,7 @@ class WorkspaceManager:
             dim.__class__ is int for pair in args for dim in pair[0]
         ):
             return layout
-        layout = plan_layout(args)
+        layout = plan_layout(args, who)
         if len(self._layouts) >= MAX_CACHED_SIGNATURES:
             self._layouts.clear()
         self._layouts[layout.key] = layout
@@ -239,23 +429,28 @@ class WorkspaceManager:
         """The one place slot memory is allocated (wrap it to count or fail allocations)."""
         return torch.empty((nbytes,), dtype=torch.uint8, device=self._device)
 
-    def _grow(self, new_bytes: int, caller: str) -> None:
-        """Grow every slot to new_bytes; on failure roll all back. Caller holds the mutex."""
-        old_bytes = max(_nbytes(b) for b in self._slots)
+    def _grow(self, lane: int, new_bytes: int, caller: str) -> None:
+        """Grow every ubatch's slot of `lane` to new_bytes; on failure roll them all back.
+
+        The caller holds the mutex and has validated the request (so new_bytes fits int64:
+        nothing is released for a request that could never be allocated).
+        """
+        slots = self._lane_slots(lane)
+        old_bytes = self._lane_capacity(lane)
         # The templates pin the old buffers; they must go before the buffers are released.
-        self._views = {k: {} for k in range(self._num_ubatches)}
+        self._views[lane] = {k: {} for k in range(self._num_ubatches)}
         orphaned = 0
         try:
-            for k in range(self._num_ubatches):
-                if _nbytes(self._slots[k]) < new_bytes:
-                    orphaned += self._release(k)
-                    self._install(k, new_bytes)
+            for w in slots:
+                if _nbytes(self._slots[w]) < new_bytes:
+                    orphaned += self._release(w)
+                    self._install(w, new_bytes)
         except BaseException as exc:
             self._failed_growths += 1
             if orphaned:  # the released buffers stay orphaned whatever the rollback does
                 self._ledger.orphaning_events += 1
-            self._roll_back(old_bytes)
-            now = _nbytes(self._slots[0])
+            self._roll_back(slots, old_bytes)
+            now = _nbytes(self._slots[slots[0]])
             if debug_enabled():  # a rollback resizes too: the log must show it
                 logger.info(
                     "workspace growth by '%s' to %s per slot failed (%s); every slot rolled "
@@ -270,7 +465,7 @@ class WorkspaceManager:
                 f"({new_bytes} bytes) for '{caller}': {type(exc).__name__}: {exc}; every slot "
                 f"was rolled back to {mb(now)} ({now} bytes)"
             ) from exc
-        record = GrowthRecord(caller, old_bytes, new_bytes, self._num_ubatches, orphaned)
+        record = GrowthRecord(caller, old_bytes, new_bytes, self._num_ubatches, orphaned, lane)
         self._growths.append(record)
         if orphaned:
             self._ledger.orphaning_events += 1
@@ -297,7 +492,7 @@ class WorkspaceManager:
     def _install(self, k: int, nbytes: int) -> None:
         # A slot allocated inside inference_mode would be an inference tensor, and so would
         # every view of it, unusable for in-place work outside that mode later.
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), self._alloc_context():
             buffer = self._allocate(nbytes)
         self._allocations += 1
         if (
@@ -313,19 +508,20 @@ class WorkspaceManager:
         alive = sum(_nbytes(b) for b in self._slots) + self._ledger.orphaned_bytes()
         self._peak_bytes = max(self._peak_bytes, alive)
 
-    def _roll_back(self, old_bytes: int) -> None:
-        """After a failed growth: every slot back to old_bytes, else every slot empty."""
+    def _roll_back(self, slots: range, old_bytes: int) -> None:
+        """After a failed growth: these slots back to old_bytes, else all of them empty."""
         try:
-            for k in range(self._num_ubatches):
-                if _nbytes(self._slots[k]) != old_bytes:
-                    self._release(k)
+            for w in slots:
+                if _nbytes(self._slots[w]) != old_bytes:
+                    self._release(w)
                     if old_bytes:
-                        self._install(k, old_bytes)
+                        self._install(w, old_bytes)
         except BaseException:
-            for k in range(self._num_ubatches):
-                self._release(k)
+            for w in slots:
+                self._release(w)
             logger.warning(
-                "workspace rollback to %s failed too; every slot is now empty", mb(old_bytes)
+                "workspace rollback to %s failed too; every slot of the lane is now empty",
+                mb(old_bytes),
             )
 
     # ---------------------------------------------------------------- lock
@@ -362,20 +558,38 @@ class WorkspaceManager:
         return self._num_ubatches
 
     @property
+    def num_lanes(self) -> int:
+        return self._num_lanes
+
+    @property
     def capacity(self) -> int:
-        """Bytes per slot (all slots are equal after every growth)."""
+        """Bytes of the largest slot (a lane's slots are equal after every growth)."""
         with self._mutex:
             return max(_nbytes(b) for b in self._slots)
 
+    def lane_capacity(self, lane: int) -> int:
+        """Bytes per slot of `lane` (every ubatch's slot of a lane is equal)."""
+        if isinstance(lane, bool) or not isinstance(lane, int):
+            raise TypeError(f"lane must be an int, got {type(lane).__name__}")
+        with self._mutex:
+            return self._lane_capacity(self._check_lane(lane))
+
     def slot_capacities(self) -> list[int]:
+        """Bytes per slot, indexed `ubatch * num_lanes + lane`."""
         with self._mutex:
             return [_nbytes(b) for b in self._slots]
 
     def slot_generation(self, k: int) -> int:
         """How many buffers slot k has been given (0 before its first growth)."""
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < self._num_ubatches:
-            raise ValueError(f"slot must be an int in [0, {self._num_ubatches}), got {k!r}")
+        count = len(self._slots)
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < count:
+            raise ValueError(f"slot must be an int in [0, {count}), got {k!r}")
         return self._generations[k]
+
+    def persistent_resource_count(self) -> int:
+        """Persistent resources held, over every (ubatch, lane)."""
+        with self._mutex:
+            return sum(len(r) for r in self._persistent)
 
     def growth_history(self) -> list[GrowthRecord]:
         with self._mutex:
@@ -437,6 +651,8 @@ class WorkspaceManager:
                 orphaned_bytes=self._ledger.orphaned_bytes(),
                 orphaned_buffers=self._ledger.orphaned_buffers(),
                 orphaning_growths=self._ledger.orphaning_events,
+                num_lanes=self._num_lanes,
+                persistent_resources=sum(len(r) for r in self._persistent),
             )
 
     def __repr__(self) -> str:

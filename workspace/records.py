@@ -13,14 +13,15 @@ _MB = float(1 << 20)
 
 @dataclass(frozen=True, slots=True)
 class GrowthRecord:
-    """One synchronous growth of every slot."""
+    """One synchronous growth of every ubatch's slot of one lane."""
 
     caller: str  # "file:line:function" of the first frame outside the workspace package
     old_bytes: int  # per-slot capacity before
     new_bytes: int  # per-slot capacity after
-    num_slots: int
+    num_slots: int  # slots grown: one per ubatch
     # Bytes of the replaced buffers that outstanding views still kept alive at release time.
     orphaned_bytes: int = 0
+    lane: int = 0  # the workspace lane whose slots grew (only that lane's slots change)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,7 @@ class WorkspaceStats:
 
     device: torch.device
     num_ubatches: int
-    capacities: tuple[int, ...]  # bytes per slot (equal after every growth)
+    capacities: tuple[int, ...]  # bytes per slot (a lane's slots are equal after every growth)
     generations: tuple[int, ...]  # buffer replacements per slot
     locked: bool
     growths: tuple[GrowthRecord, ...]
@@ -55,6 +56,8 @@ class WorkspaceStats:
     orphaned_bytes: int  # bytes of replaced buffers still alive now
     orphaned_buffers: int  # how many replaced buffers are still alive now
     orphaning_growths: int  # cumulative growths that left at least one buffer alive
+    num_lanes: int = 1  # capacities/generations are indexed ubatch * num_lanes + lane
+    persistent_resources: int = 0  # keyed resources held, over every (ubatch, lane)
 
     @property
     def total_bytes(self) -> int:
