@@ -1,9 +1,12 @@
 """Concurrent slot access: many ubatch threads hammering one WorkspaceManager with random
 requests, growth, lock windows and allocation failures, checking its invariants and that
-nothing hangs. Threads here run *outside* the DBO baton, the harder case for the manager."""
+nothing hangs. Threads here run *outside* the DBO baton, the harder case for the manager.
+The last test adds workspace lanes and persistent resources, and checks the orphan
+accounting exactly against the views the threads still hold."""
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
@@ -13,7 +16,12 @@ import pytest
 import torch
 
 import dbo.ubatching
-from workspace import WorkspaceAllocationError, WorkspaceLockedError, WorkspaceManager
+from workspace import (
+    WorkspaceAllocationError,
+    WorkspaceLockedError,
+    WorkspaceManager,
+    use_workspace_lane,
+)
 from workspace.testing import InjectedAllocationError
 
 NUM_THREADS = 8
@@ -252,3 +260,105 @@ def test_allocation_failures_under_contention_leave_slots_equal_and_nothing_hung
     need = m.capacity + 4096
     (v,) = m.get_simultaneous(((need,), torch.uint8))  # and it still grows afterwards
     assert v.numel() == need and m.slot_capacities() == [need] * NUM_THREADS
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("num_threads", [16, 32])
+def test_lanes_persistent_resources_and_injected_failures_keep_orphan_accounting_exact(
+        num_threads: int):
+    """Many ubatches x 2 lanes, outside the baton: random requests in random lanes, views held
+    across other threads' growths, injected allocation failures and lock windows. Every view
+    lies in its own (ubatch, lane) slot, every lane's slots stay equal, persistent resources
+    never move, and the orphaned bytes the manager reports equal, exactly, the bytes of
+    replaced buffers that the held views keep alive (and fall to zero when they are dropped).
+    """
+    lanes = 2
+    h = Harness(num_threads, num_lanes=lanes)
+    m = h.manager
+    rng_fail = random.Random(11)
+    counting_allocate = m._allocate
+    failures = [0] * num_threads
+    refusals = [0] * num_threads
+
+    def flaky_allocate(nbytes: int) -> torch.Tensor:
+        if rng_fail.random() < 0.1:  # called under the manager's lock: rng use is serial
+            raise InjectedAllocationError(f"injected ({nbytes} bytes)")
+        return counting_allocate(nbytes)
+
+    m._allocate = flaky_allocate
+    held: list[list[torch.Tensor]] = [[] for _ in range(num_threads)]
+    persistent: dict[tuple[int, int], torch.Tensor] = {}
+    stop = threading.Event()
+    warmed = threading.Event()  # lock windows start once every persistent tensor exists
+    warmup_done = threading.Barrier(num_threads, action=warmed.set, timeout=30)
+
+    def worker(k: int) -> Callable[[], None]:
+        def run() -> None:
+            rng = random.Random(900 + k)
+            for lane in range(lanes):
+                with use_workspace_lane(lane):
+                    t = m.get_persistent(("state", k, lane), (4,), torch.int64, zero_init=True)
+                    t.fill_(k * lanes + lane)
+                    persistent[(k, lane)] = t
+            warmup_done.wait()
+            for i in range(1600 // num_threads):
+                lane = rng.randrange(lanes)
+                request = random_request(rng, 512 + i * 128)
+                with use_workspace_lane(lane):
+                    wid = k * lanes + lane
+                    gen_before = m.slot_generation(wid)
+                    try:
+                        views = m.get_simultaneous(*request)
+                    except WorkspaceAllocationError as exc:
+                        assert isinstance(exc.__cause__, InjectedAllocationError)
+                        failures[k] += 1
+                        continue
+                    except WorkspaceLockedError:
+                        refusals[k] += 1
+                        continue
+                    check_views(m, wid, request, views, gen_before, m.slot_generation(wid))
+                    again = m.get_persistent(("state", k, lane), (4,), torch.int64)
+                    assert again is persistent[(k, lane)], "a persistent tensor moved"
+                if rng.random() < 0.3:  # hold some views across later growths
+                    held[k] = (held[k] + views)[-3:]
+        return run
+
+    def locker() -> None:
+        rng = random.Random(5)
+        warmed.wait(30)
+        while not stop.is_set():
+            m.lock()
+            time.sleep(rng.uniform(0.0005, 0.002))
+            m.unlock()
+            time.sleep(rng.uniform(0.001, 0.003))
+
+    locker_thread = threading.Thread(target=locker, daemon=True)
+    locker_thread.start()
+    try:
+        h.run_threads([worker(k) for k in range(num_threads)])
+    finally:
+        stop.set()
+        locker_thread.join(5)
+    assert not locker_thread.is_alive()
+    print(f"{num_threads} threads x {lanes} lanes: {len(m.growth_history())} growths, "
+          f"{sum(failures)} injected failures, {sum(refusals)} locked refusals")
+    assert sum(failures) > 0 and m.stats().failed_growths > 0
+    for lane in range(lanes):
+        assert len(set(m.slot_capacities()[lane::lanes])) == 1
+    for (k, lane), t in persistent.items():
+        assert t.tolist() == [k * lanes + lane] * 4, "persistent contents clobbered"
+    assert m.persistent_resource_count() == num_threads * lanes
+
+    current = {b.data_ptr for b in m.slot_buffers() if b is not None}
+    kept_alive: dict[int, int] = {}
+    for views in held:
+        for v in views:
+            storage = v.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in current:
+                kept_alive[storage.data_ptr()] = storage.nbytes()
+    assert m.orphaned_bytes() == sum(kept_alive.values())
+    assert m.stats().orphaned_buffers == len(kept_alive)
+    held.clear()
+    del v, views, storage  # the loop's last references
+    gc.collect()
+    assert m.orphaned_bytes() == 0
