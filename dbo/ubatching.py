@@ -513,12 +513,19 @@ def ubatch_step_active() -> bool:
 
 
 def dbo_enabled() -> bool:
-    """True on a thread that runs a ubatch of the current step."""
+    """True on a thread that runs a ubatch of the current step.
+
+    vLLM answers True on every thread while any step runs; this answers for the caller, so
+    a launcher or helper thread is never told to yield or switch streams it does not own."""
     return _get_ident() in _THREAD_ID_TO_CONTEXT
 
 
 def dbo_current_ubatch_id() -> int:
-    """The calling thread's ubatch id; 0 for any other thread (it is not a ubatch)."""
+    """The calling thread's ubatch id; 0 for any other thread (it is not a ubatch).
+
+    vLLM raises KeyError for a non-ubatch thread while a step runs; 0 keeps serial code on
+    such a thread working. Its workspace calls then share ubatch 0's slot, as every caller
+    outside a step does, so such a thread must not hold workspace views across a step."""
     return _THREAD_ID_TO_CONTEXT.get(_get_ident(), 0)
 
 
