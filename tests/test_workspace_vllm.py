@@ -399,6 +399,15 @@ def test_a_non_callable_alloc_context_is_refused():
         WorkspaceManager("cpu", alloc_context=3)
 
 
+def test_stats_count_a_slot_per_ubatch_and_lane():
+    m = WorkspaceManager("cpu", num_ubatches=2, num_lanes=3)
+    with use_workspace_lane(2):
+        m.get_simultaneous(((256,), U8))
+    s = m.stats()
+    assert (s.num_ubatches, s.num_lanes, s.capacities) == (2, 3, (0, 0, 256, 0, 0, 256))
+    assert "6 slot(s) (2 ubatch(es) x 3 lane(s))" in s.summary()
+
+
 def test_init_passes_lanes_and_alloc_context_to_the_manager():
     m = init_workspace_manager("cpu", 2, num_lanes=3)
     assert current_workspace_manager() is m

@@ -68,7 +68,8 @@ class WorkspaceStats:
         """One line for reports and logs."""
         sizes = ", ".join(f"{c / _MB:.2f}" for c in self.capacities)
         return (
-            f"workspace on {self.device}: {self.num_ubatches} slot(s) [{sizes}] MB, "
+            f"workspace on {self.device}: {len(self.capacities)} slot(s) "
+            f"({self.num_ubatches} ubatch(es) x {self.num_lanes} lane(s)) [{sizes}] MB, "
             f"{'locked' if self.locked else 'unlocked'}, {len(self.growths)} growth(s), "
             f"peak {self.peak_bytes / _MB:.2f} MB, orphaned {self.orphaned_bytes / _MB:.2f} MB "
             f"in {self.orphaned_buffers} buffer(s) ({self.orphaning_growths} growth(s) orphaned "
