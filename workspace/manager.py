@@ -6,7 +6,8 @@ caller's slot, each region rounded up to 256 bytes, and returns contiguous views
 a later call aliases the views of an earlier one: that reuse is the point.
 
 Hot path. A request whose signature this slot has served before is answered from a per-slot
-cache of template views, keyed by the raw argument tuple: one dict lookup, an exact-int check
+cache of template views, keyed by the raw argument tuple: the caller's lane (a context
+variable read) and ubatch id pick the cache, then one dict lookup, an exact-int check
 of the dims (so `(2.0, 3)` or `(True, 3)` cannot ride on a cached `(2, 3)`), and one `.data`
 alias per template (a new tensor object sharing storage, offset, sizes and strides, made
 without a dispatcher round trip). No lock, no allocation, no arithmetic. Everything else --
@@ -14,7 +15,7 @@ new signatures, lists, numpy ints, growth, errors -- goes to the slow path, whic
 first and only ever caches validated layouts. Template caches are dropped before a growth
 releases the buffers they point into. Measured per call, warmed and locked, against the
 seed's algorithm (byte sizes, round up, accumulate, slice + view + reshape) on the same
-slot, for 1 / 3 / 8 tensors: 0.61 / 1.20 / 2.58 us vs 3.99 / 9.14 / 22.6 us on the 2-core
+slot (before lanes added the context-variable read), for 1 / 3 / 8 tensors: 0.61 / 1.20 / 2.58 us vs 3.99 / 9.14 / 22.6 us on the 2-core
 CPU build machine (6.6x / 7.6x / 8.8x), 1.65 / 1.72 / 3.82 us vs 10.5 / 17.5 / 48.0 us with
 CUDA tensors on an H200 host (6.4x / 10.2x / 12.6x). Being `.data` aliases, results carry
 no autograd view link (`_base` is None) and are never inference tensors, whatever mode made
