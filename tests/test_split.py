@@ -301,6 +301,25 @@ def test_a_dummy_run_keeps_the_batchs_max_query_len() -> None:
     assert part.max_query_len == 7
 
 
+def test_a_dummy_batch_of_one_request_splits_it_across_both_ubatches() -> None:
+    # A DP rank with no work still runs its ubatches: one dummy request of 32 tokens.
+    meta = CommonAttentionMetadata.make([32], [32])
+    slices, _ = maybe_create_ubatch_slices(True, [32], 32, 1, 2)
+    parts = split_attn_metadata(slices, meta)
+    assert [(p.num_actual_tokens, p.num_reqs) for p in parts] == [(16, 1), (16, 1)]
+    assert [_qsl(p) for p in parts] == [[0, 16], [0, 16]]
+    assert [p.seq_lens.tolist() for p in parts] == [[16], [32]]
+
+
+def test_ubatch_metadata_do_not_share_the_rebased_tensors() -> None:
+    meta = CommonAttentionMetadata.make([1, 1, 10, 1, 1], [64, 96, 512, 32, 48])
+    first, second = split_attn_metadata(split_batch(meta.query_start_loc_cpu, 14, 2), meta)
+    kept = (first.query_start_loc.clone(), first.seq_lens.clone())
+    second.query_start_loc.add_(100)
+    second.seq_lens.add_(100)
+    assert torch.equal(first.query_start_loc, kept[0]) and torch.equal(first.seq_lens, kept[1])
+
+
 def test_splitting_leaves_the_input_metadata_unchanged() -> None:
     meta = CommonAttentionMetadata.make([3, 9, 3], [70, 300, 41])
     before = (meta.query_start_loc.clone(), meta.seq_lens.clone(),
