@@ -600,10 +600,10 @@ def run_local_ranks(
     The rank processes die with this one, however it ends (SIGKILL included: see
     `_spawn_rank`). A rank stopped (SIGSTOP, a debugger) for longer than `opts.timeout_s` is
     killed: by then every wait of its peers has expired, so nothing it could still do would
-    count. Its peers' steps end by their own bounded waits (`timeout_s`), so a frozen rank
-    ends the run within `timeout_s` plus a small margin (about a second: the launcher's and
-    the peers' polls, and their reports) of the freeze, not at the deadline (see
-    `_wait_for_ranks`)."""
+    count. Its peers' steps end by their own bounded waits (`timeout_s`) or, once it is
+    killed, at once (or are ended `_PEER_GRACE_S` later), so a frozen rank ends the run within
+    `timeout_s` + `_PEER_GRACE_S` plus the launcher's polls of the freeze, not at the deadline
+    (see `_wait_for_ranks`)."""
     unknown = check_names(names)
     if unknown:
         raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(RANK_SCENARIOS)}")
