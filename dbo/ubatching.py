@@ -205,6 +205,7 @@ class UBatchStep:
             wrapped = self.error_for(ubatch_id, error)
         except BaseException:  # noqa: BLE001 - say what we can rather than lose the failure
             wrapped = UBatchError(f"ubatch {ubatch_id} failed", ubatch_id=ubatch_id)
+            wrapped.__cause__ = error
         self.abort(wrapped)
 
 
