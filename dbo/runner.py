@@ -43,7 +43,7 @@ DEFAULT_TIMEOUT_S = 60.0
 # it released to unwind: enough for parked threads to return to the pool, short enough that
 # the error reaches the caller right after the timeout. A thread still busy after it is
 # abandoned (it ends when its user code returns).
-_UNWIND_GRACE_S = 0.1
+_UNWIND_GRACE_S = 0.05
 # The longest single wait of the launcher: a signal handler (Ctrl-C) runs between slices even
 # if the signal was delivered to another thread.
 _WAIT_SLICE_S = 0.1
