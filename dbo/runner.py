@@ -250,7 +250,6 @@ def _run_step(
             # a baton that never comes, holding their worker threads forever.
             launcher_error, launcher_first = error, step.error is None
             if launcher_first:
-                gave_up[0] = not isinstance(error, Exception)  # an interrupt: leave at once
                 step.abort(UBatchError(f"the launcher failed: {_describe(error)}"))
         # Peers wake promptly after an abort; a thread stuck in user code cannot be stopped,
         # so it is left behind (and never reused) instead of hanging the caller. After a
@@ -270,9 +269,10 @@ def _run_step(
     if failure is not None:
         if capturing:
             _refuse_replay(graph, failure)
-        raise launcher_error if launcher_error is not None and (
-            launcher_first or not isinstance(launcher_error, Exception)
-        ) else failure
+        # The launcher's own error if it came first, an interrupt always; else the step's.
+        if launcher_error is not None and (launcher_first or interrupted):
+            raise launcher_error
+        raise failure
     launch_stream.wait_stream(compute_stream)
     launch_stream.wait_stream(comm_stream)
     return outputs

@@ -55,8 +55,12 @@ def _gone(pid: int, within_s: float) -> bool:
 def _start_launcher(script: str) -> tuple[subprocess.Popen, list[str]]:
     """A launcher process running `script`; returns it and the first two lines it prints."""
     launcher = subprocess.Popen(
-        [sys.executable, "-c", script], env=_env(), cwd=REPO, stdout=subprocess.PIPE,
-        stdin=subprocess.DEVNULL, text=True,
+        [sys.executable, "-c", script],
+        env=_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
     )
     lines = [launcher.stdout.readline().strip() for _ in range(2)]
     return launcher, lines
@@ -83,8 +87,12 @@ def test_ranks_die_with_a_launcher_killed_by_sigkill_or_sigterm():
     # Both launchers start at once: each pays a torch import.
     launchers = [
         subprocess.Popen(
-            [sys.executable, "-c", script], env=_env(), cwd=REPO, stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL, text=True,
+            [sys.executable, "-c", script],
+            env=_env(),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
         )
         for _ in range(2)
     ]

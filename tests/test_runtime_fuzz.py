@@ -257,12 +257,16 @@ def test_random_faults_always_end_the_step_with_one_clear_error():
     kinds: Counter[str] = Counter()
     for n in range(STEPS):
         plan = _plan(SEED * 1_000_003 + n)
-        kinds.update(f"{u.fault}:{u.kind}" if u.fault == "raise" else str(u.fault)
-                     for u in plan.ubatches if u.fault)
+        kinds.update(
+            f"{u.fault}:{u.kind}" if u.fault == "raise" else str(u.fault)
+            for u in plan.ubatches
+            if u.fault
+        )
         timeout = _STUCK_TIMEOUT_S if "stuck" in plan.faults else _TIMEOUT_S
         try:
-            outputs = dbo.run_ubatches(_body(plan, device), list(range(len(plan.ubatches))),
-                                       device=device, timeout=timeout)
+            outputs = dbo.run_ubatches(
+                _body(plan, device), list(range(len(plan.ubatches))), device=device, timeout=timeout
+            )
         except BaseException as error:  # noqa: BLE001 - checked against the plan
             outcomes[_check_failure(plan, error)] += 1
         else:
@@ -270,8 +274,10 @@ def test_random_faults_always_end_the_step_with_one_clear_error():
             assert outputs == plan.outputs(), plan.describe()
             outcomes["returned"] += 1
         assert not ubatching.ubatch_step_active(), f"{plan.describe()}: registries not empty"
-    print(f"\nruntime fuzz: seed {SEED}, {STEPS} steps, outcomes {dict(outcomes)}, "
-          f"faults {dict(sorted(kinds.items()))}")
+    print(
+        f"\nruntime fuzz: seed {SEED}, {STEPS} steps, outcomes {dict(outcomes)}, "
+        f"faults {dict(sorted(kinds.items()))}"
+    )
     # Threads left behind by stuck ubatches end once their sleep returns; none lingers.
     give_up = time.monotonic() + 5.0
     while len(_worker_threads()) > runner._WORKERS.idle_count() and time.monotonic() < give_up:
