@@ -139,6 +139,8 @@ def _indexed(name: str, values: Any) -> list[Any]:
 
 def _check_timeout(timeout: Any) -> float:
     ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if ok and isinstance(timeout, int) and timeout > 1e300:
+        return math.inf  # beyond a float: no timeout, as math.inf
     if not ok or math.isnan(timeout) or timeout <= 0:
         try:
             shown = repr(timeout)[:80]

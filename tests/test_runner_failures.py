@@ -574,7 +574,7 @@ def test_forward_contexts_that_cannot_be_indexed_are_refused_at_once(device):
         dbo.run_ubatches(lambda x: x, [0, 1], device=device, forward_contexts={"a", "b"})
 
 
-@pytest.mark.parametrize("timeout", [math.inf, 1e10])
+@pytest.mark.parametrize("timeout", [math.inf, 1e10, 10**400], ids=["inf", "1e10", "10**400"])
 def test_an_unbounded_or_huge_timeout_runs_the_step(device, timeout):
     assert dbo.run_ubatches(lambda i: dbo.dbo_yield() or i, [0, 1], device=device,
                             timeout=timeout) == [0, 1]
