@@ -33,3 +33,22 @@ class UBatchTimeoutError(UBatchError):
 class _StepAborted(BaseException):
     """Unwinds a peer of a failed ubatch. A BaseException so that user code's
     `except Exception` cannot swallow it and run on with a dead ring."""
+
+
+def _describe(error: BaseException) -> str:
+    """`Type: message` for any exception, never raising: the runtime formats the user's
+    exceptions on its failure path, where a `__str__` or `__repr__` that raises must not
+    replace the failure being reported (nor kill the thread reporting it)."""
+    try:
+        name = type(error).__name__
+    except BaseException:  # noqa: BLE001 - a metaclass may break even this
+        name = "exception"
+    for render in (str, repr):
+        try:
+            text = render(error)
+        except BaseException:  # noqa: BLE001, S112 - a failure falls through to the next form
+            continue
+        if isinstance(text, str):
+            text = str.__str__(text)  # a str subclass could override formatting too
+            return f"{name}: {text}" if text else name
+    return f"{name}: <unprintable: its __str__ and __repr__ raise>"

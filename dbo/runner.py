@@ -7,27 +7,47 @@ barrier, releases ubatch 0, and waits for the step to finish. Unlike the referen
 comes back: a raising ubatch, a yield-count mismatch, a stuck thread or a failing launcher
 ends the step with one error (`dbo.errors`), the peers released, the registries empty and
 every worker thread either back in the pool or, if stuck in user code, ending when it returns.
+
+No failure is lost on the way: whatever a ubatch raises (any BaseException, one whose
+`__str__` raises included) ends the step as one `UBatchError` naming it, the original as
+`__cause__`; an output is returned only when every ubatch returned one. The launcher never
+blocks for long in one wait (`_wait_until` waits in slices), so Ctrl-C reaches the caller
+promptly even while a ubatch runs long user code, and `timeout=math.inf` (no timeout) needs no
+special path. A step that fails under `graph=` leaves a graph that refuses to replay: it
+captured part of a step.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any, Callable, Sequence
 
 import torch
 
 from dbo import ubatching
-from dbo.errors import UBatchError, UBatchTimeoutError, _StepAborted
+from dbo.errors import UBatchError, UBatchTimeoutError, _describe, _StepAborted
 from dbo.streams import Device, Stream, resolve_device, use_device
-from dbo.ubatching import UBatchContext, _as_ubatch_error, make_ubatch_contexts
+from dbo.ubatching import UBatchContext, make_ubatch_contexts
 
 __all__ = ["run_ubatches", "merge_outputs", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
+# How long the launcher waits, after it gave up on a step (timeout, Ctrl-C), for the ubatches
+# it released to unwind: enough for parked threads to return to the pool, short enough that
+# the error reaches the caller right after the timeout. A thread still busy after it is
+# abandoned (it ends when its user code returns).
+_UNWIND_GRACE_S = 0.05
+# The longest single wait of the launcher: a signal handler (Ctrl-C) runs between slices even
+# if the signal was delivered to another thread.
+_WAIT_SLICE_S = 0.1
+_LONGEST_BARRIER_WAIT_S = 1e6
 
 
 def run_ubatches(
@@ -44,25 +64,31 @@ def run_ubatches(
 ) -> list[Any]:
     """Run `fn(ubatch_inputs[i])` in ubatch i's thread and return the outputs in ubatch order.
 
-    `device`: a `dbo.streams.Device`, "sim", "cuda" or None (the calling thread's device).
-    `timeout`: seconds for the whole step; past it, `UBatchTimeoutError` with every thread's
-    stack. `graph`: a capture from `device.graph()`, entered after every thread is ready (so
-    threads create their handles before capture, as vLLM does) and exited after they finish.
+    `ubatch_inputs`: a sequence indexed 0..N-1 (a list or tuple), N >= 2; sets and mappings
+    are refused (their order is not a ubatch order). `device`: a `dbo.streams.Device`, "sim",
+    "cuda" or None (the calling thread's device). `timeout`: seconds for the whole step (
+    `math.inf`: none); past it, `UBatchTimeoutError` with every thread's stack. `graph`: a
+    capture from `device.graph()`, entered after every thread is ready (so threads create
+    their handles before capture, as vLLM does) and exited after they finish; if the step
+    fails, its `replay()` raises instead of replaying the partial step.
 
     One step at a time per process: a call made while another step runs (from another
     thread, or from inside a ubatch) raises RuntimeError at once. If the launcher itself
     fails (the graph cannot be entered, KeyboardInterrupt), every ubatch is released first
-    and that exception is raised.
+    and that exception is raised; on an interrupt the launcher waits at most a short grace for
+    the ubatches (one still in user code is left to end when that code returns).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    num = len(ubatch_inputs)
+    inputs = _indexed("ubatch_inputs", ubatch_inputs)
+    num = len(inputs)
     if num < 2:
         raise ValueError(
             f"run_ubatches needs >= 2 ubatch inputs, got {num}; call fn directly for one"
         )
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    timeout = _check_timeout(timeout)
+    if forward_contexts is not None:
+        forward_contexts = _indexed("forward_contexts", forward_contexts)
     device = resolve_device(device)
     # Non-blocking: the holder may be this very thread's caller (fn calling run_ubatches),
     # which would deadlock a blocking acquire.
@@ -74,7 +100,7 @@ def run_ubatches(
         )
     try:
         return _run_step(
-            fn, ubatch_inputs, device, timeout, forward_contexts, compute_stream, comm_stream,
+            fn, inputs, device, timeout, forward_contexts, compute_stream, comm_stream,
             schedule, graph,
         )
     finally:
@@ -86,18 +112,75 @@ def run_ubatches(
 _STEP_LOCK = threading.Lock()
 
 
+def _indexed(name: str, values: Any) -> list[Any]:
+    """`values[0..len-1]` as a list, or a TypeError saying why not: done before any thread
+    starts, so that input a worker could not index fails here and not as a timeout."""
+    kind = type(values).__name__
+    if isinstance(values, (Mapping, AbstractSet)):
+        raise TypeError(
+            f"{name} must be a sequence indexed 0..N-1 in ubatch order (a list or tuple), got "
+            f"a {kind}; pass a list, e.g. list(d.values()) in the order the ubatches run"
+        )
+    try:
+        num = len(values)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a sequence with a length (a list or tuple), got a {kind}; "
+            f"materialise it first, e.g. list(...)"
+        ) from None
+    try:
+        return [values[i] for i in range(num)]
+    except (TypeError, KeyError, IndexError) as error:
+        raise TypeError(
+            f"{name} must be a sequence indexed 0..{num - 1} (a list or tuple), but a {kind} "
+            f"of length {num} refused an index ({_describe(error)})"
+        ) from error
+
+
+def _check_timeout(timeout: Any) -> float:
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if ok and isinstance(timeout, int) and timeout > 1e300:
+        return math.inf  # beyond a float: no timeout, as math.inf
+    if not ok or math.isnan(timeout) or timeout <= 0:
+        try:
+            shown = repr(timeout)[:80]
+        except Exception:  # noqa: BLE001 - the message must not fail on odd input
+            shown = f"a {type(timeout).__name__}"
+        raise ValueError(
+            f"timeout must be a positive number of seconds (math.inf for none), got {shown}"
+        )
+    return float(timeout)
+
+
+def _barrier_timeout(deadline: float) -> float | None:
+    # The ready barrier cannot be waited for in slices (a timed-out wait breaks it), and
+    # threading overflows on waits near TIMEOUT_MAX: a wait beyond this is simply unbounded.
+    left = max(deadline - time.monotonic(), 0.0)
+    return None if left > _LONGEST_BARRIER_WAIT_S else left
+
+
+def _wait_until(event: threading.Event, deadline: float) -> bool:
+    """Wait for `event` until `deadline` (time.monotonic(); inf: forever), in slices."""
+    while not event.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        event.wait(min(left, _WAIT_SLICE_S))
+    return True
+
+
 def _run_step(
     fn: Callable[[Any], Any],
-    ubatch_inputs: Sequence[Any],
+    inputs: list[Any],
     device: Device,
     timeout: float,
-    forward_contexts: Sequence[Any] | None,
+    forward_contexts: list[Any] | None,
     compute_stream: Stream | None,
     comm_stream: Stream | None,
     schedule: str,
     graph: Any,
 ) -> list[Any]:
-    num = len(ubatch_inputs)
+    num = len(inputs)
     default_compute, default_comm = device.ubatch_streams()
     compute_stream = compute_stream or default_compute
     comm_stream = comm_stream or default_comm
@@ -106,12 +189,13 @@ def _run_step(
         num,
         compute_stream,
         comm_stream,
-        list(forward_contexts) if forward_contexts is not None else [None] * num,
+        forward_contexts if forward_contexts is not None else [None] * num,
         barrier,
         schedule,
     )
     step = contexts[0].step
     outputs: list[Any] = [None] * num
+    returned = [False] * num  # set only once a ubatch's fn returned and its context exited
     remaining = [num]
     all_done = threading.Event()
     done_lock = threading.Lock()
@@ -129,20 +213,24 @@ def _run_step(
     comm_stream.wait_stream(launch_stream)
     workers = _WORKERS.acquire(num)
     threads = [w.thread for w in workers]
+    gave_up = [False]  # the launcher ended the step itself (timeout, interrupt)
 
     def on_timeout(where: str) -> None:
         if step.error is None:
+            gave_up[0] = True
             step.abort(_timeout_error(step, threads, timeout, where))
 
     launcher_error: BaseException | None = None
+    launcher_first = False
+    capturing = False
     try:
         try:
             for ctx, worker in zip(contexts, workers):
                 worker.submit(
-                    on_done, _ubatch_main, ctx, fn, ubatch_inputs[ctx.id], outputs, device
+                    on_done, _ubatch_main, ctx, fn, inputs[ctx.id], outputs, returned, device
                 )
             try:
-                barrier.wait(timeout=max(deadline - time.monotonic(), 0.0))
+                barrier.wait(timeout=_barrier_timeout(deadline))
             except threading.BrokenBarrierError:
                 on_timeout("at the ready barrier")  # no-op if a ubatch broke it by failing
             if step.error is None:
@@ -151,6 +239,7 @@ def _run_step(
                     # set-up (device scope, handles) happened before capture, as in vLLM.
                     graph.capture_stream = compute_stream
                     with graph:
+                        capturing = True
                         _release_and_wait(
                             step, comm_stream, compute_stream, all_done, deadline, on_timeout
                         )
@@ -161,26 +250,61 @@ def _run_step(
         except BaseException as error:  # noqa: BLE001 - re-raised below, after the peers go
             # The launcher's own failure: without an abort the parked ubatches would wait for
             # a baton that never comes, holding their worker threads forever.
-            if step.error is None:
-                launcher_error = error
-                step.abort(
-                    UBatchError(f"the launcher failed: {type(error).__name__}: {error}")
-                )
-            elif not isinstance(error, Exception):
-                launcher_error = error  # an interrupt is never swallowed by a step's error
+            launcher_error, launcher_first = error, step.error is None
+            if launcher_first:
+                step.abort(UBatchError(f"the launcher failed: {_describe(error)}"))
         # Peers wake promptly after an abort; a thread stuck in user code cannot be stopped,
-        # so it is left behind (and never reused) instead of hanging the caller.
-        all_done.wait(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
+        # so it is left behind (and never reused) instead of hanging the caller. After a
+        # ubatch failed, its peers' unwinding (their finally blocks) finishes before the
+        # caller sees the error; after the launcher gave up, only a short grace is given.
+        interrupted = launcher_error is not None and not isinstance(launcher_error, Exception)
+        if gave_up[0] or interrupted:
+            _wait_until(all_done, time.monotonic() + _UNWIND_GRACE_S)
+        else:
+            _wait_until(all_done, deadline)
     finally:
         step.close()
         _WORKERS.release(workers)
-    if launcher_error is not None:
-        raise launcher_error
-    if step.error is not None:
-        raise step.error
+    failure = step.error if step.error is not None else launcher_error
+    if failure is None and not all(returned):
+        failure = _lost_outputs(returned)
+    if failure is not None:
+        if capturing:
+            _refuse_replay(graph, failure)
+        # The launcher's own error if it came first, an interrupt always; else the step's.
+        if launcher_error is not None and (launcher_first or interrupted):
+            raise launcher_error
+        raise failure
     launch_stream.wait_stream(compute_stream)
     launch_stream.wait_stream(comm_stream)
     return outputs
+
+
+def _lost_outputs(returned: list[bool]) -> UBatchError:
+    # Defensive: every failure path aborts the step, so this means one was lost on the way;
+    # returning None in place of an output would be a silent wrong result.
+    missing = [i for i, ok in enumerate(returned) if not ok]
+    return UBatchError(
+        f"ubatch(es) {missing} ended without returning an output or reporting an error",
+        ubatch_id=missing[0] if len(missing) == 1 else None,
+    )
+
+
+def _refuse_replay(graph: Any, failure: BaseException) -> None:
+    """Make a graph that captured part of a failed step refuse to replay (on every kind of
+    capture, by shadowing its `replay`): replaying it would run the partial step silently."""
+    reason = _describe(failure).splitlines()[0]
+
+    def replay() -> None:
+        raise RuntimeError(
+            f"this graph captured a ubatched step that failed ({reason}); it holds only part "
+            f"of the step and cannot be replayed: capture the step again with a new graph"
+        )
+
+    try:
+        graph.replay = replay
+    except AttributeError:  # pragma: no cover - a capture class without an instance dict
+        pass
 
 
 class _UBatchWorker:
@@ -282,8 +406,7 @@ def _release_and_wait(
     # stream; outside capture these waits are free ordering.
     comm_stream.wait_stream(compute_stream)
     step.release_first()
-    all_done.wait(timeout=max(deadline - time.monotonic(), 0.0))
-    if all_done.is_set():
+    if _wait_until(all_done, deadline):
         compute_stream.wait_stream(comm_stream)
     else:
         # Still inside a graph capture, if any: the peers are released before it ends.
@@ -295,21 +418,20 @@ def _ubatch_main(
     fn: Callable[[Any], Any],
     ubatch_input: Any,
     outputs: list[Any],
+    returned: list[bool],
     device: Device,
 ) -> None:
     try:
-        with use_device(device), device.thread_scope(ctx.id):
-            with ctx:
-                outputs[ctx.id] = fn(ubatch_input)
+        with use_device(device), device.thread_scope(ctx.id), ctx:
+            output = fn(ubatch_input)
+        outputs[ctx.id] = output
+        returned[ctx.id] = True
     except _StepAborted:
-        pass  # a peer failed; the step already holds that error
+        pass  # an unwind; the context has reported one raised while the step was live
     except BaseException as error:  # noqa: BLE001 - every failure ends the step, never a thread
-        # ctx.__exit__ has recorded errors raised inside the context; this catches failures
-        # around it (entering the device scope, say).
-        if ctx.step.error is None:
-            ctx.step.abort(
-                error if isinstance(error, UBatchError) else _as_ubatch_error(ctx.id, error)
-            )
+        # ctx.__exit__ has recorded errors raised inside the context (the first one wins);
+        # this catches failures around it (entering the device scope, say).
+        ctx.step.fail(ctx.id, error)
 
 
 def _timeout_error(

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from dbo.errors import UBatchError, YieldMismatchError, _StepAborted
+from dbo.errors import UBatchError, YieldMismatchError, _describe, _StepAborted
 from dbo.streams import Device, Event, Stream, stream_context
 
 __all__ = [
@@ -138,6 +138,7 @@ class UBatchStep:
         self.aborted = False
         self.closed = False  # after close(): no thread may register for this step any more
         self._lock = threading.Lock()
+        self._detected: list[YieldMismatchError] = []  # errors the ring itself raised
 
     def release_first(self) -> None:
         """The launcher's part: let ubatch 0 run."""
@@ -180,11 +181,32 @@ class UBatchStep:
         return [state.yields for state in self.states]
 
     def _mismatch(self, reason: str) -> YieldMismatchError:
-        return YieldMismatchError(
+        error = YieldMismatchError(
             f"ubatches yielded a different number of times ({reason}); every ubatch must "
             f"yield the same number of times per step, or the ring hangs:\n{self.describe()}",
             yield_counts=self.yield_counts(),
         )
+        self._detected.append(error)
+        return error
+
+    def error_for(self, ubatch_id: int, error: BaseException) -> UBatchError:
+        """What the step ends with when `error` leaves ubatch `ubatch_id`: a mismatch the ring
+        detected as it is, anything else (the user's own UBatchError included) wrapped to name
+        the ubatch, the original as `__cause__`."""
+        if any(error is detected for detected in self._detected):
+            return error  # type: ignore[return-value]
+        return _as_ubatch_error(ubatch_id, error)
+
+    def fail(self, ubatch_id: int, error: BaseException) -> None:
+        """Record that `error` left ubatch `ubatch_id` and end the step (the first failure
+        wins). Formatting the user's exception cannot make it raise: a failure is never lost
+        to a broken `__str__`."""
+        try:
+            wrapped = self.error_for(ubatch_id, error)
+        except BaseException:  # noqa: BLE001 - say what we can rather than lose the failure
+            wrapped = UBatchError(f"ubatch {ubatch_id} failed", ubatch_id=ubatch_id)
+            wrapped.__cause__ = error
+        self.abort(wrapped)
 
 
 def _frame_site(frame: Any) -> str:
@@ -262,8 +284,7 @@ class UBatchContext:
         except BaseException as error:
             self._state.status = FAILED
             self._unregister()
-            self.step.abort(error if isinstance(error, UBatchError)
-                            else _as_ubatch_error(self.id, error))
+            self.step.fail(self.id, error)
             raise
         return self
 
@@ -276,8 +297,7 @@ class UBatchContext:
             except BaseException as error:  # noqa: BLE001 - reported through the step
                 self._state.status = FAILED
                 self._unregister()
-                step.abort(error if isinstance(error, UBatchError)
-                           else _as_ubatch_error(self.id, error))
+                step.fail(self.id, error)
                 return False
             self._state.status = FINISHED
             self._unregister()
@@ -289,8 +309,10 @@ class UBatchContext:
             FINISHED if exc_type is None else ABORTED if exc_type is _StepAborted else FAILED
         )
         self._unregister()
-        if exc_type is not None and exc_type is not _StepAborted:
-            step.abort(exc if isinstance(exc, UBatchError) else _as_ubatch_error(self.id, exc))
+        # A _StepAborted unwinds an aborted step; raised while the step is live (by user code,
+        # or from another step) it is a failure like any other, or the peers would wait on.
+        if exc is not None and not (exc_type is _StepAborted and step.aborted):
+            step.fail(self.id, exc)
         return False
 
     def _register(self) -> None:
@@ -425,9 +447,7 @@ class UBatchContext:
 
 
 def _as_ubatch_error(ubatch_id: int, error: BaseException) -> UBatchError:
-    wrapped = UBatchError(
-        f"ubatch {ubatch_id} raised {type(error).__name__}: {error}", ubatch_id=ubatch_id
-    )
+    wrapped = UBatchError(f"ubatch {ubatch_id} raised {_describe(error)}", ubatch_id=ubatch_id)
     wrapped.__cause__ = error
     return wrapped
 

@@ -24,12 +24,15 @@ the same step must then run once the ranks agree.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -72,6 +75,14 @@ __all__ = [
 # Set in the children of `run_local_ranks`: the parent hosts the store (as torchrun's agent does).
 _HOSTED_ENV = "DBO_SIM_STORE_HOSTED"
 _SPEC_ENV = "DBO_SIM_RANK_SPEC"
+# The launcher's pid, in the children of `run_local_ranks`: a child whose parent is no longer
+# that process was orphaned and exits (`_exit_with_launcher`).
+_LAUNCHER_ENV = "DBO_SIM_LAUNCHER_PID"
+_ORPHANED_EXIT = 4
+# How often a child looks for its launcher, and the launcher for stopped children.
+_WATCH_POLL_S = 0.1
+# After a rank ends abnormally, how long its peers have to report before they are killed.
+_PEER_GRACE_S = 2.0
 _TOLERANCE = 1e-9
 # The tiny workload is far below the production thresholds (512 prefill tokens); these let it
 # split while still refusing a split that would leave a ubatch empty.
@@ -584,7 +595,15 @@ def run_local_ranks(
     names: Sequence[str], opts: RunOptions, ranks: int, *, deadline_s: float | None = None
 ) -> list[Any]:
     """Start `ranks` processes on this machine, run `names` on each, merge, and return one
-    `ScenarioResult` per name. Every process is ended by the deadline; none is left behind."""
+    `ScenarioResult` per name. Every process is ended by the deadline; none is left behind.
+
+    The rank processes die with this one, however it ends (SIGKILL included: see
+    `_spawn_rank`). A rank stopped (SIGSTOP, a debugger) for longer than `opts.timeout_s` is
+    killed: by then every wait of its peers has expired, so nothing it could still do would
+    count. Its peers' steps end by their own bounded waits (`timeout_s`) or, once it is
+    killed, at once (or are ended `_PEER_GRACE_S` later), so a frozen rank ends the run within
+    `timeout_s` + `_PEER_GRACE_S` plus the launcher's polls of the freeze, not at the deadline
+    (see `_wait_for_ranks`)."""
     unknown = check_names(names)
     if unknown:
         raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(RANK_SCENARIOS)}")
@@ -611,36 +630,150 @@ def run_local_ranks(
     )
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     procs: list[subprocess.Popen] = []
+    ended: dict[int, str] = {}
     with tempfile.TemporaryDirectory(prefix="dbo-ranks-") as logdir:
         logs = [Path(logdir) / f"rank{r}.log" for r in range(ranks)]
         try:
             for rank in range(ranks):
                 with open(logs[rank], "wb") as log:
                     procs.append(
-                        subprocess.Popen(
+                        _spawn_rank(
                             [sys.executable, "-m", "scenarios.distributed"],
-                            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                            stdin=subprocess.DEVNULL,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
+                            {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                            log,
                         )
                     )
-            end = time.monotonic() + deadline_s
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.1, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    break
+            ended = _wait_for_ranks(procs, opts.timeout_s, deadline_s)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
         missing = "; ".join(
-            f"rank {r} exited with {p.returncode}: {_tail(logs[r])}" for r, p in enumerate(procs) if p.returncode != 0
+            f"rank {r} {ended.get(r, f'exited with {p.returncode}')}: {_tail(logs[r])}"
+            for r, p in enumerate(procs)
+            if p.returncode != 0
         )
         table = _collect(store, names, ranks)
     return [merge_outcomes(name, table[name], opts, missing=missing) for name in names]
+
+
+def _spawn_rank(argv: list[str], env: dict[str, str], log: Any) -> subprocess.Popen:
+    """Start one rank process, tied to this one: on Linux the kernel SIGKILLs it when this
+    process (the thread calling here, which waits for it) dies, whatever killed it; everywhere
+    its `child_main` also watches for the launcher to go (`_exit_with_launcher`)."""
+    return subprocess.Popen(
+        argv,
+        env={**env, _LAUNCHER_ENV: str(os.getpid())},
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        preexec_fn=_parent_death_hook(os.getpid()),  # noqa: PLW1509 - see _parent_death_hook
+    )
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_hook(launcher_pid: int) -> Callable[[], None] | None:
+    """A `preexec_fn` (run in the child between fork and exec) asking Linux to SIGKILL the
+    child when its parent dies; None where prctl is unavailable. libc is looked up here, in
+    the parent: the child runs only the call, on already-built arguments."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    option, sig = ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(int(signal.SIGKILL))
+
+    def tie_to_launcher() -> None:
+        prctl(option, sig)
+        if os.getppid() != launcher_pid:  # the launcher died before the call: no signal comes
+            os._exit(_ORPHANED_EXIT)
+
+    return tie_to_launcher
+
+
+def _exit_with_launcher(launcher_pid: int, poll_s: float = _WATCH_POLL_S) -> threading.Thread:
+    """In a rank process: end it (exit code `_ORPHANED_EXIT`) as soon as its parent is no
+    longer `launcher_pid`. The portable half of `_spawn_rank`'s tie (prctl is Linux-only): a
+    rank whose launcher was killed would otherwise run on, holding its peers and the port."""
+
+    def watch() -> None:
+        while os.getppid() == launcher_pid:
+            time.sleep(poll_s)
+        os._exit(_ORPHANED_EXIT)
+
+    if os.getppid() != launcher_pid:
+        os._exit(_ORPHANED_EXIT)
+    watcher = threading.Thread(target=watch, name="dbo-launcher-watch", daemon=True)
+    watcher.start()
+    return watcher
+
+
+def _is_stopped(pid: int) -> bool:
+    """True while process `pid` is stopped (SIGSTOP, a debugger), as Linux's /proc shows it;
+    False where /proc is missing: the deadline alone bounds a stopped rank there."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except OSError:
+        return False
+    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last.
+    return text[text.rfind(b")") + 2 : text.rfind(b")") + 3] in (b"T", b"t")
+
+
+def _wait_for_ranks(
+    procs: Sequence[subprocess.Popen], timeout_s: float, deadline_s: float
+) -> dict[int, str]:
+    """Wait for every rank to exit; returns why each rank it killed was killed, by rank.
+
+    It kills a rank stopped (SIGSTOP, a debugger) for longer than `timeout_s`: by then every
+    wait of its peers has expired. Once a rank has ended abnormally (killed, a nonzero exit),
+    the others get `_PEER_GRACE_S` to report and exit, then are killed: their group is broken,
+    so all they can still do is report (one in a gloo collective errors at once; one waiting on
+    the store would wait out its own timeout). At the deadline every rank left is killed.
+
+    Stopped time counts only while this launcher runs: a launcher stopped along with its ranks
+    (Ctrl-Z on the whole job) finds them all stopped on resuming, and must not kill them for it.
+    """
+    killed: dict[int, str] = {}
+    stopped_since: dict[int, float] = {}
+    broken: tuple[float, str] | None = None  # when a rank first ended abnormally, and which
+    end = time.monotonic() + deadline_s
+    last = time.monotonic()
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if now - last > 1.0:  # this process was not running: the ranks' clocks start again
+            stopped_since.clear()
+            broken = (now, broken[1]) if broken else None
+        last = now
+        for rank, p in enumerate(procs):
+            code = p.poll()
+            if code is not None:
+                stopped_since.pop(rank, None)
+                if code != 0 and broken is None:
+                    broken = (now, f"rank {rank} ended abnormally (exit {code})")
+                continue
+            stopped = _is_stopped(p.pid)
+            if not stopped:
+                stopped_since.pop(rank, None)
+            reason = None
+            if now >= end:
+                reason = f"was still running at the {deadline_s:g} s deadline: killed"
+            elif stopped and now - stopped_since.setdefault(rank, now) > timeout_s:
+                reason = (
+                    f"was stopped (SIGSTOP or a debugger) for longer than the {timeout_s:g} s "
+                    f"timeout: killed"
+                )
+            elif broken is not None and now - broken[0] > _PEER_GRACE_S:
+                reason = f"was still running {_PEER_GRACE_S:g} s after {broken[1]}: killed"
+            if reason is not None:
+                killed[rank] = reason
+                p.kill()
+        time.sleep(_WATCH_POLL_S)
+    return killed
 
 
 def _tail(path: Path, limit: int = 1500) -> str:
@@ -673,6 +806,8 @@ def run_as_torchrun_rank(names: Sequence[str], opts: RunOptions) -> list[Any] | 
 
 def child_main() -> int:
     """Entry of a process started by `run_local_ranks`."""
+    if _LAUNCHER_ENV in os.environ:
+        _exit_with_launcher(int(os.environ[_LAUNCHER_ENV]))
     spec = json.loads(os.environ[_SPEC_ENV])
     opts = RunOptions(**spec["opts"])
     try:

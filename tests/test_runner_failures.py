@@ -5,6 +5,8 @@ No test here relies on pytest-timeout to end a hang; the marks are a backstop on
 
 from __future__ import annotations
 
+import math
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -462,3 +464,211 @@ def test_an_abandoned_worker_ends_even_if_it_was_already_back_waiting_for_jobs()
     worker.thread.join(5)
     assert not worker.thread.is_alive()
     assert pool.idle_count() == 0
+
+
+# ------------------------------------------------------------------ no failure is ever lost
+
+
+class _UnprintableError(Exception):
+    """Its __str__ raises another of its kind: formatting it fails, and so does formatting
+    that failure."""
+
+    def __str__(self):
+        raise _UnprintableError()
+
+
+class _NoStrNoRepr(Exception):
+    def __str__(self):
+        raise AttributeError("missing field")
+
+    def __repr__(self):
+        raise AttributeError("missing field")
+
+
+def _raise_in(failing: int, error: BaseException):
+    """A step body where ubatch `failing` raises `error` after one yield (ubatch 1, the last
+    to run, raises after ubatch 0 has already returned)."""
+
+    def fn(i):
+        dbo.dbo_yield()
+        if i == failing:
+            raise error
+        return i
+
+    return fn
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["before-the-peer-finished", "after-it"])
+def test_an_exception_whose_str_raises_ends_the_step_at_once_as_the_cause(device, failing):
+    error = _UnprintableError()
+    before = _step_thread_idents(device)
+    start = time.monotonic()
+    with pytest.raises(dbo.UBatchError) as info:
+        dbo.run_ubatches(_raise_in(failing, error), [0, 1], device=device, timeout=20)
+    assert time.monotonic() - start < 5  # not the timeout
+    assert info.value.__cause__ is error
+    assert info.value.ubatch_id == failing
+    assert f"ubatch {failing} raised _UnprintableError" in str(info.value)
+    assert _registries_empty()
+    assert _step_thread_idents(device) == before  # no worker thread died
+
+
+def test_an_exception_whose_str_and_repr_raise_is_still_named_by_its_type(device):
+    error = _NoStrNoRepr()
+    with pytest.raises(dbo.UBatchError, match="ubatch 0 raised _NoStrNoRepr") as info:
+        dbo.run_ubatches(_raise_in(0, error), [0, 1], device=device, timeout=20)
+    assert info.value.__cause__ is error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [SystemExit(3), KeyboardInterrupt(), GeneratorExit(), type("Custom", (BaseException,), {})()],
+    ids=lambda e: type(e).__name__,
+)
+def test_any_base_exception_from_a_ubatch_is_one_ubatch_error_naming_it(device, error):
+    with pytest.raises(dbo.UBatchError) as info:
+        dbo.run_ubatches(_raise_in(1, error), [0, 1, 2], device=device, timeout=20)
+    assert info.value.ubatch_id == 1 and info.value.__cause__ is error
+    assert _registries_empty()
+
+
+def test_a_ubatch_error_raised_by_user_code_is_wrapped_to_name_the_ubatch(device):
+    mine = dbo.UBatchError("raised by the model itself")
+    with pytest.raises(dbo.UBatchError) as info:
+        dbo.run_ubatches(_raise_in(1, mine), [0, 1], device=device, timeout=20)
+    assert info.value is not mine and info.value.ubatch_id == 1 and info.value.__cause__ is mine
+
+
+def test_a_step_abort_raised_outside_an_abort_fails_the_step_instead_of_returning_none(device):
+    # The runtime's private unwind, raised by user code while the step is live: once a None
+    # output (ubatch 0 had returned), or a timeout (a peer left parked).
+    from dbo.errors import _StepAborted
+
+    def fn(i):
+        if i == 1:
+            raise _StepAborted()
+        return i
+
+    with pytest.raises(dbo.UBatchError) as info:
+        dbo.run_ubatches(fn, [0, 1], device=device, timeout=20)
+    assert info.value.ubatch_id == 1 and isinstance(info.value.__cause__, _StepAborted)
+
+
+# ------------------------------------------------------------------ input checked up front
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [{1, 2}, {"a": 1, "b": 2}.values(), {"a": 1, "b": 2}, {0: 1, 1: 2}, (x for x in (1, 2))],
+    ids=["set", "dict-values", "str-keyed-dict", "int-keyed-dict", "generator"],
+)
+def test_inputs_that_cannot_be_indexed_in_ubatch_order_are_refused_at_once(device, inputs):
+    workers = _worker_threads()
+    with pytest.raises(TypeError, match="ubatch_inputs must be a sequence"):
+        dbo.run_ubatches(lambda x: x, inputs, device=device, timeout=20)
+    assert _worker_threads() == workers and _registries_empty()
+
+
+def test_forward_contexts_that_cannot_be_indexed_are_refused_at_once(device):
+    with pytest.raises(TypeError, match="forward_contexts must be a sequence"):
+        dbo.run_ubatches(lambda x: x, [0, 1], device=device, forward_contexts={"a", "b"})
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e10, 10**400], ids=["inf", "1e10", "10**400"])
+def test_an_unbounded_or_huge_timeout_runs_the_step(device, timeout):
+    assert dbo.run_ubatches(lambda i: dbo.dbo_yield() or i, [0, 1], device=device,
+                            timeout=timeout) == [0, 1]
+
+
+@pytest.mark.parametrize("timeout", [math.nan, -1, 0, True, "5", None])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(device, timeout):
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        dbo.run_ubatches(lambda i: i, [0, 1], device=device, timeout=timeout)
+
+
+# ------------------------------------------------------------------ the launcher gives up promptly
+
+
+def test_the_timeout_error_arrives_right_after_the_timeout(device):
+    # There was a one-second grace after the timeout; now only a short unwind.
+    stop = threading.Event()
+
+    def fn(i):
+        if i == 0:
+            stop.wait(30)
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(dbo.UBatchTimeoutError):
+            dbo.run_ubatches(fn, [0, 1], device=device, timeout=0.3)
+        elapsed = time.monotonic() - start
+    finally:
+        stop.set()
+    assert elapsed < 0.3 + 0.9
+
+
+def test_ctrl_c_reaches_the_caller_at_once_while_a_ubatch_runs_long_user_code(device):
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only")
+    stop, running = threading.Event(), threading.Event()
+
+    def fn(i):
+        if i == 0:
+            running.set()
+            stop.wait(30)  # long user code, outside the dbo primitives
+        dbo.dbo_yield()
+
+    def press_ctrl_c():
+        if running.wait(10):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c, daemon=True)
+    presser.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            dbo.run_ubatches(fn, [0, 1], device=device, timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        stop.set()
+        presser.join(10)
+    assert elapsed < 5  # not the 30 s timeout
+    assert _registries_empty()
+    # The abandoned thread ends once its user code returns; the next step runs.
+    assert dbo.run_ubatches(lambda i: i, [0, 1], device=device) == [0, 1]
+
+
+# ------------------------------------------------------------------ graphs of failed steps
+
+
+def test_a_step_that_fails_under_capture_leaves_a_graph_that_refuses_to_replay(device):
+    graph = device.graph()
+    with pytest.raises(dbo.UBatchError):
+        dbo.run_ubatches(_raise_in(1, ValueError("mid-step")), [0, 1], device=device,
+                         graph=graph)
+    with pytest.raises(RuntimeError, match="captured a ubatched step that failed"):
+        graph.replay()
+
+
+def test_a_step_that_times_out_under_capture_leaves_a_graph_that_refuses_to_replay(device):
+    graph, stop = device.graph(), threading.Event()
+
+    def fn(i):
+        dbo.dbo_yield()
+        if i == 1:
+            stop.wait(30)
+
+    try:
+        with pytest.raises(dbo.UBatchTimeoutError):
+            dbo.run_ubatches(fn, [0, 1], device=device, graph=graph, timeout=0.3)
+    finally:
+        stop.set()
+    with pytest.raises(RuntimeError, match="cannot be replayed"):
+        graph.replay()
+
+
+def test_a_graph_of_a_step_that_succeeded_still_replays(device):
+    graph = device.graph()
+    dbo.run_ubatches(lambda i: dbo.dbo_yield(), [0, 1], device=device, graph=graph)
+    graph.replay()
+    assert graph.replays == 1
