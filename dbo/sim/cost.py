@@ -391,8 +391,10 @@ class OpCost:
 
 # An op cost function: (call, profile) -> us, an OpCost, or None ("not mine: ask the next").
 OpCostFn = Callable[[OpCall, HardwareProfile], "float | OpCost | None"]
-# (profile name or None for every profile, op name) -> cost function.
+# (profile name or None for every profile, op name) -> a user's cost function.
 _REGISTRY: dict[tuple[str | None, str], OpCostFn] = {}
+# op name -> the built-in entry (the kernel-table families), asked after the user's entries.
+_BUILTIN: dict[str, OpCostFn] = {}
 
 
 def _op_name(op: Any) -> str:
@@ -429,7 +431,7 @@ def register_op_cost(*ops: Any, profile: "str | None" = None) -> Callable[[OpCos
 
 
 def unregister_op_cost(*ops: Any, profile: "str | None" = None) -> None:
-    """Remove entries added by `register_op_cost` (the built-in ones included)."""
+    """Remove entries added by `register_op_cost` (the built-in table entries stay)."""
     key_profile = profile.lower() if isinstance(profile, str) else profile
     for op in ops:
         _REGISTRY.pop((key_profile, _op_name(op)), None)
@@ -441,10 +443,10 @@ def kernel_table(profile: HardwareProfile) -> KernelTable | None:
 
 
 def op_cost(call: OpCall, profile: HardwareProfile) -> OpCost:
-    """What one op costs on `profile`: the per-profile entry, else the general one, else the
-    roofline (source "roofline")."""
-    for key in ((profile.name, call.name), (None, call.name)):
-        fn = _REGISTRY.get(key)
+    """What one op costs on `profile`: a user entry for this profile, else a user entry for
+    every profile, else the built-in kernel-table entry, else the roofline (source
+    "roofline"). An entry returning None passes the op on."""
+    for fn in (_REGISTRY.get((profile.name, call.name)), _REGISTRY.get((None, call.name)), _BUILTIN.get(call.name)):
         if fn is None:
             continue
         got = fn(call, profile)
@@ -509,7 +511,7 @@ def _attention_family(call: OpCall) -> str | None:
     return "sdpa_causal" if causal is True else None
 
 
-register_op_cost(*_FAMILY)(_table_cost)
+_BUILTIN.update(dict.fromkeys(_FAMILY, _table_cost))
 
 
 # An observer sees every OpCall priced while it is registered (the profiler records the ops a

@@ -114,17 +114,23 @@ class KernelTable:
                     )
                     / 1e3
                 )
-        # GEMM series: (op) -> list of (weight size, xs over m, ys)
-        self._series: dict[str, list[tuple[float, list[float], list[float]]]] = {}
+        # GEMM series: op -> (n, k, groups) -> (xs over m, ys); and op -> [(weight size,
+        # [series of that size])] sorted, for shapes that were not measured.
+        self._series: dict[str, dict[tuple[int, int, int], tuple[list[float], list[float]]]] = {}
+        self._by_weight: dict[str, list[tuple[float, list[tuple[list[float], list[float]]]]]] = {}
         for op in _SERIES:
-            by_weight: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
+            shapes: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
             for r in self.rows:
                 if r.op == op and r.dtype == "bf16":
-                    by_weight.setdefault((r.n, r.k, r.groups), []).append((float(r.m), r.us))
-            series = [(float(n * k * g), *_curve(pts)) for (n, k, g), pts in by_weight.items()]
-            if series:
-                self._series[op] = sorted(series)
-                self._best_gbps[op] = max(r.bytes / r.us for r in self.rows if r.op == op) / 1e3
+                    shapes.setdefault((r.n, r.k, r.groups), []).append((float(r.m), r.us))
+            if not shapes:
+                continue
+            self._series[op] = {shape: _curve(pts) for shape, pts in shapes.items()}
+            weights: dict[float, list[tuple[list[float], list[float]]]] = {}
+            for (n, k, g), curve in self._series[op].items():
+                weights.setdefault(float(n * k * g), []).append(curve)
+            self._by_weight[op] = sorted(weights.items())
+            self._best_gbps[op] = max(r.bytes / r.us for r in self.rows if r.op == op) / 1e3
         self.min_us = min((r.us for r in self.rows), default=0.0)
 
     @property
@@ -136,7 +142,7 @@ class KernelTable:
         """Time in us of one kernel of `family`, or None where the table does not cover it.
         GEMMs take m/n/k/groups (and nbytes for the floor); curves take flops or nbytes."""
         if family in self._series:
-            t = self._gemm(family, m, n * k * groups)
+            t = self._gemm(family, m, (int(n), int(k), int(groups)))
         elif family in self._curves:
             measure = _CURVES[family][1]
             x = flops if measure == "flops" else nbytes
@@ -152,23 +158,31 @@ class KernelTable:
         )
         return max(t, floor, self.min_us)
 
-    def _gemm(self, op: str, m: float, weight: float) -> float:
-        series = self._series[op]
-        weights = [w for w, _, _ in series]
+    def _gemm(self, op: str, m: float, shape: tuple[int, int, int]) -> float:
         m = max(m, 1.0)
-        weight = max(weight, 1.0)
+        exact = self._series[op].get(shape)
+        if exact is not None:
+            return interp_loglog(*exact, m)
+        by_weight = self._by_weight[op]
+        weights = [w for w, _ in by_weight]
+        weight = max(float(shape[0] * shape[1] * shape[2]), 1.0)
         i = bisect.bisect_left(weights, weight)
         if i < len(weights) and weights[i] == weight:
-            return interp_loglog(series[i][1], series[i][2], m)
-        lo, hi = max(i - 1, 0), min(i, len(series) - 1)
-        t_lo = interp_loglog(series[lo][1], series[lo][2], m) * weight / weights[lo]
-        t_hi = interp_loglog(series[hi][1], series[hi][2], m) * weight / weights[hi]
+            return self._at_weight(by_weight[i][1], m)
+        lo, hi = max(i - 1, 0), min(i, len(weights) - 1)
+        t_lo = self._at_weight(by_weight[lo][1], m) * weight / weights[lo]
+        t_hi = self._at_weight(by_weight[hi][1], m) * weight / weights[hi]
         if lo == hi:
             return t_lo
         share = (math.log(weight) - math.log(weights[lo])) / (
             math.log(weights[hi]) - math.log(weights[lo])
         )
         return math.exp((1 - share) * math.log(t_lo) + share * math.log(t_hi))
+
+    @staticmethod
+    def _at_weight(curves: list[tuple[list[float], list[float]]], m: float) -> float:
+        """Several measured shapes of one weight size (n x k and k x n): their log mean."""
+        return math.exp(sum(math.log(interp_loglog(*c, m)) for c in curves) / len(curves))
 
 
 def _measure(row: KernelRow, what: str) -> float:
