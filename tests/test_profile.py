@@ -165,3 +165,11 @@ def test_host_from_trace_needs_the_bare_op_time(tmp_path, capsys) -> None:
         == 2
     )
     assert "--bare-op-us" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the profiler would run")
+def test_dbo_sim_profile_passes_its_arguments_to_the_tool(tmp_path, capsys) -> None:
+    from scenarios.cli import main as cli_main
+
+    assert cli_main(["profile", "--out", str(tmp_path / "x.csv"), "--layers", "1"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
