@@ -410,7 +410,7 @@ def _op_name(op: Any) -> str:
     return qual
 
 
-def register_op_cost(*ops: Any, profile: "str | None" = None) -> Callable[[OpCostFn], OpCostFn]:
+def register_op_cost(*ops: Any, profile: str | None = None) -> Callable[[OpCostFn], OpCostFn]:
     """Decorator: `fn(call, profile)` prices `ops` (aten ops, overloads or "aten::name"
     strings), for every hardware profile or, with `profile="h200"`, for that one only (a
     per-device override wins over a general entry). Returning None hands the op to the next
@@ -430,7 +430,7 @@ def register_op_cost(*ops: Any, profile: "str | None" = None) -> Callable[[OpCos
     return decorator
 
 
-def unregister_op_cost(*ops: Any, profile: "str | None" = None) -> None:
+def unregister_op_cost(*ops: Any, profile: str | None = None) -> None:
     """Remove entries added by `register_op_cost` (the built-in table entries stay)."""
     key_profile = profile.lower() if isinstance(profile, str) else profile
     for op in ops:
@@ -446,7 +446,12 @@ def op_cost(call: OpCall, profile: HardwareProfile) -> OpCost:
     """What one op costs on `profile`: a user entry for this profile, else a user entry for
     every profile, else the built-in kernel-table entry, else the roofline (source
     "roofline"). An entry returning None passes the op on."""
-    for fn in (_REGISTRY.get((profile.name, call.name)), _REGISTRY.get((None, call.name)), _BUILTIN.get(call.name)):
+    entries = (
+        _REGISTRY.get((profile.name, call.name)),
+        _REGISTRY.get((None, call.name)),
+        _BUILTIN.get(call.name),
+    )
+    for fn in entries:
         if fn is None:
             continue
         got = fn(call, profile)
@@ -474,8 +479,9 @@ def _table_cost(call: OpCall, profile: HardwareProfile) -> OpCost | None:
 
 def _table_bytes(family: str, call: OpCall) -> float:
     """The bytes measure of a call in its table rows' convention (see PROVENANCE.md): a copy
-    or a gather counts its output read and written (an in-place copy's target is not read), a scatter-add its source rows three times (read,
-    and the target rows read and written); every other family, all its tensors' bytes."""
+    or a gather counts its output read and written (an in-place copy's target is not read), a
+    scatter-add its source rows three times (read, and the target rows read and written);
+    every other family, all its tensors' bytes."""
     if family in ("index_select", "copy") and call.outs:
         return 2.0 * sum(t.numel() * t.element_size() for t in call.outs)
     if family == "index_add" and call.ins:
@@ -486,7 +492,8 @@ def _table_bytes(family: str, call: OpCall) -> float:
 def _gemm_cost(table: KernelTable, family: str, call: OpCall) -> OpCost | None:
     if call.dtype not in (torch.bfloat16, torch.float16) or len(call.ins) < 2:
         return None  # the table holds bf16 GEMMs; FP8 and FP32 ones fall back to the roofline
-    a, b = (call.ins[1], call.ins[2]) if call.name == "aten::addmm" and len(call.ins) > 2 else call.ins[:2]
+    addmm = call.name == "aten::addmm" and len(call.ins) > 2  # addmm(bias, a, b)
+    a, b = (call.ins[1], call.ins[2]) if addmm else call.ins[:2]
     if family == "mm":
         if a.dim() != 2 or b.dim() != 2:
             return None
@@ -530,6 +537,6 @@ def remove_op_observer(fn: Callable[[OpCall], None]) -> None:
 
 def price_op(call: OpCall, profile: HardwareProfile) -> OpCost:
     """`op_cost`, shown to the registered observers first: what the interceptor calls."""
-    for observer in list(_OBSERVERS):
+    for observer in _OBSERVERS[:]:  # an observer may remove itself
         observer(call)
     return op_cost(call, profile)

@@ -4,8 +4,8 @@ One host clock per device (only one ubatch thread runs Python at a time, so one 
 in-order timeline per stream, plus a link track for low-latency communication in flight. An op
 issued on stream S at host time h costs the host its eager issue time (the profile's
 `eager_host_us` for the op's kind: launch plus the Python around it; none inside a replayed
-graph), then runs from max(h + issue, S.free_at) for its cost (`dbo.sim.cost.op_cost`); events carry the time of the work
-recorded before them. Beside times, every timeline keeps a vector clock (one entry per
+graph), then runs from max(h + issue, S.free_at) for its cost (`dbo.sim.cost.op_cost`);
+events carry the time of the work recorded before them. Beside times, every timeline keeps a vector clock (one entry per
 timeline) so the race checker can tell which accesses are ordered: an op's epoch is its
 timeline's entry right after it; event record/wait and host syncs join clocks as CUDA orders
 work. Ops reach `place_op` from the dispatch mode (`dbo.sim.intercept`), from `comm_region`,
@@ -22,8 +22,8 @@ Communication regions are costed by `dbo.sim.cost.comm_time_us`; an EP group of 
 moves no byte over a link, so such a region is costed as its own ops (the gather, the
 weighting, the scatter-add), priced like any other op, and placed as full-grid kernels on its
 stream that take the GPU in turn with compute, whatever the mode (a local permutation is no
-SM-budgeted comm kernel and no transfer); `ht_rdma_share` scales the RDMA part of multi-node "ht" regions (DeepEP's per-node
-de-duplication).
+SM-budgeted comm kernel and no transfer); `ht_rdma_share` scales the RDMA part of
+multi-node "ht" regions (DeepEP's per-node de-duplication).
 """
 
 from __future__ import annotations
@@ -36,7 +36,16 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from dbo.sim.cost import COMM_MODES, GEMM_OPS, ROOFLINE, OpCost, comm_link, comm_time_us, ep_traffic, host_family
+from dbo.sim.cost import (
+    COMM_MODES,
+    GEMM_OPS,
+    ROOFLINE,
+    OpCost,
+    comm_link,
+    comm_time_us,
+    ep_traffic,
+    host_family,
+)
 from dbo.sim.hardware import HardwareProfile, profile_from_name
 from dbo.sim.races import RaceChecker, RaceReport, user_stack
 from dbo.sim.records import COMM, COMPUTE, HANDOFF, SYNC, Access, OpRecord
@@ -452,7 +461,9 @@ class SimDevice(Device):
         with self._lock:
             issue = self._host_us
             if launch and not replayed:
-                self._host_us += self.profile.eager_host_us(host_family(name)) if host_us is None else host_us
+                if host_us is None:
+                    host_us = self.profile.eager_host_us(host_family(name))
+                self._host_us += host_us
             self._join_host(track)
             track.vc[track.index] += 1
             epoch = track.vc[track.index]

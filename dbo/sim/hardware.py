@@ -4,8 +4,9 @@ A profile is a frozen dataclass; a user makes their own with `dataclasses.replac
 or by constructing `HardwareProfile` directly. A profile with a `kernel_table` is calibrated:
 the ops its table covers are priced from kernels measured on that GPU (`dbo.sim.tables`,
 provenance beside the files), and its host costs come from the same machine's profiler
-traces; the others price every op by the roofline below and are marked uncalibrated. Datasheet numbers carry their source in a
-comment; numbers that are modelling assumptions say so. The link efficiencies and the
+traces; the others price every op by the roofline below and are marked uncalibrated.
+Datasheet numbers carry their source in a comment; numbers that are modelling assumptions say
+so. The link efficiencies and the
 low-latency fixed time come from DeepEP's published measurements (sources beside them); the
 SGLang step-level results are never used to set a number here: they are
 what `scenarios.tools.fidelity` checks the model against.
@@ -67,7 +68,7 @@ class HardwareProfile:
     gpus_per_node: int = 8  # HGX/DGX boards: EP groups larger than this cross nodes (RDMA)
     # Achieved fraction of the peaks above. A roofline at 100% of peak is an upper bound no
     # real kernel reaches; the factors turn it into a typical large-kernel rate.
-    compute_efficiency: float = 0.8  # large bf16 GEMMs on an H200 reach about this share (its table)
+    compute_efficiency: float = 0.8  # large bf16 GEMMs reach about this share (the H200 table)
     # FP8 GEMMs with fine-grained (block) scaling reach a smaller share of their doubled peak:
     # DeepGEMM's README (Feb 2025, H800, DeepSeek-V3 shapes at M=4096) lists 990-1358 TFLOPS
     # for dense and 1093-1297 for grouped MoE GEMMs, i.e. 0.50-0.69 of 1979; 0.6 is the middle.
@@ -185,7 +186,9 @@ def _host_costs(table: str) -> dict:
     whole = bare + python
     fields = {
         "launch_us": round(whole, 2),
-        "host_op_scale": {k: round((bare * v + python) / whole, 3) for k, v in host.get("host_op_scale", {}).items()},
+        "host_op_scale": {
+            k: round((bare * v + python) / whole, 3) for k, v in host.get("host_op_scale", {}).items()
+        },
     }
     if "handoff_us" in host:
         fields["handoff_us"] = host["handoff_us"]

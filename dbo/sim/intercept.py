@@ -194,11 +194,12 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
                     seen.add(span)
                     reads.append(Access(span[0], span[1], span[2], False))
 
-    priced = price_op(OpCall(info.name, func, args, kwargs, out, ins, outs, flops, nbytes, dtype), device.profile)
+    call = OpCall(info.name, func, args, kwargs, out, ins, outs, flops, nbytes, dtype)
+    priced = price_op(call, device.profile)
     region = tls.comm
     graph = device._graph
     if region is not None:
-        region.add_op(nbytes, priced, info.name)  # an EP group of one is costed by these (see place_comm)
+        region.add_op(nbytes, priced, info.name)  # an EP group of one is these ops (place_comm)
         region.reads.extend(reads)
         region.writes.extend(writes)
         region.fresh.extend(fresh)
@@ -215,7 +216,11 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
         reads=reads,
         writes=writes,
         fresh=fresh,
-        args={"shapes": [tuple(t.shape) for t in ins], "dtype": str(dtype).replace("torch.", ""), "cost": priced.source},
+        args={
+            "shapes": [tuple(t.shape) for t in ins],
+            "dtype": str(dtype).replace("torch.", ""),
+            "cost": priced.source,
+        },
     )
     if graph is not None and not tls.replaying:
         graph.on_op(func, args, kwargs, out, record, cost, reads, writes)

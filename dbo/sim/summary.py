@@ -342,7 +342,7 @@ def format_summary(summary: StepSummary) -> str:
         f"comm             {s.comm_us:12.1f} us  overlap {100.0 * s.overlap_fraction:5.1f}%",
         f"exposed comm     {s.exposed_comm_us:12.1f} us",
         f"host-bound       {100.0 * s.host_bound_fraction:12.1f} %   (device idle)",
-        f"roofline-priced  {100.0 * s.fallback_fraction:12.1f} %   (of device-op time; the rest measured)",
+        f"roofline-priced  {100.0 * s.fallback_fraction:12.1f} %   (of device-op time)",
         f"ops              {s.num_ops:12d}",
         f"races            {s.num_races:12d}" + ("  <-- check the trace" if s.num_races else ""),
     ]

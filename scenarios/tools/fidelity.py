@@ -99,7 +99,10 @@ VLLM_EAGER_GPU_BUSY_MS, VLLM_EAGER_STEP_MS = 11.8, 55.6
 # The whole-step rows' GPU: H100 (no measured kernels: roofline), issued by a host with the
 # figures measured on the H200 host (eager issue cost per op kind, baton passes).
 STEP_PROFILE = replace(
-    H100, launch_us=H200.launch_us, host_op_scale=dict(H200.host_op_scale), handoff_us=H200.handoff_us
+    H100,
+    launch_us=H200.launch_us,
+    host_op_scale=dict(H200.host_op_scale),
+    handoff_us=H200.handoff_us,
 )
 
 GAIN_TOLERANCE_PP = 5.0

@@ -67,7 +67,7 @@ NO_GPU_MESSAGE = "no CUDA GPU present: nothing to measure (the simulated half ru
 VARIANTS = ("serial-eager", "dbo-eager", "serial-graph", "dbo-graph")
 SIM_PROFILE = "h200"
 # The stored H200 measurement (provenance in dbo/sim/tables/PROVENANCE.md).
-H200_REFERENCE = Path(__file__).resolve().parents[2] / "dbo" / "sim" / "tables" / "h200-gpu_check.json"
+H200_REFERENCE = Path(__file__).resolve().parents[2] / "dbo/sim/tables/h200-gpu_check.json"
 TOLERANCE = {"graph": 0.15, "eager": 0.25}  # |sim / measured - 1| per variant kind
 GAIN_SIGN_THRESHOLD_PCT = 3.0
 
@@ -308,7 +308,7 @@ def _time_graph(device: Any, capture: Callable[[Any], None], reps: int, warmup: 
 # Validation against measured times
 
 
-def load_reference(path: "str | Path", layers: int) -> dict[str, dict[str, list[float]]]:
+def load_reference(path: str | Path, layers: int) -> dict[str, dict[str, list[float]]]:
     """case -> variant -> measured samples (us) from a stored gpu_check JSON. Raises
     ValueError when the file is not one, or was measured with another layer count."""
     try:
@@ -319,8 +319,13 @@ def load_reference(path: "str | Path", layers: int) -> dict[str, dict[str, list[
     for name, case in cases_.items():
         got = case.get("config", {}).get("num_layers")
         if got != layers:
-            raise ValueError(f"--against {path}: case {name!r} was measured with {got} layers, not --layers {layers}")
-    return {name: {v: list(case["timings"][v]["gpu_us"]) for v in VARIANTS if v in case["timings"]} for name, case in cases_.items()}
+            raise ValueError(
+                f"--against {path}: case {name!r} was measured with {got} layers, not --layers {layers}"
+            )
+    return {
+        name: {v: list(case["timings"][v]["gpu_us"]) for v in VARIANTS if v in case["timings"]}
+        for name, case in cases_.items()
+    }
 
 
 def validate(result: CaseResult) -> list[tuple[str, bool, str]]:
@@ -332,11 +337,20 @@ def validate(result: CaseResult) -> list[tuple[str, bool, str]]:
         if ratio is None:
             continue
         tol = TOLERANCE["graph" if v.endswith("graph") else "eager"]
-        checks.append((f"{v} time", abs(ratio - 1) <= tol, f"sim/measured {ratio:.2f}, target within {tol:.0%}"))
+        detail = f"sim/measured {ratio:.2f}, target within {tol:.0%}"
+        checks.append((f"{v} time", abs(ratio - 1) <= tol, detail))
     for label, g in result.gains().items():
-        if label.startswith("dbo") and g["gpu"] is not None and g["sim"] is not None and abs(g["gpu"]) > GAIN_SIGN_THRESHOLD_PCT:
-            checks.append((f"{label.replace('_', ' ')} sign", (g["gpu"] > 0) == (g["sim"] > 0), f"measured {g['gpu']:+.1f}%, sim {g['sim']:+.1f}%"))
+        gpu, sim = g["gpu"], g["sim"]
+        if not label.startswith("dbo") or gpu is None or sim is None:
+            continue
+        if abs(gpu) > GAIN_SIGN_THRESHOLD_PCT:
+            detail = f"measured {gpu:+.1f}%, sim {sim:+.1f}%"
+            checks.append((f"{label.replace('_', ' ')} sign", (gpu > 0) == (sim > 0), detail))
     return checks
+
+
+def _validation(result: CaseResult) -> list[dict[str, Any]]:
+    return [{"check": c, "met": m, "detail": d} for c, m, d in validate(result)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,7 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
     p.add_argument("--only", choices=["prefill", "decode"], help="run one case")
     p.add_argument("--sim-only", action="store_true", help="the simulated half alone (no GPU needed)")
-    p.add_argument("--against", metavar="FILE", help="score the simulation against a stored gpu_check JSON (default with --sim-only: the shipped H200 one, when --layers matches)")
+    p.add_argument(
+        "--against",
+        metavar="FILE",
+        help="score the simulation against a stored gpu_check JSON (default with --sim-only: "
+        "the shipped H200 one, when --layers matches)",
+    )
     return p
 
 
@@ -402,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     on_gpu = not args.sim_only
     if on_gpu and args.against:
-        print("gpu_check: --against needs --sim-only (on a GPU the measured side is this GPU)", file=sys.stderr)
+        print("gpu_check: --against needs --sim-only (on a GPU, it measures itself)", file=sys.stderr)
         return 2
     if on_gpu and not torch.cuda.is_available():
         print(f"gpu_check: {NO_GPU_MESSAGE}")
@@ -416,7 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as error:
             print(f"gpu_check: {error}", file=sys.stderr)
             return 2
-        gpu_name = f"{json.loads(Path(against).read_text()).get('gpu', 'GPU')} (stored: {Path(against).name}, not rerun)"
+        stored = json.loads(Path(against).read_text()).get("gpu", "GPU")
+        gpu_name = f"{stored} (stored: {Path(against).name}, not rerun)"
     chosen = [c for c in cases(args.layers) if args.only in (None, c.name)]
     results = []
     failed = False
@@ -448,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reps": args.reps,
         "warmup": args.warmup,
         "measured_from": against or ("this GPU" if on_gpu else None),
-        "cases": [r.to_dict() | {"validation": [{"check": c, "met": m, "detail": d} for c, m, d in validate(r)]} for r in results],
+        "cases": [r.to_dict() | {"validation": _validation(r)} for r in results],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
