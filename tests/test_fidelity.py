@@ -304,3 +304,35 @@ def test_gpu_check_says_no_gpu_and_exits_2(capsys, tmp_path) -> None:
     assert gpu_check.main(["--out", str(tmp_path / "x.json")]) == 2
     assert "no CUDA GPU present" in capsys.readouterr().out
     assert not (tmp_path / "x.json").exists()
+
+
+def _stored_run(tmp_path, layers: int, scale: float = 1.0):
+    """The shipped H200 report, relabelled to `layers` and its times scaled."""
+    report = json.loads(gpu_check.H200_REFERENCE.read_text())
+    for case in report["cases"]:
+        case["config"]["num_layers"] = layers
+        for timing in case["timings"].values():
+            timing["gpu_us"] = [t * scale for t in timing["gpu_us"]]
+    path = tmp_path / "stored.json"
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_gpu_check_scores_the_simulation_against_a_stored_run(tmp_path, capsys) -> None:
+    stored = _stored_run(tmp_path, 1, scale=1 / 8)  # one layer of the measured eight
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--sim-only", "--layers", "1", "--only", "decode", "--against", str(stored), "--out", str(out)]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    checks = {v["check"]: v for v in case["validation"]}
+    assert set(checks) >= {f"{v} time" for v in gpu_check.VARIANTS}
+    assert "dbo vs serial graph sign" in checks  # the measured decode loss exceeds 3%
+    assert all(t["sim_fallback_fraction"] == 0.0 for t in case["timings"].values())  # all measured
+    text = capsys.readouterr().out
+    assert "stored: stored.json, not rerun" in text and "target within 15%" in text
+
+
+def test_gpu_check_refuses_a_stored_run_of_another_size(tmp_path, capsys) -> None:
+    stored = _stored_run(tmp_path, 8)
+    assert gpu_check.main(["--sim-only", "--layers", "2", "--against", str(stored), "--out", str(tmp_path / "x.json")]) == 2
+    assert "measured with 8 layers" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -114,6 +114,7 @@ class Timing:
     sim_us: float | None = None
     sim_host_us: float | None = None  # host time the simulated step took to issue
     sim_host_bound: float | None = None  # share of the simulated step with the device idle
+    sim_fallback: float | None = None  # share of simulated device time priced by the roofline
     error: str | None = None
 
     @property
@@ -135,6 +136,7 @@ class Timing:
             "sim_us": self.sim_us,
             "sim_host_us": self.sim_host_us,
             "sim_host_bound_fraction": self.sim_host_bound,
+            "sim_fallback_fraction": self.sim_fallback,
             "sim_over_gpu": self.ratio,
             "error": self.error,
         }
@@ -188,6 +190,7 @@ def simulate_case(case: CheckCase, profile: str = SIM_PROFILE) -> dict[str, Timi
             timing.sim_us = times.step_us
             timing.sim_host_us = times.host_us
             timing.sim_host_bound = times.host_bound_fraction
+            timing.sim_fallback = times.fallback_fraction
         except Exception as error:  # noqa: BLE001 - reported in the table, the others still run
             timing.error = f"sim: {type(error).__name__}: {error}"
         out[variant] = timing
@@ -381,6 +384,9 @@ def format_case(result: CaseResult, gpu_name: str) -> str:
             f"  sim: {' and '.join(ahead)} issued within the simulated step (host ms < sim ms): the "
             f"simulated host stays ahead of the device, so replay has no launch time to remove"
         )
+    fallback = [t.sim_fallback for t in result.timings.values() if t.sim_fallback is not None]
+    if fallback:
+        lines.append(f"  sim: {max(fallback):.1%} of device time priced by the roofline (the rest measured)")
     for check, met, detail in validate(result):
         lines.append(f"  {'met ' if met else 'MISS'} {check}: {detail}")
     for v in VARIANTS:
