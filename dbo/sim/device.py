@@ -5,11 +5,11 @@ in-order timeline per stream, plus a link track for low-latency communication in
 issued on stream S at host time h costs the host its eager issue time (the profile's
 `eager_host_us` for the op's kind: launch plus the Python around it; none inside a replayed
 graph), then runs from max(h + issue, S.free_at) for its cost (`dbo.sim.cost.op_cost`);
-events carry the time of the work recorded before them. Beside times, every timeline keeps a vector clock (one entry per
-timeline) so the race checker can tell which accesses are ordered: an op's epoch is its
-timeline's entry right after it; event record/wait and host syncs join clocks as CUDA orders
-work. Ops reach `place_op` from the dispatch mode (`dbo.sim.intercept`), from `comm_region`,
-and from graph replay (`dbo.sim.graph`).
+events carry the time of the work recorded before them. Beside times, every timeline keeps a
+vector clock (one entry per timeline) so the race checker can tell which accesses are ordered:
+an op's epoch is its timeline's entry right after it; event record/wait and host syncs join
+clocks as CUDA orders work. Ops reach `place_op` from the dispatch mode (`dbo.sim.intercept`),
+from `comm_region`, and from graph replay (`dbo.sim.graph`).
 
 SM sharing (an approximation): a high-throughput comm op holds comm_sms / num_sms of the SMs
 for its duration; a compute op placed later whose time span overlaps it progresses at
