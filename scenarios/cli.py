@@ -265,6 +265,12 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from scenarios.tools.profile import main as profile_main
+
+    return profile_main(args.profile_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dbo-sim", description="Dual Batch Overlap scenarios on a simulated or real GPU"
@@ -310,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity.add_argument("--quick", action="store_true", help="fewer layers and points (seconds, for CI)")
     fidelity.add_argument("--json", action="store_true", help="print the report as JSON")
     fidelity.set_defaults(func=cmd_fidelity)
+    profile = sub.add_parser(
+        "profile", add_help=False, prefix_chars="\x00",  # every argument goes to the tool
+        help="time this GPU's kernels into a table the simulator loads (CUDA)",
+    )
+    profile.add_argument("profile_args", nargs="*", help="see `dbo-sim profile --help`")
+    profile.set_defaults(func=cmd_profile)
     return parser
 
 

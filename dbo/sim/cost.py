@@ -3,9 +3,22 @@
 Pure functions of shapes, dtypes and the profile; no clocks, no state. The device calls them
 for every placed op; tests and the fidelity work call them directly.
 
-Compute (roofline):  time = max(FLOPs / peak(dtype), bytes / HBM bandwidth) + kernel_fixed_us,
-where FLOPs come from torch.utils.flop_counter's registered formulas (0 when an op has none:
-it is then memory bound) and bytes = nbytes of every tensor input and output.
+Compute: one public place decides what an op costs, `op_cost(call, profile)`. It asks the op
+cost registry (`register_op_cost`, in the spirit of torch.utils.flop_counter's
+register_flop_formula: a user adds or overrides an op's cost without editing this file, for
+every profile or for one), whose built-in entries price each covered op family (GEMMs,
+grouped GEMMs, attention prefill and decode, elementwise ops and copies, norms, index gathers
+and scatter-adds, sort and top-k) from the profile's measured kernel table
+(`dbo.sim.tables`). Where no entry answers (no table, an op family or dtype the table does
+not cover) the roofline is the fallback, and the returned `OpCost` says so, so a summary can
+report how much of a step rests on it:
+roofline time = max(FLOPs / peak(dtype), bytes / HBM bandwidth) + kernel_fixed_us, where FLOPs
+come from torch.utils.flop_counter's registered formulas (0 when an op has none: it is then
+memory bound) and bytes = nbytes of every tensor input and output.
+
+Host: `host_family(name)` sorts an op into the kinds whose eager host cost differs (a GEMM
+call walks more Python and library heuristics than an elementwise one); the profile says
+what each kind costs.
 
 Communication:  time = latency + algo_factor(kind, ep_size) * max(nvlink bytes / NVLink bw,
 RDMA bytes / RDMA bw), the two links working in parallel. Latency is the link's for "ht"
@@ -21,14 +34,29 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch.utils.flop_counter import flop_registry
 
 from dbo.sim.hardware import HardwareProfile
+from dbo.sim.tables import KernelTable, load_table
 
 __all__ = [
+    "GEMM_OPS",
+    "OpCall",
+    "OpCost",
+    "register_op_cost",
+    "unregister_op_cost",
+    "op_cost",
+    "price_op",
+    "add_op_observer",
+    "remove_op_observer",
+    "op_family",
+    "host_family",
+    "kernel_table",
+    "ROOFLINE",
     "NVLINK",
     "RDMA",
     "COMM_MODES",
@@ -243,7 +271,8 @@ def flop_formula(func: Any) -> Callable[..., float] | None:
 
 def aliased_input_bytes(func: Any, ins: list[torch.Tensor]) -> int:
     """Bytes a kernel's input list counts twice: a fused attention whose V is a view of K's
-    storage (MLA's latent cache serves as both) streams those bytes once."""
+    own bytes (MLA's latent cache serves as both) streams those bytes once. V in the same
+    storage but elsewhere (an MHA cache holding K and V side by side) is read in full."""
     if getattr(func, "overloadpacket", func) not in _ATTENTION or len(ins) < 3:
         return 0
     k, v = ins[1], ins[2]
@@ -252,7 +281,19 @@ def aliased_input_bytes(func: Any, ins: list[torch.Tensor]) -> int:
             return 0
     except (RuntimeError, NotImplementedError):  # a tensor without a storage (subclass)
         return 0
+    k_lo, k_hi = _element_span(k)
+    v_lo, v_hi = _element_span(v)
+    if v.element_size() != k.element_size() or v_lo >= k_hi or k_lo >= v_hi:
+        return 0
     return v.numel() * v.element_size()
+
+
+def _element_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) element offsets a strided tensor touches in its storage."""
+    if t.numel() == 0:
+        return t.storage_offset(), t.storage_offset()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+    return t.storage_offset(), t.storage_offset() + last + 1
 
 
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
@@ -261,3 +302,241 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
     if formula is None:
         return 0.0
     return float(formula(*args, **kwargs, out_val=out))
+
+
+# --------------------------------------------------------------------------------------------
+# Op cost: the registry, the kernel-table entries, the roofline fallback
+
+# Matrix-multiply kernels (what a GEMM library runs), by op record name: the one list the
+# device (SM caps for a ubatch's GEMMs) and the reports (GEMM time) share.
+GEMM_OPS = frozenset(
+    f"aten::{n}"
+    for n in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm")
+)
+
+ROOFLINE = "roofline"  # OpCost.source of a fallback estimate
+
+# Op name -> the kernel-table family that prices it (see dbo.sim.tables).
+_FAMILY: dict[str, str] = {"aten::mm": "mm", "aten::addmm": "mm", "aten::_grouped_mm": "grouped_mm"}
+for _n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+           "_scaled_dot_product_efficient_attention", "scaled_dot_product_attention"):  # fmt: skip
+    _FAMILY[f"aten::{_n}"] = "attention"
+for _n in ("copy_", "_to_copy", "clone", "contiguous", "_copy_from", "cat", "stack"):
+    _FAMILY[f"aten::{_n}"] = "copy"
+for _n in ("index_select", "gather", "index", "embedding", "searchsorted", "take"):
+    _FAMILY[f"aten::{_n}"] = "index_select"
+for _n in ("index_add_", "index_add", "scatter_add_", "scatter_add", "scatter_", "scatter",
+           "index_put_", "index_put", "index_copy_", "index_copy", "scatter_reduce_"):  # fmt: skip
+    _FAMILY[f"aten::{_n}"] = "index_add"
+for _n in ("native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm", "native_group_norm"):
+    _FAMILY[f"aten::{_n}"] = "norm"
+for _n in ("sort", "argsort", "topk", "_softmax", "softmax", "_log_softmax", "cumsum"):
+    _FAMILY[f"aten::{_n}"] = "sort_topk" if _n in ("sort", "argsort", "topk") else "elementwise"
+for _n in ("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "silu", "silu_", "gelu",
+           "relu", "relu_", "sigmoid", "tanh", "exp", "neg", "rsqrt", "sqrt", "pow", "fill_",
+           "zero_", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full", "where",
+           "masked_fill", "masked_fill_", "floor_divide", "remainder", "clamp", "clamp_",
+           "arange", "minimum", "maximum", "eq", "ne", "lt", "gt", "le", "ge", "abs", "sum",
+           "mean", "amax", "max", "min", "bitwise_and", "logical_not", "lerp", "addcmul"):  # fmt: skip
+    _FAMILY.setdefault(f"aten::{_n}", "elementwise")
+
+
+def op_family(name: str) -> str | None:
+    """The kernel-table family of an op record name ("aten::mm" -> "mm"), or None."""
+    return _FAMILY.get(name)
+
+
+def host_family(name: str) -> str:
+    """The host-cost kind of an op: gemm, attention, sort_topk, index or elementwise (any
+    other kernel: elementwise, the cheapest to issue)."""
+    if name in GEMM_OPS:
+        return "gemm"
+    family = _FAMILY.get(name)
+    if family in ("attention", "sort_topk"):
+        return family
+    if family in ("index_select", "index_add"):
+        return "index"
+    return "elementwise"
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One executed op as the cost model sees it: its name, the call itself, and what the
+    interceptor measured of it (tensor inputs and outputs, FLOPs, bytes, math dtype)."""
+
+    name: str  # "aten::mm"
+    func: Any  # the op overload (None for a synthetic call)
+    args: tuple
+    kwargs: dict
+    out: Any
+    ins: list = field(default_factory=list)  # tensor inputs
+    outs: list = field(default_factory=list)  # tensor outputs
+    flops: float = 0.0
+    nbytes: float = 0.0
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """An op's device time and where it came from: "table:<family>", "roofline", or a
+    registered cost function's own label."""
+
+    us: float
+    source: str
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.source == ROOFLINE
+
+
+# An op cost function: (call, profile) -> us, an OpCost, or None ("not mine: ask the next").
+OpCostFn = Callable[[OpCall, HardwareProfile], "float | OpCost | None"]
+# (profile name or None for every profile, op name) -> a user's cost function.
+_REGISTRY: dict[tuple[str | None, str], OpCostFn] = {}
+# op name -> the built-in entry (the kernel-table families), asked after the user's entries.
+_BUILTIN: dict[str, OpCostFn] = {}
+
+
+def _op_name(op: Any) -> str:
+    if isinstance(op, str):
+        return op if "::" in op else f"aten::{op}"
+    schema = getattr(op, "_schema", None)
+    if schema is not None:
+        return schema.name
+    packet = getattr(op, "overloadpacket", op)
+    qual = getattr(packet, "_qualified_op_name", None)
+    if qual is None:
+        raise TypeError(f"cannot name op {op!r}: give an aten op, overload or 'aten::name'")
+    return qual
+
+
+def register_op_cost(*ops: Any, profile: str | None = None) -> Callable[[OpCostFn], OpCostFn]:
+    """Decorator: `fn(call, profile)` prices `ops` (aten ops, overloads or "aten::name"
+    strings), for every hardware profile or, with `profile="h200"`, for that one only (a
+    per-device override wins over a general entry). Returning None hands the op to the next
+    entry (general, then the roofline)."""
+    if not ops:
+        raise ValueError("register_op_cost needs at least one op")
+    names = [_op_name(op) for op in ops]
+    key_profile = profile.lower() if isinstance(profile, str) else profile
+
+    def decorator(fn: OpCostFn) -> OpCostFn:
+        if not callable(fn):
+            raise TypeError(f"register_op_cost decorates a function, got {fn!r}")
+        for name in names:
+            _REGISTRY[(key_profile, name)] = fn
+        return fn
+
+    return decorator
+
+
+def unregister_op_cost(*ops: Any, profile: str | None = None) -> None:
+    """Remove entries added by `register_op_cost` (the built-in table entries stay)."""
+    key_profile = profile.lower() if isinstance(profile, str) else profile
+    for op in ops:
+        _REGISTRY.pop((key_profile, _op_name(op)), None)
+
+
+def kernel_table(profile: HardwareProfile) -> KernelTable | None:
+    """The profile's measured kernel table, or None (an uncalibrated, roofline-only profile)."""
+    return load_table(profile.kernel_table) if profile.kernel_table else None
+
+
+def op_cost(call: OpCall, profile: HardwareProfile) -> OpCost:
+    """What one op costs on `profile`: a user entry for this profile, else a user entry for
+    every profile, else the built-in kernel-table entry, else the roofline (source
+    "roofline"). An entry returning None passes the op on."""
+    entries = (
+        _REGISTRY.get((profile.name, call.name)),
+        _REGISTRY.get((None, call.name)),
+        _BUILTIN.get(call.name),
+    )
+    for fn in entries:
+        if fn is None:
+            continue
+        got = fn(call, profile)
+        if got is None:
+            continue
+        return got if isinstance(got, OpCost) else OpCost(float(got), f"user:{call.name}")
+    return OpCost(compute_time_us(profile, call.flops, call.nbytes, call.dtype), ROOFLINE)
+
+
+def _table_cost(call: OpCall, profile: HardwareProfile) -> OpCost | None:
+    """The built-in entry of every covered op: its family's estimate from the profile's table."""
+    table = kernel_table(profile)
+    family = _FAMILY.get(call.name)
+    if table is None or family is None:
+        return None
+    if family in ("mm", "grouped_mm"):
+        return _gemm_cost(table, family, call)
+    if family == "attention":
+        family = _attention_family(call)
+        if family is None:
+            return None
+    us = table.estimate(family, flops=call.flops, nbytes=_table_bytes(family, call))
+    return None if us is None else OpCost(us, f"table:{family}")
+
+
+def _table_bytes(family: str, call: OpCall) -> float:
+    """The bytes measure of a call in its table rows' convention (see PROVENANCE.md): a copy
+    or a gather counts its output read and written (an in-place copy's target is not read), a
+    scatter-add its source rows three times (read, and the target rows read and written);
+    every other family, all its tensors' bytes."""
+    if family in ("index_select", "copy") and call.outs:
+        return 2.0 * sum(t.numel() * t.element_size() for t in call.outs)
+    if family == "index_add" and call.ins:
+        return 3.0 * max(t.numel() * t.element_size() for t in call.ins)
+    return call.nbytes
+
+
+def _gemm_cost(table: KernelTable, family: str, call: OpCall) -> OpCost | None:
+    if call.dtype not in (torch.bfloat16, torch.float16) or len(call.ins) < 2:
+        return None  # the table holds bf16 GEMMs; FP8 and FP32 ones fall back to the roofline
+    addmm = call.name == "aten::addmm" and len(call.ins) > 2  # addmm(bias, a, b)
+    a, b = (call.ins[1], call.ins[2]) if addmm else call.ins[:2]
+    if family == "mm":
+        if a.dim() != 2 or b.dim() != 2:
+            return None
+        m, k, n, groups = a.shape[0], a.shape[1], b.shape[1], 1
+    else:
+        if a.dim() != 2 or b.dim() != 3:
+            return None  # the measured form: 2-D rows against (groups, k, n) weights
+        m, groups, k, n = a.shape[0], b.shape[0], b.shape[1], b.shape[2]
+    us = table.estimate(family, m=m, n=n, k=k, groups=groups, nbytes=call.nbytes)
+    return None if us is None else OpCost(us, f"table:{family}")
+
+
+def _attention_family(call: OpCall) -> str | None:
+    """Decode (one query per sequence, no mask) or causal prefill; other forms fall back."""
+    if not call.ins or call.ins[0].dim() != 4:
+        return None
+    if call.ins[0].shape[-2] == 1:
+        return "sdpa_decode"
+    names = [a.name for a in call.func._schema.arguments] if hasattr(call.func, "_schema") else []
+    at = names.index("is_causal") if "is_causal" in names else -1
+    causal = call.kwargs.get("is_causal", call.args[at] if 0 <= at < len(call.args) else False)
+    return "sdpa_causal" if causal is True else None
+
+
+_BUILTIN.update(dict.fromkeys(_FAMILY, _table_cost))
+
+
+# An observer sees every OpCall priced while it is registered (the profiler records the ops a
+# model issues this way, through the same interception that costs them).
+_OBSERVERS: list[Callable[[OpCall], None]] = []
+
+
+def add_op_observer(fn: Callable[[OpCall], None]) -> None:
+    _OBSERVERS.append(fn)
+
+
+def remove_op_observer(fn: Callable[[OpCall], None]) -> None:
+    if fn in _OBSERVERS:
+        _OBSERVERS.remove(fn)
+
+
+def price_op(call: OpCall, profile: HardwareProfile) -> OpCost:
+    """`op_cost`, shown to the registered observers first: what the interceptor calls."""
+    for observer in _OBSERVERS[:]:  # an observer may remove itself
+        observer(call)
+    return op_cost(call, profile)

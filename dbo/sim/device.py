@@ -2,13 +2,14 @@
 
 One host clock per device (only one ubatch thread runs Python at a time, so one is right), one
 in-order timeline per stream, plus a link track for low-latency communication in flight. An op
-issued on stream S at host time h costs the host `launch_us` (none inside a replayed graph),
-then runs from max(h + launch, S.free_at) for its cost; events carry the time of the work
-recorded before them. Beside times, every timeline keeps a vector clock (one entry per
-timeline) so the race checker can tell which accesses are ordered: an op's epoch is its
-timeline's entry right after it; event record/wait and host syncs join clocks as CUDA orders
-work. Ops reach `place_op` from the dispatch mode (`dbo.sim.intercept`), from `comm_region`,
-and from graph replay (`dbo.sim.graph`).
+issued on stream S at host time h costs the host its eager issue time (the profile's
+`eager_host_us` for the op's kind: launch plus the Python around it; none inside a replayed
+graph), then runs from max(h + issue, S.free_at) for its cost (`dbo.sim.cost.op_cost`);
+events carry the time of the work recorded before them. Beside times, every timeline keeps a
+vector clock (one entry per timeline) so the race checker can tell which accesses are ordered:
+an op's epoch is its timeline's entry right after it; event record/wait and host syncs join
+clocks as CUDA orders work. Ops reach `place_op` from the dispatch mode (`dbo.sim.intercept`),
+from `comm_region`, and from graph replay (`dbo.sim.graph`).
 
 SM sharing (an approximation): a high-throughput comm op holds comm_sms / num_sms of the SMs
 for its duration; a compute op placed later whose time span overlaps it progresses at
@@ -18,9 +19,11 @@ was issued are not re-timed, and the comm op itself is never slowed by compute. 
 kernels leave), a ubatch's GEMMs instead always run on that many SMs and are never stretched.
 
 Communication regions are costed by `dbo.sim.cost.comm_time_us`; an EP group of one rank
-moves no byte over a link, so such a region is costed by the bytes its own ops move through
-HBM; `ht_rdma_share` scales the RDMA part of multi-node "ht" regions (DeepEP's per-node
-de-duplication).
+moves no byte over a link, so such a region is costed as its own ops (the gather, the
+weighting, the scatter-add), priced like any other op, and placed as full-grid kernels on its
+stream that take the GPU in turn with compute, whatever the mode (a local permutation is no
+SM-budgeted comm kernel and no transfer); `ht_rdma_share` scales the RDMA part of
+multi-node "ht" regions (DeepEP's per-node de-duplication).
 """
 
 from __future__ import annotations
@@ -28,12 +31,21 @@ from __future__ import annotations
 import math
 import threading
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from dbo.sim.cost import COMM_MODES, comm_link, comm_time_us, ep_traffic
+from dbo.sim.cost import (
+    COMM_MODES,
+    GEMM_OPS,
+    ROOFLINE,
+    OpCost,
+    comm_link,
+    comm_time_us,
+    ep_traffic,
+    host_family,
+)
 from dbo.sim.hardware import HardwareProfile, profile_from_name
 from dbo.sim.races import RaceChecker, RaceReport, user_stack
 from dbo.sim.records import COMM, COMPUTE, HANDOFF, SYNC, Access, OpRecord
@@ -43,10 +55,7 @@ __all__ = ["SimDevice", "SimMark", "SimStream", "SimEvent"]
 
 VectorClock = list[int]
 
-# Matrix-multiply kernels (what a GEMM library such as DeepGEMM runs), by op record name.
-_GEMMS = frozenset(
-    f"aten::{n}" for n in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm")
-)
+_GEMMS = GEMM_OPS  # what a GEMM library such as DeepGEMM runs (one list, in dbo.sim.cost)
 
 
 def _join(into: VectorClock, other: Sequence[int]) -> bool:
@@ -155,6 +164,15 @@ class _CommRegion:
     fresh: list[int]  # storages the block allocated
     graph_ops: list[Any]  # (func, args, kwargs, out) of the block while a graph is captured
     op_bytes: int = 0  # bytes read and written by the block's own torch ops
+    op_us: float = 0.0  # the block's own ops, priced as ordinary kernels
+    op_fallback_us: float = 0.0  # the part of op_us priced by the roofline
+    op_names: list[str] = field(default_factory=list)
+
+    def add_op(self, nbytes: int, cost: OpCost, name: str) -> None:
+        self.op_bytes += nbytes
+        self.op_us += cost.us
+        self.op_fallback_us += cost.us if cost.is_fallback else 0.0
+        self.op_names.append(name)
 
 
 class SimDevice(Device):
@@ -230,6 +248,10 @@ class SimDevice(Device):
         self._generation = 0
         # High-throughput comm kernels occupying SMs: (start, end, share of SMs).
         self._sm_busy: list[tuple[float, float, float]] = []
+        # Latest end of any compute op and of any full-grid local permutation placed: the two
+        # take the GPU in turn (see place_op).
+        self._compute_end = 0.0
+        self._grid_end = 0.0
         self.timeline: list[OpRecord] = []
         self.races: list[RaceReport] = []
         self._default = self.Stream("default")
@@ -358,6 +380,7 @@ class SimDevice(Device):
             self._seq = 0
             self._generation += 1
             self._sm_busy.clear()
+            self._compute_end = self._grid_end = 0.0
             for track in self._tracks:
                 track.reset()
             self.timeline = []
@@ -416,12 +439,18 @@ class SimDevice(Device):
         sm_share: float = 0.0,
         ubatch: Any = "current",
         stack: Any = None,
+        host_us: float | None = None,
+        full_grid: bool = False,
     ) -> OpRecord:
         """Place one op on a timeline and check its accesses; returns its record.
 
-        `launch` charges the host launch overhead (skipped while replaying a graph); compute
+        `launch` charges the host its eager issue time, `host_us` or the profile's figure for
+        the op's kind (skipped while replaying a graph); compute
         ops are stretched by concurrent comm SM occupancy; an op with `sm_share` > 0 holds
-        that share of the SMs for its duration; `fresh` storages were just allocated.
+        that share of the SMs for its duration; a `full_grid` op (a local permutation, on any
+        stream) and compute ops take the whole GPU in turn, in issue order (two full-grid
+        kernels on two streams share the SMs: together no faster than one after the other);
+        `fresh` storages were just allocated.
         """
         tls = self._state()
         if track is None:
@@ -432,17 +461,27 @@ class SimDevice(Device):
         with self._lock:
             issue = self._host_us
             if launch and not replayed:
-                self._host_us += self.profile.launch_us
+                if host_us is None:
+                    host_us = self.profile.eager_host_us(host_family(name))
+                self._host_us += host_us
             self._join_host(track)
             track.vc[track.index] += 1
             epoch = track.vc[track.index]
             start = max(self._host_us, track.free_at, not_before)
+            if full_grid:
+                start = max(start, self._compute_end)
+            elif kind == COMPUTE:
+                start = max(start, self._grid_end)
             if kind == COMPUTE and self.dbo_gemm_sms is not None and ubatch is not None and name in _GEMMS:
                 # A ubatch's GEMM on its reserved SMs: slower, but untouched by comm kernels.
                 cost_us = cost_us * self.profile.num_sms / self.dbo_gemm_sms
                 end = start + cost_us
             else:
                 end = self._stretch(start, cost_us) if kind == COMPUTE else start + cost_us
+            if full_grid:
+                self._grid_end = max(self._grid_end, end)
+            elif kind == COMPUTE:
+                self._compute_end = max(self._compute_end, end)
             track.free_at = end
             if sm_share > 0 and end > start:
                 horizon = self._host_us  # no later op can start before the host clock
@@ -452,6 +491,8 @@ class SimDevice(Device):
                 args = {}
             if kind == COMPUTE and end - start > cost_us + 1e-9:
                 args["sm_slowdown_us"] = (end - start) - cost_us
+            if args.get("cost") == ROOFLINE:
+                args["fallback_us"] = end - start
             record = OpRecord(
                 seq=self._seq,
                 name=name,
@@ -625,11 +666,10 @@ class SimDevice(Device):
         """Place a finished comm region: "ht" as one op on its stream holding SMs; "ll" as a
         send on its stream plus a transfer on the link track, `event` marking arrival."""
         profile = self.profile
+        if region.ep_size == 1 and region.link is None and region.op_names:
+            self._place_local(region, event)
+            return
         nbytes = region.nbytes
-        if region.ep_size == 1 and region.link is None and region.op_bytes:
-            # One rank: no byte leaves the GPU. The block's own ops (a gather, a scatter-add)
-            # are the whole cost, as a local copy of the bytes they move.
-            nbytes = region.op_bytes
         rdma_bytes = None
         if region.mode == "ht" and region.link is None and region.ep_size > profile.gpus_per_node:
             rdma_bytes = ep_traffic(nbytes, region.ep_size, profile.gpus_per_node)[1] * self.ht_rdma_share
@@ -665,6 +705,26 @@ class SimDevice(Device):
                     writes=region.writes, args=args, launch=False, not_before=send.end_us,
                 )  # fmt: skip
                 self._record_on_track(event, link)
+        if self._graph is not None and not self._state().replaying:
+            self._graph.on_comm(region, event)
+
+    def _place_local(self, region: _CommRegion, event: SimEvent) -> None:
+        """One rank: no byte leaves the GPU. The block's own ops (a gather, a weighting, a
+        scatter-add) are the whole cost, issued eagerly like any op, and they are full-grid
+        kernels: they take the GPU in turn with compute, in either mode, on their stream."""
+        profile = self.profile
+        args: dict[str, Any] = {"mode": region.mode, "ep_size": 1, "link": "local"}
+        if region.op_fallback_us:
+            args["fallback_us"] = region.op_fallback_us
+        host = sum(profile.eager_host_us(host_family(n)) for n in region.op_names)
+        fresh = () if self._state().replaying else region.fresh
+        with self._lock:
+            self.place_op(
+                f"comm::{region.kind}", region.op_us, kind=COMM, stream=region.stream,
+                nbytes=region.op_bytes, reads=region.reads, writes=region.writes, fresh=fresh,
+                args=args, host_us=host, full_grid=True,
+            )  # fmt: skip
+            self._record_on_track(event, region.stream._track)
         if self._graph is not None and not self._state().replaying:
             self._graph.on_comm(region, event)
 

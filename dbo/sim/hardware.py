@@ -1,10 +1,14 @@
 """Hardware profiles of the simulated GPU: the numbers every cost in the simulator comes from.
 
 A profile is a frozen dataclass; a user makes their own with `dataclasses.replace(H200, ...)`
-or by constructing `HardwareProfile` directly. Datasheet numbers carry their source in a
-comment; numbers that are modelling assumptions say so. The link efficiencies and the
+or by constructing `HardwareProfile` directly. A profile with a `kernel_table` is calibrated:
+the ops its table covers are priced from kernels measured on that GPU (`dbo.sim.tables`,
+provenance beside the files), and its host costs come from the same machine's profiler
+traces; the others price every op by the roofline below and are marked uncalibrated.
+Datasheet numbers carry their source in a comment; numbers that are modelling assumptions say
+so. The link efficiencies and the
 low-latency fixed time come from DeepEP's published measurements (sources beside them); the
-SGLang step-level results quoted in DESIGN.md are never used to set a number here: they are
+SGLang step-level results are never used to set a number here: they are
 what `scenarios.tools.fidelity` checks the model against.
 """
 
@@ -13,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from dbo.sim.tables import load_table
 
 __all__ = [
     "HardwareProfile",
@@ -23,7 +29,11 @@ __all__ = [
     "PROFILES",
     "profile_from_name",
     "dtype_class",
+    "HOST_KINDS",
 ]
+
+# Op kinds whose eager host cost differs (see dbo.sim.cost.host_family).
+HOST_KINDS = ("elementwise", "gemm", "attention", "sort_topk", "index")
 
 
 def dtype_class(dtype: torch.dtype) -> str:
@@ -58,7 +68,7 @@ class HardwareProfile:
     gpus_per_node: int = 8  # HGX/DGX boards: EP groups larger than this cross nodes (RDMA)
     # Achieved fraction of the peaks above. A roofline at 100% of peak is an upper bound no
     # real kernel reaches; the factors turn it into a typical large-kernel rate.
-    compute_efficiency: float = 0.8  # DESIGN.md anchor: H200 ~790 of 989 TFLOP/s measured
+    compute_efficiency: float = 0.8  # large bf16 GEMMs reach about this share (the H200 table)
     # FP8 GEMMs with fine-grained (block) scaling reach a smaller share of their doubled peak:
     # DeepGEMM's README (Feb 2025, H800, DeepSeek-V3 shapes at M=4096) lists 990-1358 TFLOPS
     # for dense and 1093-1297 for grouped MoE GEMMs, i.e. 0.50-0.69 of 1979; 0.6 is the middle.
@@ -75,13 +85,11 @@ class HardwareProfile:
     # Assumed to carry over to H100/H200/B200 (same NVLink protocol, same NIC).
     nvlink_efficiency: float = 0.8
     rdma_efficiency: float = 0.92
-    # Host costs, measured on lent H200 hosts (Python 3.12, torch 2.11+cu130, 2026-11-30)
-    # with `python -m scenarios.tools.calibrate_host`: an eager torch op from Python costs 6.3-9.5 us
-    # of host time for a tiny elementwise kernel and 12-19 us for a cuBLAS mm, so 10 us is a
-    # typical model op; one dbo_yield between two (reused) ubatch threads costs 9.6 us (OS
-    # wake-up of the parked thread plus the GIL hand-over; 31-34 us before the yield path
-    # stopped capturing frames and the runner stopped making new threads per step). They
-    # belong to the host, not the GPU: measure and override them per machine.
+    # Host costs, for profiles without their own: the order of magnitude that
+    # `python -m scenarios.tools.calibrate_host` finds for a bare eager op and a bare baton pass
+    # on a recent host (README, "Fidelity and the GPU check"). They belong to the host, not the
+    # GPU: measure and override them per machine. A calibrated profile takes its host figures
+    # from its table (derived from profiler traces of real steps, see dbo.sim.tables).
     # kernel_fixed_us is an assumption.
     launch_us: float = 10.0  # host time to launch one kernel eagerly (Python + CUDA launch)
     kernel_fixed_us: float = 2.5  # fixed device time of any kernel (ramp-up, tail, sync)
@@ -106,6 +114,13 @@ class HardwareProfile:
     # `Buffer.set_num_sms(24)` for its normal (high-throughput) kernels.
     comm_sms: int = 24
     max_comm_sm_share: float = 0.9  # assumption: concurrent comm kernels never starve compute completely
+    # Measured kernel table (dbo/sim/tables/<name>.csv, or a path to one) pricing the ops it
+    # covers; None: the roofline prices every op (an uncalibrated profile).
+    kernel_table: str | None = None
+    # Eager host time of one op of each kind (HOST_KINDS) as a multiple of launch_us (an
+    # elementwise op, or any op not listed, is 1): a GEMM walks more Python and library
+    # heuristics per call than an add.
+    host_op_scale: dict[str, float] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # free-form notes for reports
 
     def __post_init__(self) -> None:
@@ -125,6 +140,15 @@ class HardwareProfile:
     def __hash__(self) -> int:
         # The dict fields make the generated hash fail; profiles are small, hash their repr.
         return hash(repr(self))
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether measured kernels (not only the roofline) price this profile's ops."""
+        return self.kernel_table is not None
+
+    def eager_host_us(self, kind: str) -> float:
+        """Host time to issue one eager op of `kind` (its launch and the Python around it)."""
+        return self.launch_us * self.host_op_scale.get(kind, 1.0)
 
     @property
     def nvlink_gbps(self) -> float:
@@ -150,8 +174,30 @@ class HardwareProfile:
         return self.hbm_bytes_per_us
 
 
+def _host_costs(table: str) -> dict:
+    """A table's host figures as profile fields. The table keeps them apart (a bare launch per
+    op kind, the Python between ops); the profile's launch_us is a whole eager elementwise op,
+    Python included, and each kind a multiple of it, so `replace(profile, launch_us=...)`
+    rescales every kind at once."""
+    host = load_table(table).host
+    if "launch_us" not in host:
+        return {}
+    bare, python = host["launch_us"], host.get("python_us", 0.0)
+    whole = bare + python
+    fields = {
+        "launch_us": round(whole, 2),
+        "host_op_scale": {
+            k: round((bare * v + python) / whole, 3) for k, v in host.get("host_op_scale", {}).items()
+        },
+    }
+    if "handoff_us" in host:
+        fields["handoff_us"] = host["handoff_us"]
+    return fields
+
+
 # NVIDIA H200 SXM datasheet: FP64 34 TF, FP32 67 TF, BF16/FP16 989 TF dense (1979 with
 # sparsity), FP8/INT8 1979 dense, HBM3e 4.8 TB/s, NVLink 900 GB/s; 132 SMs (GH100 SXM5 config).
+# Calibrated: kernels and host costs measured on one H200 (tables/PROVENANCE.md).
 H200 = HardwareProfile(
     name="h200",
     num_sms=132,
@@ -159,6 +205,8 @@ H200 = HardwareProfile(
     hbm_gbps=4800.0,
     nvlink_total_gbps=900.0,
     rdma_gbps=50.0,  # ConnectX-7 400 Gb/s per GPU = 50 GB/s
+    kernel_table="h200",
+    **_host_costs("h200"),
 )
 
 # NVIDIA H100 SXM datasheet: same tensor-core peaks as H200 (989 TF BF16 dense, FP8 2x),

@@ -17,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dbo.sim.cost import aliased_input_bytes, compute_time_us, flop_formula
+from dbo.sim.cost import OpCall, aliased_input_bytes, flop_formula, price_op
 from dbo.sim.records import Access
 
 if TYPE_CHECKING:
@@ -194,10 +194,12 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
                     seen.add(span)
                     reads.append(Access(span[0], span[1], span[2], False))
 
+    call = OpCall(info.name, func, args, kwargs, out, ins, outs, flops, nbytes, dtype)
+    priced = price_op(call, device.profile)
     region = tls.comm
     graph = device._graph
     if region is not None:
-        region.op_bytes += nbytes  # an EP group of one is costed by these (see place_comm)
+        region.add_op(nbytes, priced, info.name)  # an EP group of one is these ops (place_comm)
         region.reads.extend(reads)
         region.writes.extend(writes)
         region.fresh.extend(fresh)
@@ -205,7 +207,7 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
             region.graph_ops.append((func, args, kwargs, out))
         return
 
-    cost = compute_time_us(device.profile, flops, nbytes, dtype)
+    cost = priced.us
     record = device.place_op(
         info.name,
         cost,
@@ -214,7 +216,11 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
         reads=reads,
         writes=writes,
         fresh=fresh,
-        args={"shapes": [tuple(t.shape) for t in ins], "dtype": str(dtype).replace("torch.", "")},
+        args={
+            "shapes": [tuple(t.shape) for t in ins],
+            "dtype": str(dtype).replace("torch.", ""),
+            "cost": priced.source,
+        },
     )
     if graph is not None and not tls.replaying:
         graph.on_op(func, args, kwargs, out, record, cost, reads, writes)

@@ -21,6 +21,11 @@ records; SYNC and HANDOFF are host-side and never make the device busy):
 - `host_bound_fraction` = (step_us - length of the union of all device ops) / step_us: the share
   of the step in which no stream runs device work (the device waits, typically on host
   launches). 0.0 when step_us == 0.
+- `fallback_fraction` = device-op time priced by the roofline fallback (a record's
+  `args["fallback_us"]`: no measured kernel covered it) / summed device-op time (each record's
+  own duration, unclipped and not merged): how much of the step rests on the roofline rather
+  than on measured kernels. 0.0 with no device ops; on an uncalibrated profile, every compute
+  op's time (link transfers are the comm model's, not a fallback).
 
 Several ranks: each rank gets a `RankSummary` over a window that starts at the common start
 and ends at that rank's own last op. The top-level time fields are those of the slowest rank
@@ -43,6 +48,7 @@ __all__ = [
     "StepSummary",
     "check_records",
     "clip_intervals",
+    "fallback_fraction",
     "format_summary",
     "intersect_intervals",
     "summarize",
@@ -158,6 +164,7 @@ class RankSummary:
     exposed_comm_us: float
     host_bound_fraction: float
     num_ops: int
+    fallback_fraction: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
@@ -180,6 +187,7 @@ class StepSummary:
     workspace_peak_bytes: int
     slowest_rank: int | None  # None when there are no records
     ranks: tuple[RankSummary, ...] = field(default=())  # one per rank, by rank id
+    fallback_fraction: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of JSON types (finite floats, ints, strs, lists, dicts)."""
@@ -222,6 +230,7 @@ def _summarize_rank(rank: int, records: Sequence[OpRecord], lo: float, hi: float
     hidden = total_length(intersect_intervals(comm_u, compute_u))
     device_us = total_length(union_intervals(compute_u + comm_u))
     return RankSummary(
+        fallback_fraction=fallback_fraction(records),
         rank=rank,
         start_us=lo,
         end_us=hi,
@@ -309,7 +318,18 @@ def summarize(
         workspace_peak_bytes=int(workspace_peak_bytes),
         slowest_rank=slow.rank,
         ranks=tuple(ranks),
+        fallback_fraction=slow.fallback_fraction,
     )
+
+
+def fallback_fraction(records: Iterable[OpRecord]) -> float:
+    """Share of summed device-op time priced by the roofline fallback (see the module doc)."""
+    total = fallback = 0.0
+    for r in records:
+        if r.kind in _DEVICE_KINDS:
+            total += r.end_us - r.start_us
+            fallback += min(float(r.args.get("fallback_us", 0.0)), r.end_us - r.start_us)
+    return fallback / total if total > 0 else 0.0
 
 
 def format_summary(summary: StepSummary) -> str:
@@ -322,6 +342,7 @@ def format_summary(summary: StepSummary) -> str:
         f"comm             {s.comm_us:12.1f} us  overlap {100.0 * s.overlap_fraction:5.1f}%",
         f"exposed comm     {s.exposed_comm_us:12.1f} us",
         f"host-bound       {100.0 * s.host_bound_fraction:12.1f} %   (device idle)",
+        f"roofline-priced  {100.0 * s.fallback_fraction:12.1f} %   (of device-op time)",
         f"ops              {s.num_ops:12d}",
         f"races            {s.num_races:12d}" + ("  <-- check the trace" if s.num_races else ""),
     ]

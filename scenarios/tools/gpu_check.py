@@ -26,6 +26,14 @@ runs the same warm-up, lock, capture and replay sequence on a CPU, which the tes
 
     python -m scenarios.tools.gpu_check [--out gpu_check.json] [--reps 10] [--warmup 3] [--layers 8]
     python -m scenarios.tools.gpu_check --sim-only      # the simulated half alone (any machine)
+    python -m scenarios.tools.gpu_check --sim-only --against FILE   # vs a stored gpu_check JSON
+
+Validation: with measured times (this GPU's, or a stored report's: `--against FILE`, and by
+default under --sim-only the H200 report shipped in dbo/sim/tables when the layer count
+matches it), every variant is scored against its target: the simulated step within 15% of
+the measured one under graph replay and 25% eager, and the DBO gain's sign right wherever
+the measured gain exceeds 3%. The H200 profile's constants come from kernel
+microbenchmarks and per-op host figures, never from these step times.
 
 Exit status: 0 measured (or --sim-only done); 2 no CUDA GPU present (nothing measured);
 1 a measurement failed (the others are still reported). About a minute on an H200.
@@ -58,6 +66,10 @@ __all__ = ["CheckCase", "Timing", "CaseResult", "cases", "simulate_case", "measu
 NO_GPU_MESSAGE = "no CUDA GPU present: nothing to measure (the simulated half runs with --sim-only)"
 VARIANTS = ("serial-eager", "dbo-eager", "serial-graph", "dbo-graph")
 SIM_PROFILE = "h200"
+# The stored H200 measurement (provenance in dbo/sim/tables/PROVENANCE.md).
+H200_REFERENCE = Path(__file__).resolve().parents[2] / "dbo/sim/tables/h200-gpu_check.json"
+TOLERANCE = {"graph": 0.15, "eager": 0.25}  # |sim / measured - 1| per variant kind
+GAIN_SIGN_THRESHOLD_PCT = 3.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,7 @@ class Timing:
     sim_us: float | None = None
     sim_host_us: float | None = None  # host time the simulated step took to issue
     sim_host_bound: float | None = None  # share of the simulated step with the device idle
+    sim_fallback: float | None = None  # share of simulated device time priced by the roofline
     error: str | None = None
 
     @property
@@ -123,6 +136,7 @@ class Timing:
             "sim_us": self.sim_us,
             "sim_host_us": self.sim_host_us,
             "sim_host_bound_fraction": self.sim_host_bound,
+            "sim_fallback_fraction": self.sim_fallback,
             "sim_over_gpu": self.ratio,
             "error": self.error,
         }
@@ -176,6 +190,7 @@ def simulate_case(case: CheckCase, profile: str = SIM_PROFILE) -> dict[str, Timi
             timing.sim_us = times.step_us
             timing.sim_host_us = times.host_us
             timing.sim_host_bound = times.host_bound_fraction
+            timing.sim_fallback = times.fallback_fraction
         except Exception as error:  # noqa: BLE001 - reported in the table, the others still run
             timing.error = f"sim: {type(error).__name__}: {error}"
         out[variant] = timing
@@ -293,6 +308,55 @@ def _time_graph(device: Any, capture: Callable[[Any], None], reps: int, warmup: 
 
 
 # --------------------------------------------------------------------------------------------
+# Validation against measured times
+
+
+def load_reference(path: str | Path, layers: int) -> dict[str, dict[str, list[float]]]:
+    """case -> variant -> measured samples (us) from a stored gpu_check JSON. Raises
+    ValueError when the file is not one, or was measured with another layer count."""
+    try:
+        report = json.loads(Path(path).read_text())
+        cases_ = {c["case"]: c for c in report["cases"]}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"--against {path}: not a gpu_check report ({error})") from None
+    for name, case in cases_.items():
+        got = case.get("config", {}).get("num_layers")
+        if got != layers:
+            raise ValueError(
+                f"--against {path}: case {name!r} was measured with {got} layers, not --layers {layers}"
+            )
+    return {
+        name: {v: list(case["timings"][v]["gpu_us"]) for v in VARIANTS if v in case["timings"]}
+        for name, case in cases_.items()
+    }
+
+
+def validate(result: CaseResult) -> list[tuple[str, bool, str]]:
+    """(check, met, detail) per variant time and per DBO gain whose measured size exceeds the
+    sign threshold; nothing for variants without a measured time."""
+    checks = []
+    for v in VARIANTS:
+        ratio = result.timings[v].ratio
+        if ratio is None:
+            continue
+        tol = TOLERANCE["graph" if v.endswith("graph") else "eager"]
+        detail = f"sim/measured {ratio:.2f}, target within {tol:.0%}"
+        checks.append((f"{v} time", abs(ratio - 1) <= tol, detail))
+    for label, g in result.gains().items():
+        gpu, sim = g["gpu"], g["sim"]
+        if not label.startswith("dbo") or gpu is None or sim is None:
+            continue
+        if abs(gpu) > GAIN_SIGN_THRESHOLD_PCT:
+            detail = f"measured {gpu:+.1f}%, sim {sim:+.1f}%"
+            checks.append((f"{label.replace('_', ' ')} sign", (gpu > 0) == (sim > 0), detail))
+    return checks
+
+
+def _validation(result: CaseResult) -> list[dict[str, Any]]:
+    return [{"check": c, "met": m, "detail": d} for c, m, d in validate(result)]
+
+
+# --------------------------------------------------------------------------------------------
 # Output
 
 
@@ -320,6 +384,11 @@ def format_case(result: CaseResult, gpu_name: str) -> str:
             f"  sim: {' and '.join(ahead)} issued within the simulated step (host ms < sim ms): the "
             f"simulated host stays ahead of the device, so replay has no launch time to remove"
         )
+    fallback = [t.sim_fallback for t in result.timings.values() if t.sim_fallback is not None]
+    if fallback:
+        lines.append(f"  sim: {max(fallback):.1%} of device time priced by the roofline (the rest measured)")
+    for check, met, detail in validate(result):
+        lines.append(f"  {'met ' if met else 'MISS'} {check}: {detail}")
     for v in VARIANTS:
         if result.timings[v].error:
             lines.append(f"  {v}: {result.timings[v].error}")
@@ -342,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
     p.add_argument("--only", choices=["prefill", "decode"], help="run one case")
     p.add_argument("--sim-only", action="store_true", help="the simulated half alone (no GPU needed)")
+    p.add_argument(
+        "--against",
+        metavar="FILE",
+        help="score the simulation against a stored gpu_check JSON (default with --sim-only: "
+        "the shipped H200 one, when --layers matches)",
+    )
     return p
 
 
@@ -351,16 +426,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gpu_check: --reps and --layers must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2
     on_gpu = not args.sim_only
+    if on_gpu and args.against:
+        print("gpu_check: --against needs --sim-only (on a GPU, it measures itself)", file=sys.stderr)
+        return 2
     if on_gpu and not torch.cuda.is_available():
         print(f"gpu_check: {NO_GPU_MESSAGE}")
         return 2
     gpu_name = torch.cuda.get_device_name() if on_gpu else "no GPU (--sim-only)"
+    reference: dict[str, dict[str, list[float]]] = {}
+    against = args.against or (str(H200_REFERENCE) if args.sim_only and args.layers == 8 else None)
+    if against:
+        try:
+            reference = load_reference(against, args.layers)
+        except ValueError as error:
+            print(f"gpu_check: {error}", file=sys.stderr)
+            return 2
+        stored = json.loads(Path(against).read_text()).get("gpu", "GPU")
+        gpu_name = f"{stored} (stored: {Path(against).name}, not rerun)"
     chosen = [c for c in cases(args.layers) if args.only in (None, c.name)]
     results = []
     failed = False
     for case in chosen:
         start = time.monotonic()
         timings = simulate_case(case)
+        for v, samples in reference.get(case.name, {}).items():
+            timings[v].gpu_us = samples
         if on_gpu:
             try:
                 measured = measure_case(case, reps=args.reps, warmup=args.warmup)
@@ -383,7 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host": platform.node(),
         "reps": args.reps,
         "warmup": args.warmup,
-        "cases": [r.to_dict() for r in results],
+        "measured_from": against or ("this GPU" if on_gpu else None),
+        "cases": [r.to_dict() | {"validation": _validation(r)} for r in results],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

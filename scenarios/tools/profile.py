@@ -1,0 +1,483 @@
+"""Profile a GPU into a kernel table the simulator loads (`HardwareProfile(kernel_table=...)`).
+
+One job: measure what the simulator's cost model needs from a real device. Two parts:
+
+- Kernels. The ops a model configuration issues are recorded through the simulator's own
+  interception (the model runs on `SimDevice` with meta tensors, serial and DBO, prefill and
+  decode; every priced op is observed), reduced to distinct shapes, and each shape whose
+  family the table format covers is timed on the GPU: a CUDA graph of 20 back-to-back calls,
+  replayed after warm-up, timed with CUDA events (median of `--reps`, divided by 20, so launch
+  overhead is excluded). Rows are written in the table format of `dbo.sim.tables`.
+- Host costs (`--host-from-trace`): per-op-kind host time, Python time between ops and the
+  baton pass between ubatch threads, derived from `torch.profiler` Chrome traces of eager
+  serial and DBO steps (see `host_costs_from_traces` for the rules), written as the table's
+  `-host.json`.
+
+    python -m scenarios.tools.profile --out my-gpu.csv [--layers 2] [--reps 5]
+    python -m scenarios.tools.profile --host-from-trace a-serial.json.gz b-dbo.json.gz --out x.csv
+
+Without a CUDA GPU the kernel part says so on stderr and exits 2 before any work; everything
+up to the CUDA calls (recording, shape reduction, materializing the inputs, the row format)
+runs on the simulated device in the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import csv
+import gzip
+import itertools
+import json
+import statistics
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import dbo
+from dbo.sim import SimDevice
+from dbo.sim.cost import OpCall, add_op_observer, host_family, op_family, remove_op_observer
+from dbo.split import split_batch
+from scenarios.model import Batch, ModelConfig, MoEModel
+from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
+
+__all__ = [
+    "ShapeKey",
+    "distinct_calls",
+    "host_costs_from_traces",
+    "main",
+    "materialize",
+    "profile_calls",
+    "record_calls",
+    "table_row",
+    "time_call_cuda",
+    "write_table",
+]
+
+NO_GPU_MESSAGE = "profile: no CUDA GPU present: nothing to time (kernel tables are measured on the GPU they describe)"
+CALLS_PER_GRAPH = 20
+FIELDS = ("op", "m", "n", "k", "groups", "dtype", "us", "flops", "bytes", "tflops", "gbps")
+# Table op that each simulator family is written as (dbo.sim.tables reads them back).
+_TABLE_OP = {
+    "mm": "mm", "grouped_mm": "grouped_mm", "sdpa_causal": "sdpa_causal", "sdpa_decode": "sdpa_decode",
+    "copy": "copy", "elementwise": "add", "index_select": "index_select", "index_add": "index_add",
+    "norm": "rms_norm", "sort_topk": "router_softmax_topk256",
+}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Recording (on the simulated device)
+
+
+def record_calls(
+    config: ModelConfig, batch: Batch, mode: str, *, num_ubatches: int | None = None
+) -> list[OpCall]:
+    """Every op one step of `config` issues, as the simulator's interceptor prices them (meta
+    tensors; serial when `num_ubatches` is None, else DBO)."""
+    config = config.with_(tensor_device="meta")
+    device = SimDevice("h200", tensor_device="meta")
+    calls: list[OpCall] = []
+    model = MoEModel(config, batch)
+    x = model.inputs()
+    reset_workspace_manager()
+    init_workspace_manager(device.torch_device, num_ubatches or 1)
+    add_op_observer(calls.append)
+    try:
+        if num_ubatches is None:
+            with dbo.use_device(device), device.thread_scope(None):
+                model.forward(x, None, mode=mode)
+        else:
+            slices = split_batch(batch.query_start_loc, batch.num_tokens, num_ubatches)
+            dbo.run_ubatches(
+                lambda s: model.forward(x[s.token_slice], s, mode=mode), slices, device=device
+            )
+        lock_workspace()
+    finally:
+        remove_op_observer(calls.append)
+        reset_workspace_manager()
+    return calls
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """What makes two calls the same kernel: op, tensor shapes/strides/dtypes, other args."""
+
+    name: str
+    tensors: tuple
+    scalars: str
+
+
+def _key(call: OpCall) -> ShapeKey:
+    tensors = tuple((tuple(t.shape), tuple(t.stride()), str(t.dtype)) for t in call.ins)
+    scalars = repr([a for a in call.args if not isinstance(a, (torch.Tensor, list, tuple))]) + repr(
+        sorted((k, v) for k, v in call.kwargs.items() if not isinstance(v, torch.Tensor))
+    )
+    return ShapeKey(call.name, tensors, scalars)
+
+
+def distinct_calls(calls: Iterable[OpCall]) -> list[OpCall]:
+    """One call per distinct kernel whose family a table row can hold, in first-seen order."""
+    seen: dict[ShapeKey, OpCall] = {}
+    for call in calls:
+        if table_row(call, 1.0) is None:
+            continue
+        seen.setdefault(_key(call), call)
+    return list(seen.values())
+
+
+# --------------------------------------------------------------------------------------------
+# Rows
+
+
+def _family(call: OpCall) -> str | None:
+    family = op_family(call.name)
+    if family == "attention":
+        if not call.ins or call.ins[0].dim() != 4:
+            return None
+        return "sdpa_decode" if call.ins[0].shape[-2] == 1 else "sdpa_causal"
+    return family
+
+
+def table_row(call: OpCall, us: float) -> dict | None:
+    """The table row of `call` timed at `us`, in the format dbo.sim.tables reads, or None."""
+    family = _family(call)
+    if family is None or not call.ins:
+        return None
+    a = call.ins[0]
+    m = n = k = groups = 1
+    nbytes = call.nbytes
+    if family in ("mm", "grouped_mm"):
+        if call.dtype not in (torch.bfloat16, torch.float16) or len(call.ins) < 2:
+            return None
+        b = call.ins[1]
+        if family == "mm" and a.dim() == 2 and b.dim() == 2:
+            m, k, n = a.shape[0], a.shape[1], b.shape[1]
+        elif family == "grouped_mm" and a.dim() == 2 and b.dim() == 3:
+            m, groups, k, n = a.shape[0], b.shape[0], b.shape[1], b.shape[2]
+        else:
+            return None
+    elif family in ("sdpa_causal", "sdpa_decode"):
+        m, n, k, groups = a.shape[0], a.shape[1], call.ins[1].shape[-2], a.shape[-1]
+        if family == "sdpa_decode":
+            nbytes = (
+                2 * call.nbytes
+            )  # the table convention: keys and values counted as one tensor twice
+    else:
+        m = a.numel() if a.dim() < 2 else a.shape[0]
+        n = 1 if a.dim() < 2 else a.numel() // a.shape[0]
+    dtype = str(call.dtype).replace("torch.", "").replace("bfloat16", "bf16")
+    return {
+        "op": _TABLE_OP[family], "m": m, "n": n, "k": k, "groups": groups, "dtype": dtype,
+        "us": round(us, 3), "flops": int(call.flops), "bytes": int(nbytes),
+        "tflops": round(call.flops / us / 1e6, 2) if us > 0 else 0,
+        "gbps": round(nbytes / us / 1e3, 1) if us > 0 else 0,
+    }  # fmt: skip
+
+
+def write_table(rows: Sequence[dict], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Timing (the CUDA part)
+
+
+def materialize(call: OpCall, device: str | torch.device) -> tuple[tuple, dict]:
+    """The call's arguments as real tensors on `device`: floats random, integer tensors valid
+    indices into the first dimension of the call's first floating input (so gathers and
+    scatter-adds touch real rows), grouped-GEMM offsets as even group ends."""
+    floats = [t for t in call.ins if t.is_floating_point()]
+    rows = max(1, floats[0].shape[0]) if floats and floats[0].dim() else 1
+
+    def real(t: torch.Tensor, position: int) -> torch.Tensor:
+        if t.is_floating_point():
+            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            return out.normal_() if t.dtype.itemsize > 1 else out.zero_()
+        if call.name == "aten::_grouped_mm" and position == 2:
+            groups, total = t.numel(), call.ins[0].shape[0]
+            return torch.tensor(
+                [total * (g + 1) // groups for g in range(groups)], dtype=t.dtype, device=device
+            )
+        if t.dtype == torch.bool:
+            return torch.ones(t.shape, dtype=t.dtype, device=device)
+        return torch.randint(0, rows, tuple(t.shape), device=device).to(t.dtype)
+
+    counter = iter(range(1 << 30))
+
+    def convert(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return real(v, next(counter))
+        if isinstance(v, (list, tuple)):
+            return type(v)(convert(w) for w in v)
+        return v
+
+    return tuple(convert(a) for a in call.args), {k: convert(v) for k, v in call.kwargs.items()}
+
+
+def time_call_cuda(call: OpCall, *, reps: int = 5, warmup: int = 3) -> float:
+    """Microseconds of one call on the current CUDA device: a graph of CALLS_PER_GRAPH calls,
+    replayed after `warmup`, CUDA-event timed `reps` times, median / CALLS_PER_GRAPH."""
+    args, kwargs = materialize(call, "cuda")
+    for _ in range(warmup):
+        call.func(*args, **kwargs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(CALLS_PER_GRAPH):
+            call.func(*args, **kwargs)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(warmup):
+        graph.replay()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0 / CALLS_PER_GRAPH)
+    return statistics.median(samples)
+
+
+Timer = Callable[[OpCall], float]
+
+
+def profile_calls(
+    calls: Sequence[OpCall], timer: Timer, *, on_row: Callable[[dict], None] | None = None
+) -> list[dict]:
+    """Time each distinct call with `timer` (time_call_cuda on a GPU) and return its rows; a
+    call the device refuses is reported on stderr and left out."""
+    rows = []
+    for call in distinct_calls(calls):
+        try:
+            us = timer(call)
+        except Exception as error:  # noqa: BLE001 - one unsupported shape must not end the run
+            print(
+                f"profile: {call.name} {[tuple(t.shape) for t in call.ins]}: {type(error).__name__}: {error}",
+                file=sys.stderr,
+            )
+            continue
+        row = table_row(call, us)
+        if row is not None:
+            rows.append(row)
+            if on_row:
+                on_row(row)
+    return rows
+
+
+def model_calls(layers: int) -> list[OpCall]:
+    """The gpu_check model's ops (prefill and decode, serial and 2-ubatch DBO)."""
+    from scenarios.tools.gpu_check import cases  # the model gpu_check checks: one definition
+
+    calls: list[OpCall] = []
+    for case in cases(layers):
+        for ubatches in (None, 2):
+            calls += record_calls(case.config, case.batch, case.mode, num_ubatches=ubatches)
+    return calls
+
+
+# --------------------------------------------------------------------------------------------
+# Host costs from profiler traces
+
+_LAUNCHES = (
+    "cudaLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchKernelExC",
+    "cudaMemcpyAsync",
+    "cudaMemsetAsync",
+)
+_HOST_NAMES = {
+    "aten::matmul": "gemm",
+    "aten::linear": "gemm",
+    "aten::scaled_dot_product_attention": "attention",
+}
+
+
+def _events(path: str | Path) -> list[dict]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def host_costs_from_traces(
+    serial: Sequence[str | Path], dbo_traces: Sequence[str | Path], *, bare_op_us: float
+) -> dict:
+    """Host figures of a profile from eager profiler traces (one thread for serial steps, two
+    ubatch threads for DBO steps). The rules, fixed before looking at any step time:
+
+    - Ops: the top-level `cpu_op`s of the serial traces that launch work (a runtime launch,
+      memcpy or memset inside them) are the ops the simulator places; their mean duration per
+      host kind, relative to elementwise ones, is `host_op_scale`.
+    - The profiler's own cost: a profiled op pays for its recorded events. `bare_op_us`, the
+      unprofiled host time of one tiny eager op (calibrate_host's add_ loop), over the profiled
+      mean of the same op (aten::add) gives the factor that takes the profiler out of op
+      durations; the elementwise launch_us is that factor times the profiled elementwise mean.
+    - Python between ops: the gaps between top-level ops plus the ops that launch nothing
+      (views; profiler factor applied), per launching op: `python_us`.
+    - Baton pass: in the DBO traces, the median gap between consecutive launches on different
+      ubatch threads minus the median gap between consecutive launches on one thread:
+      `handoff_us`.
+    """
+    per_kind: dict[str, list[float]] = {}
+    adds: list[float] = []
+    gaps = views = 0.0
+    launching = 0
+    for path in serial:
+        events = _events(path)
+        ops = sorted(
+            (e for e in events if e.get("cat") == "cpu_op"), key=lambda e: (e["ts"], -e["dur"])
+        )
+        launches = sorted(e["ts"] for e in events if e.get("name") in _LAUNCHES)
+        top: list[dict] = []
+        end = float("-inf")
+        for e in ops:
+            if e["ts"] >= end:
+                top.append(e)
+                end = e["ts"] + e["dur"]
+        for i, e in enumerate(top):
+            n = bisect.bisect_left(launches, e["ts"] + e["dur"]) - bisect.bisect_left(
+                launches, e["ts"]
+            )
+            if n:
+                launching += 1
+                per_kind.setdefault(
+                    _HOST_NAMES.get(e["name"]) or host_family(e["name"]), []
+                ).append(e["dur"])
+            else:
+                views += e["dur"]
+            if e["name"] == "aten::add":
+                adds.append(e["dur"])
+            if i + 1 < len(top):
+                gap = top[i + 1]["ts"] - (e["ts"] + e["dur"])
+                if gap < 1000:  # longer: between steps, not between ops
+                    gaps += gap
+    if not launching or not adds or "elementwise" not in per_kind:
+        raise ValueError(
+            "the serial traces hold no launching top-level ops (record CPU and CUDA activity)"
+        )
+    factor = bare_op_us / statistics.mean(adds)
+    elementwise = statistics.mean(per_kind["elementwise"])
+    switch: list[float] = []
+    inner: list[float] = []
+    for path in dbo_traces:
+        launches = sorted(
+            (e for e in _events(path) if e.get("name") in _LAUNCHES), key=lambda e: e["ts"]
+        )
+        counts: dict[Any, int] = {}
+        for e in launches:
+            counts[e["tid"]] = counts.get(e["tid"], 0) + 1
+        ubatch_threads = sorted(counts, key=counts.get)[-2:]  # the two that issue the step
+        launches = [e for e in launches if e["tid"] in ubatch_threads]
+        for a, b in itertools.pairwise(launches):
+            (inner if a["tid"] == b["tid"] else switch).append(b["ts"] - a["ts"])
+    handoff = statistics.median(switch) - statistics.median(inner) if switch and inner else None
+    out = {
+        "launch_us": round(factor * elementwise, 2),
+        "python_us": round((gaps + factor * views) / launching, 2),
+        "host_op_scale": {
+            k: round(statistics.mean(v) / elementwise, 3) for k, v in sorted(per_kind.items())
+        },
+        "profiler_factor": round(factor, 4),
+        "ops": launching,
+    }
+    if handoff is not None:
+        out["handoff_us"] = round(handoff, 1)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dbo-sim profile", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--out",
+        default="kernels.csv",
+        help="table to write (default kernels.csv; host costs go to <stem>-host.json)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="model layers to record (distinct shapes repeat per layer)",
+    )
+    p.add_argument("--reps", type=int, default=5, help="timed graph replays per shape (median)")
+    p.add_argument(
+        "--host-from-trace",
+        nargs="+",
+        metavar="TRACE",
+        help="derive host costs from these profiler traces (names with 'dbo' are the DBO ones) instead of timing kernels",
+    )
+    p.add_argument(
+        "--bare-op-us",
+        type=float,
+        default=None,
+        help="unprofiled host time of one tiny eager op (calibrate_host), for --host-from-trace",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.layers < 1 or args.reps < 1:
+        print("profile: --layers and --reps must be >= 1", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if args.host_from_trace:
+        if args.bare_op_us is None or args.bare_op_us <= 0:
+            print(
+                "profile: --host-from-trace needs --bare-op-us (calibrate_host's eager add_ time on that host)",
+                file=sys.stderr,
+            )
+            return 2
+        missing = [p for p in args.host_from_trace if not Path(p).is_file()]
+        if missing:
+            print(f"profile: no such trace: {', '.join(missing)}", file=sys.stderr)
+            return 2
+        dbo_paths = [p for p in args.host_from_trace if "dbo" in Path(p).name]
+        serial_paths = [p for p in args.host_from_trace if p not in dbo_paths]
+        host = host_costs_from_traces(serial_paths, dbo_paths, bare_op_us=args.bare_op_us)
+        host_path = out.with_name(f"{out.stem}-host.json")
+        host_path.write_text(json.dumps(host, indent=1) + "\n")
+        print(json.dumps(host, indent=1))
+        print(f"wrote {host_path}")
+        return 0
+    if not torch.cuda.is_available():
+        print(NO_GPU_MESSAGE, file=sys.stderr)
+        return 2
+    calls = model_calls(args.layers)
+    print(
+        f"profile: {len(distinct_calls(calls))} distinct kernels on {torch.cuda.get_device_name()}",
+        flush=True,
+    )
+    rows = profile_calls(
+        calls,
+        lambda c: time_call_cuda(c, reps=args.reps),
+        on_row=lambda r: print(
+            f"  {r['op']} m={r['m']} n={r['n']} k={r['k']} g={r['groups']}: {r['us']} us",
+            flush=True,
+        ),
+    )
+    write_table(rows, out)
+    print(
+        f"wrote {out} ({len(rows)} rows; load it with HardwareProfile(kernel_table={str(out)!r}))"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

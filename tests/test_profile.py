@@ -1,0 +1,175 @@
+"""The profiler's whole sequence on the simulated device, up to its CUDA calls: record a model's
+ops through the interceptor, reduce them to distinct kernels, materialize real inputs, time
+them (a virtual timer here), write a table the simulator loads; and host costs from traces."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from dbo.sim import SimDevice
+from dbo.sim.cost import OpCall
+from dbo.sim.tables import load_table
+from scenarios.model import Batch
+from scenarios.tools import gpu_check, profile
+
+pytestmark = pytest.mark.timeout(120)
+
+CONFIG = gpu_check.cases(1)[0].config.with_(
+    hidden=256, num_heads=4, head_dim=64, num_experts=8, top_k=2, moe_inter=128
+)
+
+
+def sim_timer(call: OpCall) -> float:
+    """The virtual time of one call on a fresh simulated H200 (inputs materialized on the CPU)."""
+    args, kwargs = profile.materialize(call, "cpu")
+    device = SimDevice("h200", tensor_device="meta")
+    meta_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+    with device.thread_scope(None):
+        call.func(
+            *meta_args,
+            **{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
+        )
+    return sum(r.dur_us for r in device.timeline)
+
+
+@pytest.fixture(scope="module")
+def calls() -> list[OpCall]:
+    return profile.record_calls(CONFIG, Batch.prefill(2, 64), "ht") + profile.record_calls(
+        CONFIG, Batch.decode(16, 64), "ll", num_ubatches=2
+    )
+
+
+def test_recording_sees_every_kernel_family_the_model_issues(calls: list[OpCall]) -> None:
+    rows = [profile.table_row(c, 1.0) for c in profile.distinct_calls(calls)]
+    ops = {r["op"] for r in rows}
+    assert {
+        "mm",
+        "grouped_mm",
+        "sdpa_causal",
+        "sdpa_decode",
+        "copy",
+        "add",
+        "index_select",
+        "index_add",
+    } <= ops
+    assert "router_softmax_topk256" in ops  # the router's top-k and the sort of its experts
+
+
+def test_distinct_calls_keep_one_call_per_shape(calls: list[OpCall]) -> None:
+    distinct = profile.distinct_calls(calls)
+    assert len(distinct) < len(calls)
+    keys = [profile._key(c) for c in distinct]
+    assert len(set(keys)) == len(keys)
+
+
+def test_materialized_inputs_are_valid_for_the_op(calls: list[OpCall]) -> None:
+    for call in profile.distinct_calls(calls):
+        if call.name not in ("aten::index_select", "aten::index_add_", "aten::mm", "aten::copy_"):
+            continue
+        args, kwargs = profile.materialize(call, "cpu")
+        assert all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
+        call.func(*args, **kwargs)  # indices in range, shapes consistent: it runs
+
+
+def test_grouped_gemm_offsets_are_even_group_ends(calls: list[OpCall]) -> None:
+    grouped = next(c for c in calls if c.name == "aten::_grouped_mm")
+    args, _ = profile.materialize(grouped, "cpu")
+    offs = args[2]
+    rows, groups = grouped.ins[0].shape[0], grouped.ins[1].shape[0]
+    assert offs.tolist() == [rows * (g + 1) // groups for g in range(groups)]
+
+
+def test_a_written_table_loads_and_prices_the_profiled_shapes(
+    calls: list[OpCall], tmp_path
+) -> None:
+    rows = profile.profile_calls(calls, sim_timer)
+    path = profile.write_table(rows, tmp_path / "mine.csv")
+    table = load_table(str(path))
+    mm = next(r for r in rows if r["op"] == "mm")
+    assert table.estimate("mm", m=mm["m"], n=mm["n"], k=mm["k"]) == pytest.approx(
+        mm["us"], rel=1e-3
+    )
+    device = SimDevice(profile_from_table(str(path)), tensor_device="meta")
+    a = torch.empty(mm["m"], mm["k"], dtype=torch.bfloat16, device="meta")
+    b = torch.empty(mm["k"], mm["n"], dtype=torch.bfloat16, device="meta")
+    with device.thread_scope(None):
+        a @ b
+    assert device.timeline[0].args["cost"] == "table:mm"
+
+
+def profile_from_table(path: str):
+    from dataclasses import replace
+
+    from dbo.sim import H100
+
+    return replace(H100, name="mine", kernel_table=path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the profiler would run")
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path, capsys) -> None:
+    out = tmp_path / "x.csv"
+    assert profile.main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA GPU" in err
+    assert not out.exists()
+
+
+def _trace(path, events) -> str:
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return str(path)
+
+
+def test_host_costs_from_traces_follow_the_stated_rules(tmp_path) -> None:
+    launch = lambda ts, tid=1: {
+        "cat": "cuda_runtime",
+        "name": "cudaLaunchKernel",
+        "ts": ts,
+        "dur": 2,
+        "tid": tid,
+    }
+    op = lambda name, ts, dur: {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1}
+    serial = [
+        op("aten::add", 0, 20), launch(5),
+        op("aten::view", 30, 4),  # a view: no launch, Python time
+        op("aten::mm", 40, 60), launch(50),
+        op("aten::add", 110, 20), launch(115),
+    ]  # fmt: skip
+    # two ubatch threads: same-thread launches 10 us apart, switches 50 us apart
+    dbo_events = [
+        launch(t, tid) for t, tid in ((0, 7), (10, 7), (60, 8), (70, 8), (120, 7), (130, 7))
+    ]
+    host = profile.host_costs_from_traces(
+        [_trace(tmp_path / "s-serial.json.gz", serial)],
+        [_trace(tmp_path / "s-dbo.json.gz", dbo_events)],
+        bare_op_us=5.0,
+    )
+    factor = 5.0 / 20.0
+    assert host["profiler_factor"] == pytest.approx(factor)
+    assert host["launch_us"] == pytest.approx(factor * 20.0)
+    assert host["host_op_scale"] == {"elementwise": 1.0, "gemm": 3.0}
+    gaps = (30 - 20) + (40 - 34) + (110 - 100)
+    assert host["python_us"] == pytest.approx((gaps + factor * 4) / 3, abs=0.01)
+    assert host["handoff_us"] == pytest.approx(50 - 10)
+
+
+def test_host_from_trace_needs_the_bare_op_time(tmp_path, capsys) -> None:
+    assert (
+        profile.main(
+            ["--host-from-trace", str(tmp_path / "a.json.gz"), "--out", str(tmp_path / "t.csv")]
+        )
+        == 2
+    )
+    assert "--bare-op-us" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the profiler would run")
+def test_dbo_sim_profile_passes_its_arguments_to_the_tool(tmp_path, capsys) -> None:
+    from scenarios.cli import main as cli_main
+
+    assert cli_main(["profile", "--out", str(tmp_path / "x.csv"), "--layers", "1"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
