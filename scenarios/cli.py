@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
 from scenarios.tools.progress import Progress
+from scenarios.tools import verify_cli
 
 
 def _positive_int(text: str) -> int:
@@ -310,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity.add_argument("--quick", action="store_true", help="fewer layers and points (seconds, for CI)")
     fidelity.add_argument("--json", action="store_true", help="print the report as JSON")
     fidelity.set_defaults(func=cmd_fidelity)
+    verify_cli.add_parser(sub)
     return parser
 
 

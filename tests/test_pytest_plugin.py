@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -68,11 +67,12 @@ USER_TESTS = textwrap.dedent(
 
 def run_user_tests(tmp_path: Path) -> subprocess.CompletedProcess:
     (tmp_path / "test_user_model.py").write_text(USER_TESTS)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "dbo.pytest_plugin", "-p", "no:cacheprovider",
          "-rA", "-q", "test_user_model.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90,
+        check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90,
     )
 
 
@@ -113,6 +113,7 @@ def test_dbo_verify_fails_the_users_test_with_the_description(user_run):
 
 
 def test_the_plugin_is_declared_as_a_pytest11_entry_point():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     entry_points = project["project"]["entry-points"]["pytest11"]
     # Named as the module, so `-p dbo.pytest_plugin` and the entry point are one plugin.
