@@ -34,7 +34,7 @@ from dbo.runner import merge_outputs, run_ubatches
 from dbo.sim.device import SimDevice
 from dbo.sim.records import HANDOFF, OpRecord, RaceReport
 from dbo.sim.report import plot_runs, summarize, write_chrome_trace_runs
-from dbo.sim.trace import TraceRun
+from dbo.sim.trace import TraceRun, Window
 from dbo.split import ubatch_cut_points
 from dbo.streams import Device, resolve_device, use_device
 
@@ -69,6 +69,7 @@ class VerifyReport:
     trace: str | None = None
     timeline_png: str | None = None
     records: dict[str, list[OpRecord]] = field(default_factory=dict, repr=False)
+    runs: list[TraceRun] = field(default_factory=list, repr=False)  # what the pictures draw
 
     @property
     def speedup(self) -> float:
@@ -114,6 +115,25 @@ class VerifyReport:
         """Raise `VerifyError` (message: `describe()`) unless the report is ok."""
         if not self.ok:
             raise VerifyError(self)
+
+    def write_artifacts(self, folder: str | Path, *, window: Window | None = None) -> None:
+        """Write `verify.trace.json` and `verify.png` (serial above DBO, one time axis) to
+        `folder`, `window` narrowing both; sets `trace` and `timeline_png`. Nothing to draw
+        (a real GPU keeps no timeline) writes nothing."""
+        if not any(run.records for run in self.runs):
+            return
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        verdict = "ok" if self.ok else "FAILED"
+        self.trace = str(write_chrome_trace_runs(
+            folder / "verify.trace.json", self.runs, metadata={"verify": self.to_dict()},
+            window=window,
+        ))
+        self.timeline_png = str(plot_runs(
+            folder / "verify.png", self.runs, window=window,
+            title=f"verify: {verdict}, serial {self.step_us_serial:.1f} us vs DBO "
+                  f"{self.step_us_dbo:.1f} us",
+        ))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON types only: races as their descriptions, the error as its type and text."""
@@ -441,7 +461,7 @@ def verify(
             workspace.reset_workspace_manager()
     report = _report(serial, ubatched, num_ubatches, dev, atol, rtol)
     if artifacts is not None:
-        _write_artifacts(report, serial, ubatched, Path(artifacts))
+        report.write_artifacts(artifacts)
     return report
 
 
@@ -497,23 +517,8 @@ def _report(serial: _Run, ubatched: _Run, num_ubatches: int, device: Device, ato
         rtol=float(rtol),
         mismatch=why,
         records={"serial": serial.records, "ubatched": ubatched.records},
+        runs=[
+            TraceRun("serial", serial.records, serial.races, serial.waits, serial.ranges),
+            TraceRun("DBO", ubatched.records, ubatched.races, ubatched.waits, ubatched.ranges),
+        ],
     )
-
-
-def _write_artifacts(report: VerifyReport, serial: _Run, ubatched: _Run, folder: Path) -> None:
-    if not (serial.records or ubatched.records):
-        return  # a real GPU leaves no timeline to draw
-    folder.mkdir(parents=True, exist_ok=True)
-    runs = [
-        TraceRun("serial", serial.records, serial.races, serial.waits, serial.ranges),
-        TraceRun("DBO", ubatched.records, ubatched.races, ubatched.waits, ubatched.ranges),
-    ]
-    verdict = "ok" if report.ok else "FAILED"
-    report.trace = str(write_chrome_trace_runs(
-        folder / "verify.trace.json", runs, metadata={"verify": report.to_dict()}
-    ))
-    report.timeline_png = str(plot_runs(
-        folder / "verify.png", runs,
-        title=f"verify: {verdict}, serial {report.step_us_serial:.1f} us vs DBO "
-              f"{report.step_us_dbo:.1f} us",
-    ))

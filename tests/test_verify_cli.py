@@ -41,6 +41,9 @@ USER_MODULE = textwrap.dedent(
     def broken_batch():
         raise RuntimeError("no data")
 
+    def broken_forward(x):
+        raise RuntimeError("model bug")
+
     not_callable = 3
     '''
 )
@@ -81,6 +84,14 @@ def test_a_racy_forward_exits_1(user_module, capsys):
 
 
 @pytest.mark.timeout(60)
+def test_a_forward_that_raises_serially_exits_1_with_its_traceback(user_module, capsys):
+    code = run_cli(["verify", "user_model:broken_forward", "--inputs", "user_model:make_batch"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "the serial forward raised" in err and "RuntimeError: model bug" in err
+
+
+@pytest.mark.timeout(60)
 def test_json_report_and_artifacts_from_a_py_path(user_module, tmp_path, capsys):
     path = str(user_module)
     code = run_cli(["verify", f"{path}:forward", "--inputs", f"{path}:make_batch", "-n", "3",
@@ -104,6 +115,10 @@ def test_json_report_and_artifacts_from_a_py_path(user_module, tmp_path, capsys)
         (["user_model:forward", "--inputs", "user_model:make_batch", "-n", "1"], ">= 2"),
         (["user_model:forward", "--inputs", "user_model:make_batch", "--atol", "nan"], "atol"),
         (["missing.py:forward", "--inputs", "user_model:make_batch"], "no such file"),
+        (["user_model:forward", "--inputs", "user_model:make_batch", "--window", "9:3",
+          "--out", "o"], "after its start"),
+        (["user_model:forward", "--inputs", "user_model:make_batch", "--window", "1:5"],
+         "give --out"),
     ],
 )
 def test_a_bad_command_line_exits_2_with_one_line(user_module, capsys, argv, message):
@@ -112,6 +127,16 @@ def test_a_bad_command_line_exits_2_with_one_line(user_module, capsys, argv, mes
     assert code == 2
     assert err.startswith("dbo-sim: ") and err.count("\n") == 1
     assert message in err
+
+
+@pytest.mark.timeout(60)
+def test_window_narrows_the_trace(user_module, tmp_path, capsys):
+    code = run_cli(["verify", "user_model:forward", "--inputs", "user_model:make_batch",
+                    "--out", str(tmp_path / "w"), "--window", "0:5"])
+    assert code == 0
+    trace = json.loads((tmp_path / "w" / "verify.trace.json").read_text())
+    assert trace["otherData"]["window_us"] == [0.0, 5.0]
+    assert all(e["ts"] <= 5.0 for e in trace["traceEvents"] if e["ph"] == "X")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

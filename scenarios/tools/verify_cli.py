@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from dbo.sim.trace import Window
 from dbo.verify import VerifyReport, verify
 
 __all__ = ["add_parser", "load_attribute", "main", "run"]
@@ -64,6 +65,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _window(text: str) -> Window:
+    start, sep, end = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError("expected START:END")
+        return Window(float(start), float(end))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error} (microseconds, e.g. 100:400)"
+                                         ) from None
+
+
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("forward", metavar="MODULE:FORWARD",
                    help="the step to verify: forward(batch) -> output (MODULE: dotted name or "
@@ -76,6 +88,8 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write a Chrome trace and a PNG of both runs here")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--window", type=_window, default=None, metavar="START:END",
+                   help="draw only virtual microseconds START to END (with --out)")
     p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute tolerance (default 0)")
     p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--timeout", type=_seconds, default=60.0,
@@ -150,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
     factory = load_attribute(args.inputs, "--inputs")
     if not callable(factory):
         raise UsageError(f"--inputs {args.inputs} is a {type(factory).__name__}, not a callable")
+    if args.window is not None and args.out is None:
+        raise UsageError("--window narrows the trace and PNG: give --out DIR too")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda needs a CUDA GPU, and none is present here; use "
                          "--device sim")
@@ -160,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = verify(
             forward, batch, num_ubatches=args.ubatches, device=args.device, atol=args.atol,
-            rtol=args.rtol, timeout=args.timeout, artifacts=args.out,
+            rtol=args.rtol, timeout=args.timeout,
         )
     except (TypeError, ValueError) as error:
         if _raised_by_verify(error):
@@ -168,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
         return _serial_failed(error)
     except Exception as error:  # noqa: BLE001 - the serial forward failed: nothing to compare
         return _serial_failed(error)
+    if args.out is not None:
+        report.write_artifacts(args.out, window=args.window)
     _print(report, args.json)
     return 0 if report.ok else 1
 
@@ -180,12 +198,20 @@ def _verb(args: argparse.Namespace) -> int:
         return 2
 
 
+# verify's own checks, run before any work: an error raised in one of them is a usage error.
+_CHECKS = frozenset({"_check_args", "_resolve", "split_inputs", "_ubatch_inputs", "verify"})
+
+
 def _raised_by_verify(error: BaseException) -> bool:
-    """Whether verify's own argument checks refused (a usage error), not the user's code."""
+    """Whether verify's argument checks refused (a usage error), not the user's code: the
+    innermost frame of `dbo.verify` on the traceback is one of its checks."""
+    innermost = None
     tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") == "dbo.verify":
+            innermost = tb.tb_frame.f_code.co_name
         tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_globals.get("__name__") == "dbo.verify"
+    return innermost in _CHECKS
 
 
 def _serial_failed(error: BaseException) -> int:
