@@ -40,16 +40,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dbo.sim.records import HANDOFF, SYNC, EventWait, HostRange, OpRecord, OpSite, RaceReport
+from dbo.sim.records import (
+    COMM,
+    COMPUTE,
+    GRAPH_LAUNCH,
+    HANDOFF,
+    SYNC,
+    EventWait,
+    HostRange,
+    OpRecord,
+    OpSite,
+    RaceReport,
+)
 from dbo.sim.summary import check_records
 
 __all__ = [
     "HOST_TRACK",
     "TraceRun",
     "Window",
+    "WindowSpec",
     "chrome_trace",
     "chrome_trace_runs",
+    "layer_starts",
     "merge_traces",
+    "parse_window",
+    "runs_from_trace",
     "track_of",
     "track_order",
     "windowed",
@@ -185,6 +200,62 @@ class Window:
 
     def holds(self, start_us: float, end_us: float) -> bool:
         return end_us >= self.start_us and start_us <= self.end_us
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """A window as a user gives it: virtual microseconds, or MoE layers [first, stop)."""
+
+    start: float
+    end: float
+    unit: str  # "us" or "layers"
+
+    def resolve(self, records: Sequence[OpRecord]) -> Window:
+        """The time window of these records that the spec names."""
+        if self.unit == "us":
+            return Window(self.start, self.end)
+        starts = layer_starts(records)
+        first, stop = int(self.start), int(self.end)
+        if first >= len(starts):
+            raise ValueError(
+                f"window layers={first}:{stop}: the run has {len(starts)} MoE layer(s) "
+                f"(counted by dispatches), numbered from 0"
+            )
+        end = starts[stop] if stop < len(starts) else max(r.end_us for r in records)
+        return Window(starts[first], end)
+
+
+def parse_window(text: str) -> WindowSpec:
+    """`START:END` in virtual microseconds, or `layers=A:B` (MoE layers A to B-1, from 0)."""
+    body, unit = text, "us"
+    if text.startswith("layers="):
+        body, unit = text[len("layers="):], "layers"
+    start, sep, end = body.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        a, b = (int(start), int(end)) if unit == "layers" else (float(start), float(end))
+    except ValueError:
+        raise ValueError(
+            f"window {text!r}: expected START:END in microseconds (e.g. 100:400) or "
+            f"layers=A:B (e.g. layers=0:2)"
+        ) from None
+    if unit == "layers" and not 0 <= a < b:
+        raise ValueError(f"window {text!r}: layers A:B needs 0 <= A < B")
+    if unit == "us":
+        Window(a, b)  # the same checks as a window made in code
+    return WindowSpec(a, b, unit)
+
+
+def layer_starts(records: Sequence[OpRecord]) -> list[float]:
+    """Where each MoE layer starts, counted by dispatches: the start of each dispatch op of
+    the lowest ubatch that dispatches (a serial run's, else ubatch 0's). A layer thus runs
+    from one dispatch to the next; dense layers before the first MoE layer are not counted."""
+    dispatches = [r for r in records if r.name.endswith("dispatch")]
+    if not dispatches:
+        return []
+    first = min((r.ubatch for r in dispatches), key=lambda u: -1 if u is None else u)
+    return sorted(r.start_us for r in dispatches if r.ubatch == first)
 
 
 def windowed(run: TraceRun, window: Window | None) -> TraceRun:
@@ -483,3 +554,54 @@ def write_chrome_trace_runs(
     text = json.dumps(trace, allow_nan=False, separators=(",", ":"))
     path.write_text(text, encoding="utf-8")
     return path
+
+
+# Op kinds a trace's complete events carry in "cat" (named ranges are "range.<source>").
+_OP_KINDS = frozenset({COMPUTE, COMM, SYNC, HANDOFF, GRAPH_LAUNCH})
+
+
+def runs_from_trace(trace: Mapping[str, Any]) -> list[TraceRun]:
+    """The runs a trace written by this module holds, read back (ops, ranges, races), one
+    per label in process order: what re-drawing a written trace, windowed, needs."""
+    labels: dict[int, str | None] = {}
+    for e in trace.get("traceEvents", ()):
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            name = str(e["args"]["name"])
+            labels[e["pid"]] = name.rsplit(" · rank ", 1)[0] if " · rank " in name else None
+    order = list(dict.fromkeys(labels[pid] for pid in sorted(labels)))
+    records: dict[str | None, list[OpRecord]] = {label: [] for label in order}
+    ranges: dict[str | None, list[HostRange]] = {label: [] for label in order}
+    races: dict[str | None, list[RaceReport]] = {label: [] for label in order}
+    for e in trace.get("traceEvents", ()):
+        label = labels.get(e.get("pid"))
+        if label not in records:
+            continue
+        args = e.get("args", {})
+        if e["ph"] == "X" and e.get("cat") in _OP_KINDS:
+            records[label].append(_record_from_event(e))
+        elif e["ph"] == "X" and str(e.get("cat", "")).startswith("range."):
+            ranges[label].append(HostRange(args["rank"], args["ubatch"], e["name"], e["ts"],
+                                           e["ts"] + e["dur"], args["source"]))
+        elif e["ph"] == "i" and e.get("cat") == "race":
+            races[label].append(RaceReport(int(args["storage"], 16), _site(args["first"]),
+                                           _site(args["second"])))
+    return [TraceRun(label, sorted(records[label], key=lambda r: r.seq), races[label], (),
+                     ranges[label]) for label in order]
+
+
+def _record_from_event(e: Mapping[str, Any]) -> OpRecord:
+    args = dict(e["args"])
+    standard = {k: args.pop(k) for k in _STANDARD_ARGS}
+    extra = {k.removeprefix("record."): v for k, v in args.items() if k != "races"}
+    return OpRecord(
+        seq=standard["seq"], name=e["name"], kind=e["cat"], rank=standard["rank"],
+        ubatch=standard["ubatch"], stream=standard["stream"], issue_us=standard["issue_us"],
+        start_us=e["ts"], end_us=e["ts"] + e["dur"], flops=standard["flops"],
+        bytes=standard["bytes"], replayed=standard["replayed"], args=extra,
+    )  # fmt: skip
+
+
+def _site(args: Mapping[str, Any]) -> OpSite:
+    start, end = args["byte_range"]
+    return OpSite(args["op"], args["ubatch"], args["stream"], start, end, args["is_write"],
+                  tuple(args["stack"]))

@@ -22,8 +22,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from dbo.sim.trace import Window
+from dbo.sim.trace import WindowSpec
 from dbo.verify import VerifyReport, verify
+from scenarios.tools.trace_window import window_type
 
 __all__ = ["add_parser", "load_attribute", "main", "run"]
 
@@ -65,17 +66,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _window(text: str) -> Window:
-    start, sep, end = text.partition(":")
-    try:
-        if not sep:
-            raise ValueError("expected START:END")
-        return Window(float(start), float(end))
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{text!r}: {error} (microseconds, e.g. 100:400)"
-                                         ) from None
-
-
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("forward", metavar="MODULE:FORWARD",
                    help="the step to verify: forward(batch) -> output (MODULE: dotted name or "
@@ -88,8 +78,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write a Chrome trace and a PNG of both runs here")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--window", type=_window, default=None, metavar="START:END",
-                   help="draw only virtual microseconds START to END (with --out)")
+    p.add_argument("--window", type=window_type, default=None, metavar="START:END|layers=A:B",
+                   help="draw only virtual microseconds START to END, or MoE layers A to B-1 "
+                        "(with --out)")
     p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute tolerance (default 0)")
     p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--timeout", type=_seconds, default=60.0,
@@ -185,9 +176,19 @@ def run(args: argparse.Namespace) -> int:
     except Exception as error:  # noqa: BLE001 - the serial forward failed: nothing to compare
         return _serial_failed(error)
     if args.out is not None:
-        report.write_artifacts(args.out, window=args.window)
+        _write_artifacts(report, args.out, args.window)
     _print(report, args.json)
     return 0 if report.ok else 1
+
+
+def _write_artifacts(report: VerifyReport, out: str, spec: WindowSpec | None) -> None:
+    window = None
+    if spec is not None:
+        try:
+            window = spec.resolve(report.records.get("ubatched") or report.records["serial"])
+        except (KeyError, ValueError) as error:
+            print(f"dbo-sim: no window drawn: {error}", file=sys.stderr)
+    report.write_artifacts(out, window=window)
 
 
 def _verb(args: argparse.Namespace) -> int:
