@@ -32,7 +32,7 @@ import workspace
 from dbo.errors import YieldMismatchError
 from dbo.runner import merge_outputs, run_ubatches
 from dbo.sim.device import SimDevice
-from dbo.sim.records import HANDOFF, OpRecord, RaceReport
+from dbo.sim.records import HANDOFF, EventWait, HostRange, OpRecord, RaceReport
 from dbo.sim.report import plot_runs, summarize, write_chrome_trace_runs
 from dbo.sim.trace import TraceRun, Window
 from dbo.split import ubatch_cut_points
@@ -365,8 +365,8 @@ class _Run:
     step_us: float
     records: list[OpRecord]
     races: list[RaceReport]
-    waits: list[Any]
-    ranges: list[Any]
+    waits: list[EventWait]
+    ranges: list[HostRange]
     error: BaseException | None = None
 
 
@@ -384,9 +384,8 @@ def _measure(device: Device, step: Callable[[], Any], catch: tuple[type, ...] = 
         device.synchronize()
         records = list(device.timeline)
         step_us = summarize(records).step_us if records else 0.0
-        return _Run(output, step_us, records, list(device.races),
-                    list(getattr(device, "event_waits", ())),
-                    list(getattr(device, "host_ranges", ())), error)
+        return _Run(output, step_us, records, list(device.races), list(device.event_waits),
+                    list(device.host_ranges), error)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     device.synchronize()
     start.record()
@@ -442,15 +441,7 @@ def verify(
     pieces = _ubatch_inputs(inputs, num_ubatches, split)
     dev = _resolve(device)
     merge = merge or merge_outputs
-    owns_workspace = not workspace.is_workspace_manager_initialized()
-    if not owns_workspace:
-        slots = workspace.current_workspace_manager().num_ubatches
-        if slots < num_ubatches:
-            raise ValueError(
-                f"the initialised workspace manager has {slots} slot(s), fewer than "
-                f"num_ubatches={num_ubatches}; init_workspace_manager(device, {num_ubatches}) "
-                f"or reset it and let verify make one"
-            )
+    owns_workspace = _check_workspace(num_ubatches)
     if owns_workspace:
         workspace.init_workspace_manager(dev.torch_device, num_ubatches)
     try:
@@ -463,6 +454,21 @@ def verify(
     if artifacts is not None:
         report.write_artifacts(artifacts)
     return report
+
+
+def _check_workspace(num_ubatches: int) -> bool:
+    """True when verify must make (and later forget) the workspace manager itself; refuses
+    an initialised one with too few slots, before any work."""
+    if not workspace.is_workspace_manager_initialized():
+        return True
+    slots = workspace.current_workspace_manager().num_ubatches
+    if slots < num_ubatches:
+        raise ValueError(
+            f"the initialised workspace manager has {slots} slot(s), fewer than "
+            f"num_ubatches={num_ubatches}; init_workspace_manager(device, {num_ubatches}) "
+            f"or reset it and let verify make one"
+        )
+    return False
 
 
 def _run_both(forward: Callable, inputs: Any, pieces: list[Any], device: Device,

@@ -166,3 +166,16 @@ def test_the_png_stacks_runs_marks_races_and_explains_the_link_track(tmp_path):
     labels = [h.get_label() for h in _legend(runs, lanes)]
     assert any(label.startswith("link: low-latency transfers") for label in labels)
     assert "race: the two unordered ops" in labels
+
+
+def test_each_rank_s_ranges_land_on_its_own_host_track():
+    from dbo.sim.records import COMPUTE, HostRange, OpRecord
+
+    records = [OpRecord(r, "op", COMPUTE, r, None, "compute", 0.0, 0.0, 1.0) for r in (0, 1)]
+    ranges = [HostRange(1, None, "on-rank-1", 0.0, 2.0, "nvtx"),
+              HostRange(0, None, "on-rank-0", 0.0, 2.0, "nvtx")]
+    trace = chrome_trace(records, ranges=ranges)
+    pid_of = {e["args"]["name"]: e["pid"] for e in events(trace, "M")
+              if e["name"] == "process_name"}
+    placed = {e["name"]: e["pid"] for e in events(trace, "X") if e["cat"] == "range.nvtx"}
+    assert placed == {"on-rank-0": pid_of["rank 0"], "on-rank-1": pid_of["rank 1"]}

@@ -27,7 +27,15 @@ import numpy as np
 
 from dbo.sim.records import COMM, HANDOFF, SYNC, OpRecord, RaceReport
 from dbo.sim.summary import Interval, check_records
-from dbo.sim.trace import HOST_TRACK, TraceRun, Window, track_of, track_order, windowed
+from dbo.sim.trace import (
+    HOST_TRACK,
+    TraceRun,
+    Window,
+    race_sites,
+    track_of,
+    track_order,
+    windowed,
+)
 
 __all__ = ["plot_runs", "plot_timeline"]
 
@@ -201,15 +209,8 @@ def _draw_bars(ax: Any, runs: Sequence[TraceRun], lanes: list[Lane], t0: float,
 
 
 def _race_records(run: TraceRun) -> list[OpRecord]:
-    """The ops at either end of each race (matched as the trace matches them)."""
-    out = []
-    for race in run.races:
-        for site in (race.first, race.second):
-            same = [r for r in run.records
-                    if (r.name, r.ubatch, r.stream) == (site.op, site.ubatch, site.stream)]
-            if same:
-                out.append(min(same, key=lambda r: (r.start_us, r.seq)))
-    return out
+    """The ops at either end of each race, matched as the trace matches them."""
+    return [r for race in run.races for r in race_sites(run.records, race) if r is not None]
 
 
 def _draw_races(ax: Any, runs: Sequence[TraceRun], lanes: list[Lane]) -> None:

@@ -64,6 +64,7 @@ __all__ = [
     "layer_starts",
     "merge_traces",
     "parse_window",
+    "race_sites",
     "runs_from_trace",
     "track_of",
     "track_order",
@@ -353,14 +354,14 @@ class _Layout:
             for r in self.records:
                 if r.rank == rank:
                     per_track[track_of(r)].append(r)
-            ranges = [g for g in self.run.ranges if g.rank == rank]
+            ranges = [(k, g) for k, g in enumerate(self.run.ranges) if g.rank == rank]
             position = 0
             for track in tracks:
                 recs = per_track[track]
                 spans = [(r.start_us, r.end_us, r.seq) for r in recs]
                 if track == HOST_TRACK:
                     # Named ranges share the host track's lanes, so they nest or spill there.
-                    spans += [(g.start_us, g.end_us, -1 - k) for k, g in enumerate(ranges)]
+                    spans += [(g.start_us, g.end_us, -1 - k) for k, g in ranges]
                 if not spans:
                     continue
                 lanes = _assign_lanes(spans)
@@ -435,24 +436,10 @@ class _Layout:
 
     # -- races ------------------------------------------------------------------------------
 
-    def _race_sites(self, race: RaceReport) -> tuple[OpRecord | None, OpRecord | None]:
-        """The records of a race's two sites: the earliest match of the second site, and the
-        latest match of the first that starts no later (a race report carries no time)."""
-        def matches(s: OpSite) -> list[OpRecord]:
-            return [r for r in self.records
-                    if (r.name, r.ubatch, r.stream) == (s.op, s.ubatch, s.stream)]
-
-        second = min(matches(race.second), key=lambda r: (r.start_us, r.seq), default=None)
-        firsts = matches(race.first)
-        if second is not None:
-            firsts = [r for r in firsts if r.start_us <= second.start_us] or firsts
-        first = max(firsts, key=lambda r: (r.start_us, r.seq), default=None)
-        return first, second
-
     def _race_args(self) -> dict[int, list[str]]:
         marked: dict[int, list[str]] = {}
         for race in self.run.races:
-            for record in self._race_sites(race):
+            for record in race_sites(self.records, race):
                 if record is not None:
                     marked.setdefault(record.seq, []).append(race.describe())
         return marked
@@ -461,7 +448,7 @@ class _Layout:
         out = []
         trace_end = max((r.end_us for r in self.records), default=0.0)
         for race in self.run.races:
-            _, match = self._race_sites(race)
+            _, match = race_sites(self.records, race)
             if match is not None:
                 pid, ts = self.pid(match.rank), float(match.start_us)
                 tid = self.tids[(match.rank, track_of(match))][0]
@@ -480,6 +467,23 @@ class _Layout:
                 },
             })  # fmt: skip
         return out
+
+
+def race_sites(records: Sequence[OpRecord], race: RaceReport
+               ) -> tuple[OpRecord | None, OpRecord | None]:
+    """The records of a race's two sites: the earliest match (op, ubatch, stream) of the
+    second site, and the latest match of the first that starts no later (a race report
+    carries no time, so this is the first place the pair can have met)."""
+
+    def matches(s: OpSite) -> list[OpRecord]:
+        return [r for r in records if (r.name, r.ubatch, r.stream) == (s.op, s.ubatch, s.stream)]
+
+    second = min(matches(race.second), key=lambda r: (r.start_us, r.seq), default=None)
+    firsts = matches(race.first)
+    if second is not None:
+        firsts = [r for r in firsts if r.start_us <= second.start_us] or firsts
+    first = max(firsts, key=lambda r: (r.start_us, r.seq), default=None)
+    return first, second
 
 
 def _last_before(recs: Sequence[OpRecord], wait: EventWait) -> OpRecord | None:

@@ -200,7 +200,9 @@ def _verb(args: argparse.Namespace) -> int:
 
 
 # verify's own checks, run before any work: an error raised in one of them is a usage error.
-_CHECKS = frozenset({"_check_args", "_resolve", "split_inputs", "_ubatch_inputs", "verify"})
+_CHECKS = frozenset(
+    {"_check_args", "_check_workspace", "_resolve", "split_inputs", "_ubatch_inputs", "verify"}
+)
 
 
 def _raised_by_verify(error: BaseException) -> bool:
