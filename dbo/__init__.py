@@ -37,6 +37,8 @@ from dbo.ubatching import (
     make_ubatch_contexts,
     set_forward_context,
 )
+# Last: dbo.verify imports the workspace package, which imports dbo.ubatching above.
+from dbo.verify import VerifyError, VerifyReport, verify
 
 __all__ = [
     "UBatchError",
@@ -71,4 +73,7 @@ __all__ = [
     "dbo_yield_and_switch_from_compute_to_comm",
     "make_ubatch_contexts",
     "set_forward_context",
+    "verify",
+    "VerifyReport",
+    "VerifyError",
 ]

@@ -230,7 +230,22 @@ def _user_frame(frame: Any) -> Any:
 
 
 class UBatchContext:
-    """One ubatch's seat in the ring: its streams, events, forward context and recv hook."""
+    """One ubatch's seat in the ring: its streams, events, forward context and recv hook.
+
+    Each method below says what it records (device events), which stream it leaves the
+    calling thread on, whether it waits (the CPU parked for the baton, or a stream made to
+    wait on an event), and whether it hands the baton on. The `dbo_*` helpers call them for
+    the calling ubatch and are no-ops on any other thread. In short:
+
+    method                                  records        leaves on  waits            baton
+    yield_                                  nothing        unchanged  CPU, for baton   yes
+    yield_and_switch_from_compute_to_comm   compute-done   comm       CPU; comm waits  yes
+    yield_and_switch_from_comm_to_compute   comm-done      compute    CPU; compute w.  yes
+    switch_to_comm / switch_to_compute      nothing        comm / cp  no               no
+    switch_to_comm_sync                     compute-done   comm       comm waits       no
+    switch_to_compute_sync                  comm-done      compute    compute waits    no
+    maybe_run_recv_hook                     (the hook's)   unchanged  (the hook's)     no
+    """
 
     def __init__(
         self,
@@ -266,6 +281,9 @@ class UBatchContext:
     # -- enter / exit ------------------------------------------------------------------------
 
     def __enter__(self) -> "UBatchContext":
+        """Register this thread as the ubatch, wait at the ready barrier with its peers, then
+        park until the baton arrives (ubatch 0 gets it from the launcher). Records nothing;
+        leaves the thread on the compute stream; hands nothing on."""
         try:
             self._register()
             try:
@@ -289,6 +307,9 @@ class UBatchContext:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        """On a normal finish: run a pending recv hook, check every ubatch yielded as often,
+        unregister and hand the baton on for the last time (so the peers can finish). On a
+        failure: abort the step, which releases every parked peer. Records nothing itself."""
         step = self.step
         if exc_type is None and not step.aborted:
             try:
@@ -376,6 +397,8 @@ class UBatchContext:
     # -- streams -----------------------------------------------------------------------------
 
     def update_stream(self, stream: Stream) -> None:
+        """Make `stream` the calling thread's current stream. Records nothing, no wait, no
+        baton: ordering against the other stream is the caller's business."""
         self.current_stream = stream
         if self.device.current_stream() is not stream:
             self.device.set_stream(stream)
@@ -393,34 +416,54 @@ class UBatchContext:
         self.compute_stream.wait_event(self.gpu_comm_done_event)
 
     def switch_to_comm(self) -> None:
+        """Leave the thread on the comm stream. Records nothing, waits for nothing, keeps the
+        baton: comm work issued next is NOT ordered after this ubatch's compute work (use
+        `switch_to_comm_sync` when it reads what compute wrote)."""
         self.update_stream(self.comm_stream)
 
     def switch_to_compute(self) -> None:
+        """Leave the thread on the compute stream. Records nothing, waits for nothing, keeps
+        the baton: compute work issued next is NOT ordered after this ubatch's comm work."""
         self.update_stream(self.compute_stream)
 
     def switch_to_comm_sync(self) -> None:
+        """Record this ubatch's compute-done event on the compute stream, leave the thread on
+        the comm stream and make the comm stream wait on that event (a device-side wait; the
+        CPU does not block). Keeps the baton."""
         self._signal_compute_done()
         self.update_stream(self.comm_stream)
         self._wait_compute_done()
 
     def switch_to_compute_sync(self) -> None:
+        """Record this ubatch's comm-done event on the comm stream, leave the thread on the
+        compute stream and make the compute stream wait on that event (device-side; the CPU
+        does not block). Keeps the baton."""
         self._signal_comm_done()
         self.update_stream(self.compute_stream)
         self._wait_comm_done()
 
     def maybe_run_recv_hook(self) -> None:
+        """Run, once, the recv hook the previous ubatch registered on this one (normally a
+        wait of the current stream on a low-latency transfer's arrival event). Records and
+        waits only as the hook does, on the current stream, which it leaves unchanged; keeps
+        the baton. Also run when the ubatch finishes, so no hook is left behind."""
         hook = self.recv_hook
         if hook is not None:
             self.recv_hook = None
             hook()
 
     def yield_(self) -> None:
+        """Hand the baton to the next ubatch in the ring and park the CPU until it comes back.
+        Records nothing on the device and leaves the thread on the stream it was on."""
         # vLLM saves the current stream here and restores it on resume. The current stream is
         # per thread on every device (as in torch.cuda), so no peer can change it while this
         # ubatch is parked: the save/restore pair would only cost time on every handoff.
         self._cpu_yield()
 
     def yield_and_switch_from_compute_to_comm(self) -> None:
+        """Must be called on the compute stream. Record the compute-done event there, hand
+        the baton on and park; on resume leave the thread on the comm stream, which waits
+        (device-side) on that event, so the comm work reads finished compute results."""
         self._expect_stream(self.compute_stream, "dbo_yield_and_switch_from_compute_to_comm")
         self._signal_compute_done()
         self._cpu_yield()
@@ -428,6 +471,9 @@ class UBatchContext:
         self._wait_compute_done()
 
     def yield_and_switch_from_comm_to_compute(self) -> None:
+        """Must be called on the comm stream. Record the comm-done event there, hand the
+        baton on and park; on resume leave the thread on the compute stream, which waits
+        (device-side) on that event, so compute reads what the comm work delivered."""
         self._expect_stream(self.comm_stream, "dbo_yield_and_switch_from_comm_to_compute")
         self._signal_comm_done()
         self._cpu_yield()
@@ -533,7 +579,8 @@ def ubatch_step_active() -> bool:
 
 
 def dbo_enabled() -> bool:
-    """True on a thread that runs a ubatch of the current step.
+    """True on a thread that runs a ubatch of the current step. A query: records nothing,
+    waits for nothing, keeps the baton.
 
     vLLM answers True on every thread while any step runs; this answers for the caller, so
     a launcher or helper thread is never told to yield or switch streams it does not own."""
@@ -541,7 +588,8 @@ def dbo_enabled() -> bool:
 
 
 def dbo_current_ubatch_id() -> int:
-    """The calling thread's ubatch id; 0 for any other thread (it is not a ubatch).
+    """The calling thread's ubatch id; 0 for any other thread (it is not a ubatch). A query:
+    records nothing, waits for nothing, keeps the baton.
 
     vLLM raises KeyError for a non-ubatch thread while a step runs; 0 keeps serial code on
     such a thread working. Its workspace calls then share ubatch 0's slot, as every caller
@@ -556,7 +604,10 @@ def _ubatch_helper(method: Callable[[UBatchContext], None]) -> Callable[[], None
             method(ctx)
 
     helper.__name__ = f"dbo_{method.__name__.rstrip('_')}"
-    helper.__doc__ = f"`UBatchContext.{method.__name__}` for the calling ubatch; no-op elsewhere."
+    helper.__doc__ = (
+        f"`UBatchContext.{method.__name__}` for the calling ubatch; a no-op on any other "
+        f"thread (a serial step).\n\n" + (method.__doc__ or "").replace("\n        ", "\n")
+    )
     return helper
 
 
@@ -576,7 +627,11 @@ dbo_maybe_run_recv_hook = _ubatch_helper(UBatchContext.maybe_run_recv_hook)
 
 def dbo_register_recv_hook(recv_hook: Callable[[], Any]) -> None:
     """Store `recv_hook` on the next ubatch's context; it runs when that ubatch calls
-    `dbo_maybe_run_recv_hook()` (normally right after it resumes) or exits."""
+    `dbo_maybe_run_recv_hook()` (normally right after it resumes) or exits.
+
+    Records nothing, waits for nothing, leaves the stream unchanged and keeps the baton:
+    follow it with `dbo_yield()`, as vLLM's low-latency path does, so the next ubatch runs
+    its compute while the transfer flies, then receives it. No-op outside a ubatch."""
     ctx = _current_context()
     if ctx is None:
         return
@@ -599,7 +654,11 @@ def dbo_register_recv_hook(recv_hook: Callable[[], Any]) -> None:
 
 def dbo_get_previous_event(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run `func` with this ubatch's compute stream current (to record or wait on events
-    there); returns its result. No-op (None) outside a ubatch thread, as in vLLM."""
+    there); returns its result. No-op (None) outside a ubatch thread, as in vLLM.
+
+    Records what `func` records (vLLM passes DeepEP's `buffer.capture`: an event on the
+    compute stream for the comm kernel to wait on), restores the caller's stream after,
+    does not wait itself and keeps the baton."""
     ctx = _current_context()
     if ctx is None:
         return None

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
 from scenarios.tools.progress import Progress
+from scenarios.tools import trace_window, verify_cli
 
 
 def _positive_int(text: str) -> int:
@@ -170,6 +171,7 @@ def _run_across_ranks(args: argparse.Namespace, names: Sequence[str], distribute
 
 
 def _report(args: argparse.Namespace, opts: RunOptions, results: Sequence[ScenarioResult]) -> int:
+    windowed = trace_window.write_windowed(results, getattr(args, "window", None))
     if not args.json:
         print(_table(results))
         for r in results:
@@ -179,6 +181,8 @@ def _report(args: argparse.Namespace, opts: RunOptions, results: Sequence[Scenar
         print(f"\n{passed} passed, {len(results) - passed} failed")
         if opts.out_dir is not None:
             print(f"traces (open in https://ui.perfetto.dev) and timelines in {opts.out_dir}/")
+        if windowed:
+            print(f"windowed: {', '.join(Path(p).name for p in windowed)}")
     return 0 if all(r.passed for r in results) else 1
 
 
@@ -286,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="run across this many local processes (gloo on 127.0.0.1), one rank each; torchrun sets the ranks itself",
     )
+    trace_window.add_argument(run)
     run.set_defaults(func=cmd_run)
     sweep = sub.add_parser("sweep", help="DBO speedup against tokens per device (CSV + PNG)")
     _add_common(sweep)
@@ -322,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     profile.add_argument("profile_args", nargs="*", help="see `dbo-sim profile --help`")
     profile.set_defaults(func=cmd_profile)
+    verify_cli.add_parser(sub)
     return parser
 
 

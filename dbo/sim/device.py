@@ -48,7 +48,7 @@ from dbo.sim.cost import (
 )
 from dbo.sim.hardware import HardwareProfile, profile_from_name
 from dbo.sim.races import RaceChecker, RaceReport, user_stack
-from dbo.sim.records import COMM, COMPUTE, HANDOFF, SYNC, Access, OpRecord
+from dbo.sim.records import COMM, COMPUTE, HANDOFF, SYNC, Access, EventWait, HostRange, OpRecord
 from dbo.streams import CommHandle, Device, Event, Stream
 
 __all__ = ["SimDevice", "SimMark", "SimStream", "SimEvent"]
@@ -254,6 +254,9 @@ class SimDevice(Device):
         self._grid_end = 0.0
         self.timeline: list[OpRecord] = []
         self.races: list[RaceReport] = []
+        # For the reports only (flow arrows, named host ranges); cleared by reset().
+        self.event_waits: list[EventWait] = []
+        self.host_ranges: list[HostRange] = []
         self._default = self.Stream("default")
         self._link = self._new_track("link")
         # Race bookkeeping needs real storages; a meta run has none.
@@ -385,6 +388,8 @@ class SimDevice(Device):
                 track.reset()
             self.timeline = []
             self.races = []
+            self.event_waits = []
+            self.host_ranges = []
             if self._checker is not None:
                 self._checker.clear()
 
@@ -546,8 +551,16 @@ class SimDevice(Device):
             if event.recorded:  # as in CUDA, waiting on a never-recorded event is a no-op
                 track.free_at = max(track.free_at, event.time_us)  # type: ignore[arg-type]
                 _join(track.vc, event.vc)
+                self._note_wait(event, track)
         if self._graph is not None and not self._state().replaying:
             self._graph.on_wait(stream, event)
+
+    def _note_wait(self, event: SimEvent, track: _Track) -> None:
+        if self.record_timeline:
+            self.event_waits.append(
+                EventWait(self.rank, self.current_ubatch(), event.stream_name or "?",
+                          event.time_us or 0.0, track.name, self._seq)
+            )
 
     def _host_wait(self, until_us: float, vc: Sequence[int], what: str) -> None:
         """The host blocks until `until_us`; what it waited for is ordered before later

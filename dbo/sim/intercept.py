@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dbo.sim.cost import OpCall, aliased_input_bytes, flop_formula, price_op
 from dbo.sim.records import Access
+from dbo.sim.ranges import ENTER, EXIT, close_range, open_range, profiler_range_op
 
 if TYPE_CHECKING:
     from dbo.sim.device import SimDevice
@@ -254,12 +255,25 @@ class HostReadMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        _carry_profiler_range(self.device, func, args)
         what = _HOST_FUNCS.get(func)
         if what is None and func is torch.Tensor.to and _to_host(args, kwargs):
             what = "to(cpu)"
         if what is not None and not self.device._state().suspended:
             self.device.host_read(what)
         return func(*args, **kwargs)
+
+
+def _carry_profiler_range(device: "SimDevice", func: Any, args: tuple) -> None:
+    """`torch.profiler.record_function` enters and exits through these ops: carry them into
+    the trace as named host ranges (`dbo.sim.ranges`)."""
+    what = profiler_range_op(func)
+    if what is None or device._state().suspended:
+        return
+    if what == ENTER:
+        open_range(device, str(args[0]) if args else "?", "record_function")
+    elif what == EXIT:
+        close_range(device)
 
 
 def enter_modes(device: "SimDevice", stack: ExitStack) -> None:

@@ -1,5 +1,9 @@
 """PNG timeline: draw `OpRecord`s as one lane per (rank, stream), bars colored by ubatch.
 
+Several runs (a serial and a DBO step) stack one above the other on one time axis, split by a
+rule; a race is a red cross on each of its two ops; a `Window` narrows the drawing to a time
+range so a full-size step can be read; the legend explains the low-latency "link" track.
+
 Uses `matplotlib.figure.Figure` with the Agg canvas directly: no pyplot, no global backend
 switch, no display needed, safe to call from any thread or a test.
 
@@ -15,22 +19,32 @@ trace and the summary keep every op exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 
-from dbo.sim.records import COMM, HANDOFF, SYNC, OpRecord
+from dbo.sim.records import COMM, HANDOFF, SYNC, OpRecord, RaceReport
 from dbo.sim.summary import Interval, check_records
-from dbo.sim.trace import HOST_TRACK, track_of, track_order
+from dbo.sim.trace import (
+    HOST_TRACK,
+    TraceRun,
+    Window,
+    race_sites,
+    track_of,
+    track_order,
+    windowed,
+)
 
-__all__ = ["plot_timeline"]
+__all__ = ["plot_runs", "plot_timeline"]
 
 Style = tuple[int | None, str]  # (ubatch, kind)
 
 # Time bins per lane: above the ~1300 pixels the axes span, so bars are exact to the pixel.
 _BINS = 2000
 _NO_UBATCH_COLOR = "#8c8c8c"
+_RACE_COLOR = "#e41a1c"
 
 
 def _ubatch_color(ubatch: int | None) -> str:
@@ -91,36 +105,90 @@ def plot_timeline(
     records: Sequence[OpRecord],
     *,
     title: str | None = None,
+    races: Sequence[RaceReport] = (),
+    window: Window | None = None,
 ) -> Path:
     """Draw the timeline of `records` (one or many ranks) to a PNG at `path`; returns the path."""
+    return plot_runs(path, [TraceRun(None, list(records), races)], title=title, window=window)
+
+
+def plot_runs(
+    path: str | Path,
+    runs: Sequence[TraceRun],
+    *,
+    title: str | None = None,
+    window: Window | None = None,
+) -> Path:
+    """Draw several runs (a serial and a DBO one) one above the other on one time axis, races
+    marked on both of their ops; returns the path."""
     # Imported here so importing dbo.sim never pays matplotlib's import cost.
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
-    records = list(records)
-    check_records(records)
+    runs = [windowed(run, window) for run in runs]
+    for run in runs:
+        check_records(run.records)
     path = Path(path)
-
-    tracks = track_order(records)
-    present = {(r.rank, track_of(r)) for r in records}
-    ranks = sorted({r.rank for r in records})
-    lanes = [(rank, t) for rank in ranks for t in tracks if (rank, t) in present]
-    lane_index = {lane: i for i, lane in enumerate(lanes)}
-
-    t0 = min((min(r.issue_us, r.start_us) for r in records), default=0.0)
-    t1 = max((r.end_us for r in records), default=1.0)
-    span = t1 - t0 if t1 > t0 else 1.0
-    width = span / _BINS
-
-    per_lane: list[dict[Style, list[Interval]]] = [{} for _ in lanes]
-    for r in records:
-        groups = per_lane[lane_index[(r.rank, track_of(r))]]
-        groups.setdefault((r.ubatch, r.kind), []).append((r.start_us, r.end_us))
+    lanes = _lanes(runs)
+    everything = [r for run in runs for r in run.records]
+    if window is not None:
+        t0, span = window.start_us, window.end_us - window.start_us
+    else:
+        t0 = min((min(r.issue_us, r.start_us) for r in everything), default=0.0)
+        t1 = max((r.end_us for r in everything), default=1.0)
+        span = t1 - t0 if t1 > t0 else 1.0
 
     height = max(2.5, 0.5 * len(lanes) + 1.6)
     fig = Figure(figsize=(14, height), dpi=100)
     ax = fig.add_subplot(1, 1, 1)
+    _draw_bars(ax, runs, lanes, t0, span / _BINS)
+    _draw_races(ax, runs, lanes)
+    _draw_run_separators(ax, lanes)
 
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels([_lane_label(lane) for lane in lanes])
+    ax.set_ylim(len(lanes) - 0.5 if lanes else 0.5, -0.5)  # first lane on top
+    ax.set_xlim(t0, t0 + span)
+    ax.set_xlabel("time (us, virtual)")
+    ax.grid(axis="x", alpha=0.3)
+    if not everything:
+        ax.text(0.5, 0.5, "no ops", ha="center", va="center", transform=ax.transAxes)
+    ax.legend(
+        handles=_legend(runs, lanes), loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8,
+        frameon=False,
+    )
+    ax.set_title(title if title is not None else f"DBO timeline: {span:.1f} us")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+Lane = tuple[int, str | None, int, str]  # (run index, run label, rank, track)
+
+
+def _lanes(runs: Sequence[TraceRun]) -> list[Lane]:
+    tracks = track_order(r for run in runs for r in run.records)
+    lanes: list[Lane] = []
+    for k, run in enumerate(runs):
+        present = {(r.rank, track_of(r)) for r in run.records}
+        for rank in sorted({r.rank for r in run.records}):
+            lanes += [(k, run.label, rank, t) for t in tracks if (rank, t) in present]
+    return lanes
+
+
+def _lane_label(lane: Lane) -> str:
+    _, label, rank, track = lane
+    return f"rank {rank} · {track}" if label is None else f"{label} · rank {rank} · {track}"
+
+
+def _draw_bars(ax: Any, runs: Sequence[TraceRun], lanes: list[Lane], t0: float,
+               width: float) -> None:
+    index = {(k, rank, track): i for i, (k, _, rank, track) in enumerate(lanes)}
+    per_lane: list[dict[Style, list[Interval]]] = [{} for _ in lanes]
+    for k, run in enumerate(runs):
+        for r in run.records:
+            groups = per_lane[index[(k, r.rank, track_of(r))]]
+            groups.setdefault((r.ubatch, r.kind), []).append((r.start_us, r.end_us))
     for lane, groups in enumerate(per_lane):
         for (ubatch, kind), bars in _lane_bars(groups, t0, width, _BINS).items():
             color = _ubatch_color(ubatch)
@@ -139,31 +207,49 @@ def plot_timeline(
                 style["alpha"] = 0.6
             ax.broken_barh(bars, (lane - h / 2, h), **style)
 
-    ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels([f"rank {rank} · {t}" for rank, t in lanes])
-    ax.set_ylim(len(lanes) - 0.5 if lanes else 0.5, -0.5)  # first lane on top
-    ax.set_xlim(t0, t0 + span)
-    ax.set_xlabel("time (us, virtual)")
-    ax.grid(axis="x", alpha=0.3)
-    if not records:
-        ax.text(0.5, 0.5, "no ops", ha="center", va="center", transform=ax.transAxes)
 
-    handles = [
+def _race_records(run: TraceRun) -> list[OpRecord]:
+    """The ops at either end of each race, matched as the trace matches them."""
+    return [r for race in run.races for r in race_sites(run.records, race) if r is not None]
+
+
+def _draw_races(ax: Any, runs: Sequence[TraceRun], lanes: list[Lane]) -> None:
+    index = {(k, rank, track): i for i, (k, _, rank, track) in enumerate(lanes)}
+    for k, run in enumerate(runs):
+        for r in _race_records(run):
+            lane = index[(k, r.rank, track_of(r))]
+            mid = (r.start_us + r.end_us) / 2
+            ax.plot([mid], [lane], marker="X", color=_RACE_COLOR, markersize=11,
+                    markeredgecolor="black", linestyle="none", zorder=5)
+
+
+def _draw_run_separators(ax: Any, lanes: list[Lane]) -> None:
+    for i in range(1, len(lanes)):
+        if lanes[i][0] != lanes[i - 1][0]:
+            ax.axhline(i - 0.5, color="black", linewidth=1.0)
+
+
+def _legend(runs: Sequence[TraceRun], lanes: list[Lane]) -> list[Any]:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    records = [r for run in runs for r in run.records]
+    handles: list[Any] = [
         Patch(facecolor=_ubatch_color(u), label="no ubatch" if u is None else f"ubatch {u}")
         for u in sorted({r.ubatch for r in records}, key=lambda u: (u is None, u or 0))
     ]
     handles.append(Patch(facecolor="#cccccc", label="compute"))
     handles.append(Patch(facecolor="white", edgecolor="#555555", hatch="////", label="comm"))
-    if any(t == HOST_TRACK for _, t in lanes):
+    if any(track == HOST_TRACK for *_, track in lanes):
         handles.append(
             Patch(facecolor="#cccccc", alpha=0.6, label="host sync / handoff (half height)")
         )
-    ax.legend(
-        handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False
-    )
-
-    ax.set_title(title if title is not None else f"DBO timeline: {span:.1f} us")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    if any(track.startswith("link") for *_, track in lanes):
+        handles.append(Patch(facecolor="white", edgecolor="white", label=(
+            "link: low-latency transfers in flight,\nfrom the send kernel to arrival (no SMs "
+            "held;\nthe recv hook waits on it)"
+        )))  # fmt: skip
+    if any(run.races for run in runs):
+        handles.append(Line2D([], [], marker="X", color=_RACE_COLOR, markeredgecolor="black",
+                              linestyle="none", label="race: the two unordered ops"))
+    return handles

@@ -85,3 +85,29 @@ class RaceReport:
             f"race on storage {self.storage:#x}: {site(self.first)} is not ordered before "
             f"{site(self.second)}"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class EventWait:
+    """A stream waited on an event: drawn in the trace as a flow arrow from the op the event
+    follows (on `record_stream`) to the first op issued on `wait_stream` after the wait."""
+
+    rank: int
+    ubatch: int | None  # the waiting thread's ubatch
+    record_stream: str  # where the event was recorded ("link" for a low-latency transfer)
+    record_us: float  # the event's time: the end of the work recorded before it
+    wait_stream: str
+    wait_seq: int  # the seq the next placed op gets: ops with seq >= it follow the wait
+
+
+@dataclass(frozen=True, slots=True)
+class HostRange:
+    """A named host-side range (`torch.profiler.record_function`, an NVTX push/pop), drawn on
+    the host track of the thread's rank."""
+
+    rank: int
+    ubatch: int | None
+    name: str
+    start_us: float
+    end_us: float
+    source: str  # "record_function" or "nvtx"

@@ -7,7 +7,7 @@ All of it reads `OpRecord`/`RaceReport` lists only and never the simulator's int
 
 from __future__ import annotations
 
-from dbo.sim.plot import plot_timeline
+from dbo.sim.plot import plot_runs, plot_timeline
 from dbo.sim.summary import (
     RankSummary,
     StepSummary,
@@ -18,19 +18,32 @@ from dbo.sim.summary import (
     total_length,
     union_intervals,
 )
-from dbo.sim.trace import chrome_trace, merge_traces, write_chrome_trace
+from dbo.sim.trace import (
+    TraceRun,
+    Window,
+    chrome_trace,
+    chrome_trace_runs,
+    merge_traces,
+    write_chrome_trace,
+    write_chrome_trace_runs,
+)
 
 __all__ = [
     "RankSummary",
     "StepSummary",
+    "TraceRun",
+    "Window",
     "chrome_trace",
+    "chrome_trace_runs",
     "clip_intervals",
     "format_summary",
     "intersect_intervals",
     "merge_traces",
+    "plot_runs",
     "plot_timeline",
     "summarize",
     "total_length",
     "union_intervals",
     "write_chrome_trace",
+    "write_chrome_trace_runs",
 ]

@@ -1,7 +1,9 @@
 """Chrome trace: turn `OpRecord`s and `RaceReport`s into Trace Event Format JSON.
 
-The output opens in Perfetto (ui.perfetto.dev) and chrome://tracing: a process per rank, a
-track per stream, complete events for ops, instant events for races.
+The output opens in Perfetto (ui.perfetto.dev) and chrome://tracing: a process per rank (per
+run and rank when several runs, a serial and a DBO one, share the trace), a track per stream,
+complete events for ops and for named host ranges (record_function, NVTX), flow arrows from an
+event's record to each stream that waits on it, instant events for races.
 
 Layout choices, and why:
 - `pid` = rank + 1, with a `process_name` metadata event "rank N". Perfetto treats pid 0 as the
@@ -17,26 +19,58 @@ Layout choices, and why:
 - `ts`/`dur` are microseconds, as the format requires; `displayTimeUnit: "ns"` only sets how
   the viewer prints them. Every number is finite (`json.dumps(allow_nan=False)` enforces it).
 - A `RaceReport` carries no time, so its instant event is placed at the start of the first
-  record that matches its second site (op name, ubatch, stream), else at the end of the trace.
+  record that matches its second site (op name, ubatch, stream), else at the end of the trace;
+  both sites' ops carry the report in `args["races"]`.
+- Several runs stack in order: run k's rank r is pid 1 + k * (ranks) + r, named "label · rank
+  r"; all runs share the time axis (each starts at its device's reset), so a serial step sits
+  right above its DBO step.
+- A flow arrow starts on the op an event follows (the last op of the recording stream that
+  ended by the event's time) and ends on the first op the waiting stream ran after the wait;
+  a wait with no such op on either side draws no arrow.
+- The build runs in phases, one per kind of event (`_Layout`: placement on lanes, metadata,
+  ops, ranges, flows, races), then sorts the complete events by time.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
-from dbo.sim.records import HANDOFF, SYNC, OpRecord, RaceReport, OpSite
+from dbo.sim.records import (
+    COMM,
+    COMPUTE,
+    GRAPH_LAUNCH,
+    HANDOFF,
+    SYNC,
+    EventWait,
+    HostRange,
+    OpRecord,
+    OpSite,
+    RaceReport,
+)
 from dbo.sim.summary import check_records
 
 __all__ = [
     "HOST_TRACK",
+    "TraceRun",
+    "Window",
+    "WindowSpec",
     "chrome_trace",
+    "chrome_trace_runs",
+    "layer_starts",
     "merge_traces",
+    "parse_window",
+    "race_sites",
+    "runs_from_trace",
     "track_of",
     "track_order",
+    "windowed",
     "write_chrome_trace",
+    "write_chrome_trace_runs",
 ]
 
 HOST_TRACK = "host"
@@ -119,22 +153,120 @@ def _meta(event: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
     return {"ph": "M", "name": event, "pid": pid, "tid": tid, "args": args}
 
 
-def _assign_lanes(records: Sequence[OpRecord]) -> list[int]:
-    """Greedy lane per record so no two records on one lane overlap (touching is fine)."""
-    order = sorted(range(len(records)), key=lambda i: (records[i].start_us, records[i].seq))
+def _assign_lanes(spans: Sequence[tuple[float, float, int]]) -> list[int]:
+    """Greedy lane per (start, end, key) span so no two spans on one lane overlap (touching
+    is fine); ties in start go by key."""
+    order = sorted(range(len(spans)), key=lambda i: (spans[i][0], spans[i][2]))
     lane_end: list[float] = []
-    lanes = [0] * len(records)
+    lanes = [0] * len(spans)
     for i in order:
-        r = records[i]
-        for lane, end in enumerate(lane_end):
-            if r.start_us >= end:
+        start, end, _ = spans[i]
+        for lane, busy_until in enumerate(lane_end):
+            if start >= busy_until:
                 break
         else:
             lane = len(lane_end)
-            lane_end.append(r.start_us)
+            lane_end.append(start)
         lanes[i] = lane
-        lane_end[lane] = max(lane_end[lane], r.end_us)
+        lane_end[lane] = max(lane_end[lane], end)
     return lanes
+
+
+@dataclass(frozen=True)
+class TraceRun:
+    """One run to draw: its records and what the device noted beside them. Runs of one trace
+    share the time axis (each starts at its device's reset) and are stacked in order."""
+
+    label: str | None  # "serial", "DBO"; None for a lone run (processes named "rank N")
+    records: Sequence[OpRecord]
+    races: Sequence[RaceReport] = ()
+    waits: Sequence[EventWait] = ()
+    ranges: Sequence[HostRange] = ()
+
+
+@dataclass(frozen=True)
+class Window:
+    """A time window [start_us, end_us] of virtual time: only what overlaps it is drawn."""
+
+    start_us: float
+    end_us: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.start_us) and math.isfinite(self.end_us)):
+            raise ValueError(f"window bounds must be finite, got {self.start_us}:{self.end_us}")
+        if self.end_us <= self.start_us:
+            raise ValueError(
+                f"window end ({self.end_us}) must be after its start ({self.start_us})"
+            )
+
+    def holds(self, start_us: float, end_us: float) -> bool:
+        return end_us >= self.start_us and start_us <= self.end_us
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """A window as a user gives it: virtual microseconds, or MoE layers [first, stop)."""
+
+    start: float
+    end: float
+    unit: str  # "us" or "layers"
+
+    def resolve(self, records: Sequence[OpRecord]) -> Window:
+        """The time window of these records that the spec names."""
+        if self.unit == "us":
+            return Window(self.start, self.end)
+        starts = layer_starts(records)
+        first, stop = int(self.start), int(self.end)
+        if first >= len(starts):
+            raise ValueError(
+                f"window layers={first}:{stop}: the run has {len(starts)} MoE layer(s) "
+                f"(counted by dispatches), numbered from 0"
+            )
+        end = starts[stop] if stop < len(starts) else max(r.end_us for r in records)
+        return Window(starts[first], end)
+
+
+def parse_window(text: str) -> WindowSpec:
+    """`START:END` in virtual microseconds, or `layers=A:B` (MoE layers A to B-1, from 0)."""
+    body, unit = text, "us"
+    if text.startswith("layers="):
+        body, unit = text[len("layers="):], "layers"
+    start, sep, end = body.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        a, b = (int(start), int(end)) if unit == "layers" else (float(start), float(end))
+    except ValueError:
+        raise ValueError(
+            f"window {text!r}: expected START:END in microseconds (e.g. 100:400) or "
+            f"layers=A:B (e.g. layers=0:2)"
+        ) from None
+    if unit == "layers" and not 0 <= a < b:
+        raise ValueError(f"window {text!r}: layers A:B needs 0 <= A < B")
+    if unit == "us":
+        Window(a, b)  # the same checks as a window made in code
+    return WindowSpec(a, b, unit)
+
+
+def layer_starts(records: Sequence[OpRecord]) -> list[float]:
+    """Where each MoE layer starts, counted by dispatches: the start of each dispatch op of
+    the lowest ubatch that dispatches (a serial run's, else ubatch 0's). A layer thus runs
+    from one dispatch to the next; dense layers before the first MoE layer are not counted."""
+    dispatches = [r for r in records if r.name.endswith("dispatch")]
+    if not dispatches:
+        return []
+    first = min((r.ubatch for r in dispatches), key=lambda u: -1 if u is None else u)
+    return sorted(r.start_us for r in dispatches if r.ubatch == first)
+
+
+def windowed(run: TraceRun, window: Window | None) -> TraceRun:
+    """The part of `run` that overlaps `window` (all of it when window is None)."""
+    if window is None:
+        return run
+    records = [r for r in run.records if window.holds(r.start_us, r.end_us)]
+    ranges = [g for g in run.ranges if window.holds(g.start_us, g.end_us)]
+    waits = [w for w in run.waits if window.holds(w.record_us, w.record_us)]
+    return TraceRun(run.label, records, run.races, waits, ranges)
 
 
 def chrome_trace(
@@ -142,82 +274,189 @@ def chrome_trace(
     *,
     races: Sequence[RaceReport] = (),
     metadata: Mapping[str, Any] | None = None,
+    waits: Sequence[EventWait] = (),
+    ranges: Sequence[HostRange] = (),
+    window: Window | None = None,
 ) -> dict[str, Any]:
-    """The Trace Event Format dict for records of one or many ranks (keyed by `record.rank`)."""
-    records = list(records)
-    check_records(records)
-    tracks = track_order(records)
-    ranks = sorted({r.rank for r in records})
+    """The Trace Event Format dict for records of one or many ranks (keyed by `record.rank`).
 
-    meta_events: list[dict[str, Any]] = []
-    op_events: list[dict[str, Any]] = []
-    # (rank, track) -> tid of its first lane, for placing race markers.
-    first_tid: dict[tuple[int, str], int] = {}
+    `waits` become flow arrows, `ranges` named spans on the host track, `window` keeps only
+    what overlaps it."""
+    return chrome_trace_runs(
+        [TraceRun(None, list(records), races, waits, ranges)], metadata=metadata, window=window
+    )
 
-    for rank in ranks:
-        pid = rank + 1
-        meta_events.append(_meta("process_name", pid, 0, name=f"rank {rank}"))
-        meta_events.append(_meta("process_sort_index", pid, 0, sort_index=pid))
-        per_track: dict[str, list[OpRecord]] = {t: [] for t in tracks}
-        for r in records:
-            if r.rank == rank:
-                per_track[track_of(r)].append(r)
-        position = 0
-        for track in tracks:
-            recs = per_track[track]
-            if not recs:
-                continue
-            lanes = _assign_lanes(recs)
-            n_lanes = max(lanes) + 1
-            tids = [pid * _TID_STRIDE + position + k for k in range(n_lanes)]
-            position += n_lanes
-            first_tid[(rank, track)] = tids[0]
+
+def chrome_trace_runs(
+    runs: Sequence[TraceRun],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    window: Window | None = None,
+) -> dict[str, Any]:
+    """One trace of several runs (a serial and a DBO run, say), one above the other: each
+    (run, rank) is a process, in run order."""
+    runs = [windowed(run, window) for run in runs]
+    for run in runs:
+        check_records(run.records)
+    tracks = track_order(r for run in runs for r in run.records)
+    stride = max((r.rank for run in runs for r in run.records), default=0) + 1
+    events: list[dict[str, Any]] = []
+    flows: list[dict[str, Any]] = []
+    meta: list[dict[str, Any]] = []
+    num_races = 0
+    for index, run in enumerate(runs):
+        layout = _Layout(run, tracks, pid_base=1 + index * stride)
+        meta += layout.meta_events()
+        events += layout.op_events()
+        events += layout.range_events()
+        flows += layout.flow_events(first_id=len(flows) // 2 + 1)
+        events += layout.race_events()
+        num_races += len(run.races)
+    # Sorted by time (longest first on ties) so parents precede children for both viewers.
+    ops = sorted((e for e in events if e["ph"] == "X"),
+                 key=lambda e: (e["ts"], -e["dur"], e["pid"], e["tid"]))
+    instants = [e for e in events if e["ph"] != "X"]
+    other: dict[str, Any] = {"generator": "dbo-sim", "time_unit": "us", "num_races": num_races}
+    if window is not None:
+        other["window_us"] = [window.start_us, window.end_us]
+    if metadata:
+        other.update(_json_safe(dict(metadata)))
+    return {
+        "traceEvents": meta + ops + flows + instants,
+        "displayTimeUnit": "ns",
+        "otherData": other,
+    }
+
+
+class _Layout:
+    """Where one run's events go: its processes (one per rank), tracks and lanes."""
+
+    def __init__(self, run: TraceRun, tracks: list[str], pid_base: int) -> None:
+        self.run = run
+        self.records = list(run.records)
+        self.label = run.label
+        self.pid_base = pid_base
+        self.ranks = sorted({r.rank for r in self.records} | {g.rank for g in run.ranges})
+        # (rank, track) -> tids of its lanes; record seq -> (pid, tid) where it is drawn.
+        self.tids: dict[tuple[int, str], list[int]] = {}
+        self.where: dict[tuple[int, int], tuple[int, int]] = {}
+        self.lane_of: dict[int, int] = {}
+        self._place(tracks)
+        self.race_args = self._race_args()
+
+    def pid(self, rank: int) -> int:
+        return self.pid_base + rank
+
+    def _place(self, tracks: list[str]) -> None:
+        for rank in self.ranks:
+            pid = self.pid(rank)
+            per_track: dict[str, list[OpRecord]] = {t: [] for t in tracks}
+            for r in self.records:
+                if r.rank == rank:
+                    per_track[track_of(r)].append(r)
+            ranges = [(k, g) for k, g in enumerate(self.run.ranges) if g.rank == rank]
+            position = 0
+            for track in tracks:
+                recs = per_track[track]
+                spans = [(r.start_us, r.end_us, r.seq) for r in recs]
+                if track == HOST_TRACK:
+                    # Named ranges share the host track's lanes, so they nest or spill there.
+                    spans += [(g.start_us, g.end_us, -1 - k) for k, g in ranges]
+                if not spans:
+                    continue
+                lanes = _assign_lanes(spans)
+                n_lanes = max(lanes) + 1
+                tids = [pid * _TID_STRIDE + position + k for k in range(n_lanes)]
+                position += n_lanes
+                self.tids[(rank, track)] = tids
+                for (_, _, key), lane in zip(spans, lanes):
+                    self.where[(rank, key)] = (pid, tids[lane])
+
+    def meta_events(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for rank in self.ranks:
+            pid = self.pid(rank)
+            name = f"rank {rank}" if self.label is None else f"{self.label} · rank {rank}"
+            out.append(_meta("process_name", pid, 0, name=name))
+            out.append(_meta("process_sort_index", pid, 0, sort_index=pid))
+        for (rank, track), tids in self.tids.items():
+            pid = self.pid(rank)
             for k, tid in enumerate(tids):
                 name = track if k == 0 else f"{track} #{k + 1}"
-                meta_events.append(_meta("thread_name", pid, tid, name=name))
-                meta_events.append(
-                    _meta("thread_sort_index", pid, tid, sort_index=tid - pid * _TID_STRIDE)
-                )
-            for r, lane in zip(recs, lanes):
-                op_events.append(
-                    {
-                        "ph": "X",
-                        "name": r.name,
-                        "cat": r.kind,
-                        "pid": pid,
-                        "tid": tids[lane],
-                        "ts": float(r.start_us),
-                        "dur": float(r.end_us - r.start_us),
-                        "args": _op_args(r),
-                    }
-                )
+                out.append(_meta("thread_name", pid, tid, name=name))
+                out.append(_meta("thread_sort_index", pid, tid, sort_index=tid - pid * _TID_STRIDE))
+        return out
 
-    # Sorted by time (longest first on ties) so parents precede children for both viewers.
-    op_events.sort(key=lambda e: (e["ts"], -e["dur"], e["pid"], e["tid"]))
+    def op_events(self) -> list[dict[str, Any]]:
+        out = []
+        for r in self.records:
+            pid, tid = self.where[(r.rank, r.seq)]
+            args = _op_args(r)
+            if r.seq in self.race_args:
+                args["races"] = self.race_args[r.seq]
+            out.append({
+                "ph": "X", "name": r.name, "cat": r.kind, "pid": pid, "tid": tid,
+                "ts": float(r.start_us), "dur": float(r.end_us - r.start_us), "args": args,
+            })  # fmt: skip
+        return out
 
-    trace_end = max((r.end_us for r in records), default=0.0)
-    # Earliest record per (op name, ubatch, stream): the anchor for a race's second site.
-    anchor: dict[tuple[str, int | None, str], OpRecord] = {}
-    for r in sorted(records, key=lambda r: (r.start_us, r.seq)):
-        anchor.setdefault((r.name, r.ubatch, r.stream), r)
-    race_events: list[dict[str, Any]] = []
-    for race in races:
-        site = race.second
-        match = anchor.get((site.op, site.ubatch, site.stream))
-        if match is not None:
-            pid, ts = match.rank + 1, float(match.start_us)
-            tid = first_tid[(match.rank, track_of(match))]
-        else:
-            pid, ts = (ranks[0] + 1 if ranks else 1), float(trace_end)
-            tid = pid * _TID_STRIDE
-        race_events.append(
-            {
-                "ph": "i",
-                "s": "g",
-                "name": "race",
-                "cat": "race",
-                "pid": pid,
-                "tid": tid,
+    def range_events(self) -> list[dict[str, Any]]:
+        out = []
+        for k, g in enumerate(self.run.ranges):
+            pid, tid = self.where[(g.rank, -1 - k)]
+            out.append({
+                "ph": "X", "name": g.name, "cat": f"range.{g.source}", "pid": pid, "tid": tid,
+                "ts": float(g.start_us), "dur": float(g.end_us - g.start_us),
+                "args": {"rank": g.rank, "ubatch": g.ubatch, "source": g.source},
+            })  # fmt: skip
+        return out
+
+    # -- flow arrows: an event's record to its waits ----------------------------------------
+
+    def flow_events(self, first_id: int) -> list[dict[str, Any]]:
+        by_track: dict[tuple[int, str], list[OpRecord]] = {}
+        for r in sorted(self.records, key=lambda r: r.seq):
+            by_track.setdefault((r.rank, r.stream), []).append(r)
+        out: list[dict[str, Any]] = []
+        for wait in self.run.waits:
+            source = _last_before(by_track.get((wait.rank, wait.record_stream), ()), wait)
+            target = _first_after(by_track.get((wait.rank, wait.wait_stream), ()), wait.wait_seq)
+            if source is None or target is None:
+                continue  # nothing drawn before the record or after the wait: no arrow to draw
+            flow_id = first_id + len(out) // 2
+            common = {"name": "event", "cat": "event-wait", "id": flow_id}
+            spid, stid = self.where[(source.rank, source.seq)]
+            tpid, ttid = self.where[(target.rank, target.seq)]
+            out.append({**common, "ph": "s", "pid": spid, "tid": stid, "ts": float(source.start_us),
+                        "args": {"record_stream": wait.record_stream, "record_us": wait.record_us}})
+            out.append({**common, "ph": "f", "bp": "e", "pid": tpid, "tid": ttid,
+                        "ts": float(target.start_us),
+                        "args": {"wait_stream": wait.wait_stream, "ubatch": wait.ubatch}})
+        return out
+
+    # -- races ------------------------------------------------------------------------------
+
+    def _race_args(self) -> dict[int, list[str]]:
+        marked: dict[int, list[str]] = {}
+        for race in self.run.races:
+            for record in race_sites(self.records, race):
+                if record is not None:
+                    marked.setdefault(record.seq, []).append(race.describe())
+        return marked
+
+    def race_events(self) -> list[dict[str, Any]]:
+        out = []
+        trace_end = max((r.end_us for r in self.records), default=0.0)
+        for race in self.run.races:
+            _, match = race_sites(self.records, race)
+            if match is not None:
+                pid, ts = self.pid(match.rank), float(match.start_us)
+                tid = self.tids[(match.rank, track_of(match))][0]
+            else:
+                pid = self.pid(self.ranks[0] if self.ranks else 0)
+                ts, tid = float(trace_end), pid * _TID_STRIDE
+            out.append({
+                "ph": "i", "s": "g", "name": "race", "cat": "race", "pid": pid, "tid": tid,
                 "ts": ts,
                 "args": {
                     "description": race.describe(),
@@ -226,17 +465,43 @@ def chrome_trace(
                     "second": _site_args(race.second),
                     "placed_at_matching_op": match is not None,
                 },
-            }
-        )
+            })  # fmt: skip
+        return out
 
-    other: dict[str, Any] = {"generator": "dbo-sim", "time_unit": "us", "num_races": len(races)}
-    if metadata:
-        other.update(_json_safe(dict(metadata)))
-    return {
-        "traceEvents": meta_events + op_events + race_events,
-        "displayTimeUnit": "ns",
-        "otherData": other,
-    }
+
+def race_sites(records: Sequence[OpRecord], race: RaceReport
+               ) -> tuple[OpRecord | None, OpRecord | None]:
+    """The records of a race's two sites: the earliest match (op, ubatch, stream) of the
+    second site, and the latest match of the first that starts no later (a race report
+    carries no time, so this is the first place the pair can have met)."""
+
+    def matches(s: OpSite) -> list[OpRecord]:
+        return [r for r in records if (r.name, r.ubatch, r.stream) == (s.op, s.ubatch, s.stream)]
+
+    second = min(matches(race.second), key=lambda r: (r.start_us, r.seq), default=None)
+    firsts = matches(race.first)
+    if second is not None:
+        firsts = [r for r in firsts if r.start_us <= second.start_us] or firsts
+    first = max(firsts, key=lambda r: (r.start_us, r.seq), default=None)
+    return first, second
+
+
+def _last_before(recs: Sequence[OpRecord], wait: EventWait) -> OpRecord | None:
+    """The op an event follows: the last one issued before the wait that ended by its time."""
+    best = None
+    for r in recs:
+        if r.seq >= wait.wait_seq:
+            break
+        if r.end_us <= wait.record_us + 1e-9:
+            best = r
+    return best
+
+
+def _first_after(recs: Sequence[OpRecord], seq: int) -> OpRecord | None:
+    for r in recs:
+        if r.seq >= seq:
+            return r
+    return None
 
 
 def merge_traces(
@@ -268,13 +533,79 @@ def write_chrome_trace(
     *,
     races: Sequence[RaceReport] = (),
     metadata: Mapping[str, Any] | None = None,
+    waits: Sequence[EventWait] = (),
+    ranges: Sequence[HostRange] = (),
+    window: Window | None = None,
 ) -> Path:
     """Write `chrome_trace(...)` as JSON to `path` (parent folders created); returns the path."""
+    run = TraceRun(None, list(records), races, waits, ranges)
+    return write_chrome_trace_runs(path, [run], metadata=metadata, window=window)
+
+
+def write_chrome_trace_runs(
+    path: str | Path,
+    runs: Sequence[TraceRun],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    window: Window | None = None,
+) -> Path:
+    """Write `chrome_trace_runs(...)` as JSON to `path`; returns the path."""
     path = Path(path)
-    trace = chrome_trace(records, races=races, metadata=metadata)
+    trace = chrome_trace_runs(runs, metadata=metadata, window=window)
     path.parent.mkdir(parents=True, exist_ok=True)
     # allow_nan=False turns any non-finite number that slipped through into an error here,
     # not a file the viewers refuse to open.
     text = json.dumps(trace, allow_nan=False, separators=(",", ":"))
     path.write_text(text, encoding="utf-8")
     return path
+
+
+# Op kinds a trace's complete events carry in "cat" (named ranges are "range.<source>").
+_OP_KINDS = frozenset({COMPUTE, COMM, SYNC, HANDOFF, GRAPH_LAUNCH})
+
+
+def runs_from_trace(trace: Mapping[str, Any]) -> list[TraceRun]:
+    """The runs a trace written by this module holds, read back (ops, ranges, races), one
+    per label in process order: what re-drawing a written trace, windowed, needs."""
+    labels: dict[int, str | None] = {}
+    for e in trace.get("traceEvents", ()):
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            name = str(e["args"]["name"])
+            labels[e["pid"]] = name.rsplit(" · rank ", 1)[0] if " · rank " in name else None
+    order = list(dict.fromkeys(labels[pid] for pid in sorted(labels)))
+    records: dict[str | None, list[OpRecord]] = {label: [] for label in order}
+    ranges: dict[str | None, list[HostRange]] = {label: [] for label in order}
+    races: dict[str | None, list[RaceReport]] = {label: [] for label in order}
+    for e in trace.get("traceEvents", ()):
+        label = labels.get(e.get("pid"))
+        if label not in records:
+            continue
+        args = e.get("args", {})
+        if e["ph"] == "X" and e.get("cat") in _OP_KINDS:
+            records[label].append(_record_from_event(e))
+        elif e["ph"] == "X" and str(e.get("cat", "")).startswith("range."):
+            ranges[label].append(HostRange(args["rank"], args["ubatch"], e["name"], e["ts"],
+                                           e["ts"] + e["dur"], args["source"]))
+        elif e["ph"] == "i" and e.get("cat") == "race":
+            races[label].append(RaceReport(int(args["storage"], 16), _site(args["first"]),
+                                           _site(args["second"])))
+    return [TraceRun(label, sorted(records[label], key=lambda r: r.seq), races[label], (),
+                     ranges[label]) for label in order]
+
+
+def _record_from_event(e: Mapping[str, Any]) -> OpRecord:
+    args = dict(e["args"])
+    standard = {k: args.pop(k) for k in _STANDARD_ARGS}
+    extra = {k.removeprefix("record."): v for k, v in args.items() if k != "races"}
+    return OpRecord(
+        seq=standard["seq"], name=e["name"], kind=e["cat"], rank=standard["rank"],
+        ubatch=standard["ubatch"], stream=standard["stream"], issue_us=standard["issue_us"],
+        start_us=e["ts"], end_us=e["ts"] + e["dur"], flops=standard["flops"],
+        bytes=standard["bytes"], replayed=standard["replayed"], args=extra,
+    )  # fmt: skip
+
+
+def _site(args: Mapping[str, Any]) -> OpSite:
+    start, end = args["byte_range"]
+    return OpSite(args["op"], args["ubatch"], args["stream"], start, end, args["is_write"],
+                  tuple(args["stack"]))

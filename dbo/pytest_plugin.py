@@ -1,0 +1,65 @@
+"""A pytest plugin for testing your own model under DBO, installed with the package.
+
+The `pytest11` entry point loads it into every pytest run of an environment where dbo-sim is
+installed (or load it by hand: `pytest -p dbo.pytest_plugin`). Fixtures:
+
+- `sim_device`: a fresh simulated H200 (its own clocks, streams and race history);
+- `dbo_workspace`: a workspace manager initialised for N ubatches (2, or the value of an
+  indirect parametrization), reset after the test;
+- `dbo_verify`: `dbo.verify` that fails the test with the report's `describe()` when the
+  report is not ok, and returns the report when it is.
+
+    def test_my_model_overlaps_correctly(dbo_verify):
+        dbo_verify(MyModel().forward, torch.randn(64, 128))
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import workspace
+from dbo.sim import SimDevice
+from dbo.verify import VerifyReport, verify
+
+__all__ = ["dbo_verify", "dbo_workspace", "sim_device"]
+
+DEFAULT_NUM_UBATCHES = 2
+
+
+@pytest.fixture
+def sim_device() -> SimDevice:
+    """A fresh simulated H200: each test gets its own clocks, streams and race history."""
+    return SimDevice()
+
+
+@pytest.fixture
+def dbo_workspace(request: pytest.FixtureRequest) -> Iterator[workspace.WorkspaceManager]:
+    """The process-wide workspace manager for N ubatches (default 2; parametrize indirectly
+    to change it), on the CPU tensors the simulated device computes with; reset after."""
+    num = getattr(request, "param", DEFAULT_NUM_UBATCHES)
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        raise ValueError(f"dbo_workspace: the ubatch count must be an int >= 1, got {num!r}")
+    workspace.reset_workspace_manager()  # a test never inherits another test's manager
+    manager = workspace.init_workspace_manager("cpu", num)
+    try:
+        yield manager
+    finally:
+        workspace.reset_workspace_manager()
+
+
+@pytest.fixture
+def dbo_verify() -> Callable[..., VerifyReport]:
+    """`dbo.verify`, failing the test with the report's description when it is not ok."""
+
+    @functools.wraps(verify)
+    def verify_or_fail(*args: Any, **kwargs: Any) -> VerifyReport:
+        report = verify(*args, **kwargs)
+        if not report.ok:
+            pytest.fail(report.describe(), pytrace=False)
+        return report
+
+    return verify_or_fail

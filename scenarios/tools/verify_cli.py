@@ -1,0 +1,240 @@
+"""`dbo-sim verify MODULE:FORWARD --inputs MODULE:FACTORY`: `dbo.verify` from the command line.
+
+MODULE is a dotted module name (found from the current folder, as `python -m` finds it) or a
+path to a .py file; the part after the colon is an attribute path in it. FORWARD is the step
+(`forward(batch) -> output`), FACTORY a callable with no arguments that returns the batch.
+Exit status: 0 when the report is ok, 1 when it is not (or the serial forward raised), 2 on a
+bad command line (one line, `dbo-sim: <why>`), before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from dbo.sim.trace import WindowSpec
+from dbo.verify import VerifyReport, verify
+from scenarios.tools.trace_window import window_type
+
+__all__ = ["add_parser", "load_attribute", "main", "run"]
+
+
+class UsageError(Exception):
+    """A bad command line: printed after "dbo-sim: ", exit status 2."""
+
+
+def _exit_usage(message: str) -> NoReturn:
+    """argparse's error hook: one line, then exit status 2."""
+    print(f"dbo-sim: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _ubatches(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (DBO needs two ubatches), got {value}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = _tolerance(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("forward", metavar="MODULE:FORWARD",
+                   help="the step to verify: forward(batch) -> output (MODULE: dotted name or "
+                        ".py path)")
+    p.add_argument("--inputs", required=True, metavar="MODULE:FACTORY",
+                   help="a callable with no arguments that returns the batch")
+    p.add_argument("-n", "--ubatches", type=_ubatches, default=2, help="ubatches (default 2)")
+    p.add_argument("--device", choices=["sim", "cuda"], default="sim",
+                   help="simulated GPU (default) or real CUDA streams")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write a Chrome trace and a PNG of both runs here")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--window", type=window_type, default=None, metavar="START:END|layers=A:B",
+                   help="draw only virtual microseconds START to END, or MoE layers A to B-1 "
+                        "(with --out)")
+    p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute tolerance (default 0)")
+    p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--timeout", type=_seconds, default=60.0,
+                   help="seconds before a stuck ubatched step is ended (default 60)")
+    # One line on a bad command line, as every dbo-sim verb answers, not argparse's usage block.
+    p.error = _exit_usage  # type: ignore[method-assign]
+    p.set_defaults(func=_verb)
+    return p
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the `verify` verb to dbo-sim's subcommands."""
+    return _configure(sub.add_parser(
+        "verify", help="verify your own forward under DBO (serial vs ubatched, races, errors)",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    ))
+
+
+def load_attribute(spec: str, what: str) -> Any:
+    """`MODULE:ATTR` -> the object; UsageError saying what is wrong otherwise."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"{what} must look like MODULE:NAME, got {spec!r}")
+    module = _load_module(module_name, what)
+    value: Any = module
+    for part in attr.split("."):
+        if not hasattr(value, part):
+            raise UsageError(f"{what}: {module_name} has no attribute {attr!r}")
+        value = getattr(value, part)
+    return value
+
+
+def _load_module(name: str, what: str) -> Any:
+    if name.endswith(".py") or "/" in name or "\\" in name:
+        path = Path(name)
+        if not path.is_file():
+            raise UsageError(f"{what}: no such file {name!r}")
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)  # the module's own sibling imports
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise UsageError(f"{what}: cannot load {name!r} as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(path.stem, module)
+        _exec(lambda: spec.loader.exec_module(module), name, what)  # type: ignore[union-attr]
+        return module
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # as `python -m` finds modules
+    try:
+        return _exec(lambda: importlib.import_module(name), name, what)
+    except ModuleNotFoundError as error:
+        raise UsageError(f"{what}: cannot import {name!r} ({error})") from None
+
+
+def _exec(load: Callable[[], Any], name: str, what: str) -> Any:
+    try:
+        return load()
+    except ModuleNotFoundError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the user's module failed on import
+        raise UsageError(
+            f"{what}: importing {name!r} raised {type(error).__name__}: {error}"
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """The verb: load, check, verify, print; returns the exit status."""
+    forward = load_attribute(args.forward, "MODULE:FORWARD")
+    if not callable(forward):
+        raise UsageError(f"{args.forward} is a {type(forward).__name__}, not a callable")
+    factory = load_attribute(args.inputs, "--inputs")
+    if not callable(factory):
+        raise UsageError(f"--inputs {args.inputs} is a {type(factory).__name__}, not a callable")
+    if args.window is not None and args.out is None:
+        raise UsageError("--window narrows the trace and PNG: give --out DIR too")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda needs a CUDA GPU, and none is present here; use "
+                         "--device sim")
+    try:
+        batch = factory()
+    except Exception as error:  # noqa: BLE001 - nothing can be verified without inputs
+        raise UsageError(f"--inputs {args.inputs} raised {type(error).__name__}: {error}") from None
+    try:
+        report = verify(
+            forward, batch, num_ubatches=args.ubatches, device=args.device, atol=args.atol,
+            rtol=args.rtol, timeout=args.timeout,
+        )
+    except (TypeError, ValueError) as error:
+        if _raised_by_verify(error):
+            raise UsageError(str(error)) from None
+        return _serial_failed(error)
+    except Exception as error:  # noqa: BLE001 - the serial forward failed: nothing to compare
+        return _serial_failed(error)
+    if args.out is not None:
+        _write_artifacts(report, args.out, args.window)
+    _print(report, args.json)
+    return 0 if report.ok else 1
+
+
+def _write_artifacts(report: VerifyReport, out: str, spec: WindowSpec | None) -> None:
+    window = None
+    if spec is not None:
+        try:
+            window = spec.resolve(report.records.get("ubatched") or report.records["serial"])
+        except (KeyError, ValueError) as error:
+            print(f"dbo-sim: no window drawn: {error}", file=sys.stderr)
+    report.write_artifacts(out, window=window)
+
+
+def _verb(args: argparse.Namespace) -> int:
+    try:
+        return run(args)
+    except UsageError as error:
+        print(f"dbo-sim: {error}", file=sys.stderr)
+        return 2
+
+
+# verify's own checks, run before any work: an error raised in one of them is a usage error.
+_CHECKS = frozenset(
+    {"_check_args", "_check_workspace", "_resolve", "split_inputs", "_ubatch_inputs", "verify"}
+)
+
+
+def _raised_by_verify(error: BaseException) -> bool:
+    """Whether verify's argument checks refused (a usage error), not the user's code: the
+    innermost frame of `dbo.verify` on the traceback is one of its checks."""
+    innermost = None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") == "dbo.verify":
+            innermost = tb.tb_frame.f_code.co_name
+        tb = tb.tb_next
+    return innermost in _CHECKS
+
+
+def _serial_failed(error: BaseException) -> int:
+    print("dbo.verify: FAILED: the serial forward raised; nothing to compare", file=sys.stderr)
+    traceback.print_exception(error, file=sys.stderr)
+    return 1
+
+
+def _print(report: VerifyReport, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report.to_dict(), allow_nan=False))
+    else:
+        print(report.describe())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`dbo-sim verify ...` on its own (the dbo-sim CLI calls `run` through `add_parser`)."""
+    parser = _configure(argparse.ArgumentParser(prog="dbo-sim verify", description=__doc__))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # a bad command line (2), or --help (0)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    return _verb(args)

@@ -1,0 +1,155 @@
+"""`dbo-sim verify MODULE:FORWARD --inputs MODULE:FACTORY`, on a module written to a temp
+folder: exit 0 when ok, 1 when not, 2 (one line) on a bad command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from scenarios.cli import main
+from workspace import reset_workspace_manager
+
+USER_MODULE = textwrap.dedent(
+    '''
+    import torch
+    import dbo
+
+    def forward(x):
+        h = torch.tanh(x)
+        dbo.dbo_yield_and_switch_from_compute_to_comm()
+        with dbo.current_device().comm_region("dispatch", nbytes=h.numel() * 4):
+            out = h * 2
+        dbo.dbo_switch_to_compute_sync()
+        return out
+
+    def racy_forward(x):
+        h = torch.tanh(x)
+        dbo.dbo_yield()
+        dbo.dbo_switch_to_comm()  # no wait for the compute stream
+        with dbo.current_device().comm_region("dispatch", nbytes=h.numel() * 4):
+            out = h * 2
+        dbo.dbo_switch_to_compute_sync()
+        return out
+
+    def make_batch():
+        return torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+
+    def broken_batch():
+        raise RuntimeError("no data")
+
+    def broken_forward(x):
+        raise RuntimeError("model bug")
+
+    not_callable = 3
+    '''
+)
+
+
+def run_cli(argv: list[str]) -> int:
+    """dbo-sim's exit status: what main returns, or what argparse exits with."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "user_model.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the verb may add the module's folder
+    monkeypatch.delitem(sys.modules, "user_model", raising=False)
+    reset_workspace_manager()
+    yield tmp_path / "user_model.py"
+    reset_workspace_manager()
+
+
+@pytest.mark.timeout(60)
+def test_a_correct_forward_exits_0_with_the_report(user_module, capsys):
+    code = run_cli(["verify", "user_model:forward", "--inputs", "user_model:make_batch"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "dbo.verify: OK (2 ubatches on sim)" in out
+
+
+@pytest.mark.timeout(60)
+def test_a_racy_forward_exits_1(user_module, capsys):
+    code = run_cli(["verify", "user_model:racy_forward", "--inputs", "user_model:make_batch"])
+    assert code == 1
+    assert "race on storage" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_a_forward_that_raises_serially_exits_1_with_its_traceback(user_module, capsys):
+    code = run_cli(["verify", "user_model:broken_forward", "--inputs", "user_model:make_batch"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "the serial forward raised" in err and "RuntimeError: model bug" in err
+
+
+@pytest.mark.timeout(60)
+def test_json_report_and_artifacts_from_a_py_path(user_module, tmp_path, capsys):
+    path = str(user_module)
+    code = run_cli(["verify", f"{path}:forward", "--inputs", f"{path}:make_batch", "-n", "3",
+                 "--json", "--out", str(tmp_path / "out")])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert report["ok"] is True and report["num_ubatches"] == 3
+    assert (tmp_path / "out" / "verify.trace.json").is_file()
+    assert (tmp_path / "out" / "verify.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["user_model:forward"], "--inputs"),
+        (["user_model", "--inputs", "user_model:make_batch"], "MODULE:NAME"),
+        (["no_such_module:forward", "--inputs", "user_model:make_batch"], "cannot import"),
+        (["user_model:nothing", "--inputs", "user_model:make_batch"], "no attribute"),
+        (["user_model:not_callable", "--inputs", "user_model:make_batch"], "not a callable"),
+        (["user_model:forward", "--inputs", "user_model:broken_batch"], "no data"),
+        (["user_model:forward", "--inputs", "user_model:make_batch", "-n", "1"], ">= 2"),
+        (["user_model:forward", "--inputs", "user_model:make_batch", "--atol", "nan"], "atol"),
+        (["missing.py:forward", "--inputs", "user_model:make_batch"], "no such file"),
+        (["user_model:forward", "--inputs", "user_model:make_batch", "--window", "9:3",
+          "--out", "o"], "after its start"),
+        (["user_model:forward", "--inputs", "user_model:make_batch", "--window", "1:5"],
+         "give --out"),
+    ],
+)
+def test_a_bad_command_line_exits_2_with_one_line(user_module, capsys, argv, message):
+    code = run_cli(["verify", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("dbo-sim: ") and err.count("\n") == 1
+    assert message in err
+
+
+@pytest.mark.timeout(60)
+def test_window_narrows_the_trace(user_module, tmp_path, capsys):
+    code = run_cli(["verify", "user_model:forward", "--inputs", "user_model:make_batch",
+                    "--out", str(tmp_path / "w"), "--window", "0:5"])
+    assert code == 0
+    trace = json.loads((tmp_path / "w" / "verify.trace.json").read_text())
+    assert trace["otherData"]["window_us"] == [0.0, 5.0]
+    assert all(e["ts"] <= 5.0 for e in trace["traceEvents"] if e["ph"] == "X")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_a_bad_command_line(user_module, capsys):
+    code = run_cli(["verify", "user_model:forward", "--inputs", "user_model:make_batch",
+                 "--device", "cuda"])
+    assert code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_the_verb_runs_on_its_own(user_module, capsys):
+    from scenarios.tools.verify_cli import main as verify_main
+
+    assert verify_main(["user_model:forward", "--inputs", "user_model:make_batch"]) == 0
+    assert verify_main(["user_model:forward"]) == 2
