@@ -82,6 +82,7 @@ __all__ = [
     "slice_query_start_locs",
     "split_attn_metadata",
     "split_batch",
+    "ubatch_cut_points",
 ]
 
 
@@ -319,6 +320,14 @@ def _as_num_scheduled_tokens(num_scheduled_tokens: Any) -> list[int]:
 # Whether to cut
 
 
+def ubatch_cut_points(num_tokens_padded: int, num_ubatches: int) -> list[int]:
+    """The N - 1 token positions where ubatches start: k * (num_tokens_padded // N), vLLM's
+    default split points."""
+    padded = _as_count("num_tokens_padded", num_tokens_padded)
+    n = _as_num_ubatches(num_ubatches)
+    return [k * (padded // n) for k in range(1, n)]
+
+
 def is_last_ubatch_empty(orig_num_tokens: int, padded_num_tokens: int, num_ubatches: int) -> bool:
     """True when cutting `padded_num_tokens` into `num_ubatches` at multiples of
     padded // N leaves the last ubatch without any of the `orig_num_tokens` real tokens.
@@ -463,7 +472,7 @@ def maybe_create_ubatch_slices(
     if reqs_padded < len(counts):
         raise ValueError(f"num_reqs_padded ({reqs_padded}) is below the {len(counts)} requests")
     if split_point is None:
-        points = [k * (padded // n) for k in range(1, n)]
+        points = ubatch_cut_points(padded, n)
     elif isinstance(split_point, Sequence):
         points = [_as_count("split_point", p) for p in split_point]
         if len(points) != n - 1:
@@ -501,10 +510,9 @@ def split_batch(
             f"query_start_loc[-1] ({real})"
         )
     if is_last_ubatch_empty(real, padded, n):
-        cuts = [k * (padded // n) for k in range(1, n)]
         raise ValueError(
             f"cannot split {real} real tokens (padded to {padded}) into {n} ubatches at "
-            f"{cuts}: a ubatch would hold no real tokens; check is_last_ubatch_empty first"
+            f"{ubatch_cut_points(padded, n)}: a ubatch would hold no real tokens; check is_last_ubatch_empty first"
         )
     counts = [b - a for a, b in pairwise(qsl)]
     slices, _ = maybe_create_ubatch_slices(True, counts, padded, len(counts), n)
