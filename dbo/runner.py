@@ -28,6 +28,10 @@ from dbo.ubatching import UBatchContext, _as_ubatch_error, make_ubatch_contexts
 __all__ = ["run_ubatches", "merge_outputs", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
+# How long the launcher waits, past the deadline, for aborted peers to leave their batons
+# before it raises: they wake at once, and one stuck in user code is left behind anyway, so
+# a long wait would only delay the timeout error the caller asked for.
+_ABORT_GRACE_S = 0.1
 
 
 def run_ubatches(
@@ -170,7 +174,7 @@ def _run_step(
                 launcher_error = error  # an interrupt is never swallowed by a step's error
         # Peers wake promptly after an abort; a thread stuck in user code cannot be stopped,
         # so it is left behind (and never reused) instead of hanging the caller.
-        all_done.wait(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
+        all_done.wait(timeout=max(deadline - time.monotonic(), 0.0) + _ABORT_GRACE_S)
     finally:
         step.close()
         _WORKERS.release(workers)
