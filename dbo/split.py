@@ -237,6 +237,16 @@ def ubatch_cut_points(num_tokens_padded: int, num_ubatches: int) -> list[int]:
     return [k * width for k in range(1, n)]
 
 
+def _brief(values: Sequence[int], keep: int = 3) -> str:
+    """A list for an error message, its middle elided when long, so the message stays
+    readable for any ubatch count."""
+    if len(values) <= 2 * keep + 1:
+        return str(list(values))
+    head = ", ".join(map(str, values[:keep]))
+    tail = ", ".join(map(str, values[-keep:]))
+    return f"[{head}, ... {len(values) - 2 * keep} more ..., {tail}]"
+
+
 def has_empty_ubatch(num_tokens: int, num_tokens_padded: int, num_ubatches: int) -> bool:
     """True when cutting at the padded positions leaves some ubatch without real tokens.
 
@@ -326,7 +336,7 @@ def split_batch(
     if has_empty_ubatch(real, padded, n):
         raise ValueError(
             f"cannot split {real} real tokens (padded to {padded}) into {n} ubatches at "
-            f"{cuts}: a ubatch would hold no real tokens; check should_ubatch first"
+            f"{_brief(cuts)}: a ubatch would hold no real tokens; check should_ubatch first"
         )
     bounds = [0, *cuts, real]
     num_requests = len(qsl) - 1
