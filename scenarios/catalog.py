@@ -227,7 +227,7 @@ def _with_artifacts(result: ScenarioResult, device: Any, opts: RunOptions) -> Sc
     records = list(getattr(device, "timeline", []))
     if opts.out_dir is not None and records:
         run = StepRun(torch.empty(0), 0.0, None, records, list(getattr(device, "races", [])))
-        result.trace, result.timeline_png = write_artifacts(result.scenario, run, opts.out_dir)
+        result.trace, result.timeline_png = write_artifacts(result.scenario, run, opts)
     return result
 
 
@@ -543,7 +543,7 @@ def _missing_wait(opts: RunOptions) -> ScenarioResult:
         details={"first_race": caught[0].describe() if caught else None},
     )
     if opts.out_dir is not None:
-        result.trace, result.timeline_png = write_artifacts("missing-wait-race", run, opts.out_dir)
+        result.trace, result.timeline_png = write_artifacts("missing-wait-race", run, opts)
     return result
 
 

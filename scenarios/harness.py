@@ -52,6 +52,11 @@ class RunOptions:
     out_dir: Path | None = None  # traces and PNGs go here; None writes nothing
     timeout_s: float = 60.0
 
+    def artifact_stem(self, name: str, ranks: int = 1) -> str:
+        """A scenario's trace and PNG file name without suffix: it carries the ubatch and rank
+        counts, so runs with another `-n` or `--ranks` never overwrite each other's files."""
+        return f"{name}.n{self.num_ubatches}.r{ranks}"
+
 
 @dataclass
 class StepRun:
@@ -181,14 +186,17 @@ def compare_serial_dbo(
         serial, ubatched, match, diff, tolerance, values_checked=config.tensor_device != "meta"
     )
     if opts.out_dir is not None and ubatched.records:
-        comparison.trace, comparison.timeline_png = write_artifacts(name, ubatched, opts.out_dir)
+        comparison.trace, comparison.timeline_png = write_artifacts(name, ubatched, opts)
     return comparison
 
 
-def write_artifacts(name: str, run: StepRun, out_dir: Path) -> tuple[str, str]:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write_artifacts(name: str, run: StepRun, opts: RunOptions) -> tuple[str, str]:
+    """`<out_dir>/<stem>.trace.json` and `<stem>.png`, the stem from `opts.artifact_stem`."""
+    assert opts.out_dir is not None, "callers check out_dir first"
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = opts.out_dir / opts.artifact_stem(name)
     trace = write_chrome_trace(
-        out_dir / f"{name}.trace.json", run.records, races=run.races, metadata={"scenario": name}
+        Path(f"{stem}.trace.json"), run.records, races=run.races, metadata={"scenario": name}
     )
-    png = plot_timeline(out_dir / f"{name}.png", run.records, title=f"{name} (DBO)")
+    png = plot_timeline(Path(f"{stem}.png"), run.records, title=f"{name} (DBO)")
     return str(trace), str(png)

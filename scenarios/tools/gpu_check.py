@@ -28,7 +28,7 @@ runs the same warm-up, lock, capture and replay sequence on a CPU, which the tes
     python -m scenarios.tools.gpu_check --sim-only      # the simulated half alone (any machine)
 
 Exit status: 0 measured (or --sim-only done); 2 no CUDA GPU present (nothing measured);
-1 a measurement failed (the others are still reported). About a minute on an H200.
+1 a measurement failed (the others are still reported).
 """
 
 from __future__ import annotations
@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     on_gpu = not args.sim_only
     if on_gpu and not torch.cuda.is_available():
-        print(f"gpu_check: {NO_GPU_MESSAGE}")
+        print(f"gpu_check: {NO_GPU_MESSAGE}", file=sys.stderr)
         return 2
     gpu_name = torch.cuda.get_device_name() if on_gpu else "no GPU (--sim-only)"
     chosen = [c for c in cases(args.layers) if args.only in (None, c.name)]
