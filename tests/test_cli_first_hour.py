@@ -26,6 +26,10 @@ from scenarios.cli import main
 from scenarios.tools import calibrate_host, gpu_check
 from scenarios.tools.stress import run_stress
 
+# Tests here start threads: each gets this bound unless it carries its own, so a hang fails
+# the test, never the whole run.
+pytestmark = pytest.mark.timeout(60)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

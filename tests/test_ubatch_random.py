@@ -12,6 +12,10 @@ import dbo
 from dbo import ubatching
 from dbo.sim import SimDevice
 
+# Tests here start threads: each gets this bound unless it carries its own, so a hang fails
+# the test, never the whole run.
+pytestmark = pytest.mark.timeout(120)
+
 _HELPERS = {
     "yield": lambda: dbo.dbo_yield(),
     "to_comm": lambda: dbo.dbo_yield_and_switch_from_compute_to_comm(),
