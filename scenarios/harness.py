@@ -1,6 +1,6 @@
 """Run one workload serially and with DBO on a fresh device, and compare the two runs.
 
-Every measured run follows the engine's life cycle from the seed (section 4): init the
+Every measured run follows an inference engine's life cycle: init the
 workspace, warm up eagerly (the workspace grows to its largest need), lock it, then run the
 measured step, which must allocate nothing. The serial run is the same model code with every
 dbo_* call a no-op; the DBO run splits the batch with `dbo.split` and runs the ubatch threads

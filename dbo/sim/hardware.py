@@ -4,7 +4,7 @@ A profile is a frozen dataclass; a user makes their own with `dataclasses.replac
 or by constructing `HardwareProfile` directly. Datasheet numbers carry their source in a
 comment; numbers that are modelling assumptions say so. The link efficiencies and the
 low-latency fixed time come from DeepEP's published measurements (sources beside them); the
-SGLang step-level results quoted in DESIGN.md are never used to set a number here: they are
+SGLang step-level results (published DBO/TBO throughput) never set a number here: they are
 what `scenarios.tools.fidelity` checks the model against.
 """
 
@@ -58,7 +58,7 @@ class HardwareProfile:
     gpus_per_node: int = 8  # HGX/DGX boards: EP groups larger than this cross nodes (RDMA)
     # Achieved fraction of the peaks above. A roofline at 100% of peak is an upper bound no
     # real kernel reaches; the factors turn it into a typical large-kernel rate.
-    compute_efficiency: float = 0.8  # DESIGN.md anchor: H200 ~790 of 989 TFLOP/s measured
+    compute_efficiency: float = 0.8  # H200: ~790 of 989 TFLOP/s dense bf16 reached in practice
     # FP8 GEMMs with fine-grained (block) scaling reach a smaller share of their doubled peak:
     # DeepGEMM's README (Feb 2025, H800, DeepSeek-V3 shapes at M=4096) lists 990-1358 TFLOPS
     # for dense and 1093-1297 for grouped MoE GEMMs, i.e. 0.50-0.69 of 1979; 0.6 is the middle.
