@@ -67,7 +67,9 @@ def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number {bounds}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number {bounds}, got {text!r}"
+            ) from None
         if value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
         return value
@@ -119,7 +121,8 @@ def _version() -> str:
     except importlib.metadata.PackageNotFoundError:
         # Run from a source tree that was never installed: read the project file beside it.
         pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.MULTILINE) if pyproject.is_file() else None
+        text = pyproject.read_text() if pyproject.is_file() else ""
+        found = re.search(r'^version = "([^"]+)"', text, re.MULTILINE)
         return found.group(1) if found else "unknown"
 
 
@@ -175,7 +178,9 @@ def _fmt_bytes(nbytes: int | None) -> str:
     return f"{nbytes / 1024:.0f} KiB"
 
 
-_HEADER = ("scenario", "verdict", "match", "races", "serial us", "dbo us", "speedup", "overlap", "ws peak")
+_HEADER = (
+    "scenario", "verdict", "match", "races", "serial us", "dbo us", "speedup", "overlap", "ws peak"
+)
 # Widths fixed up front so that rows print as their scenarios finish; a wider cell just
 # pushes its row's later cells right.
 _WIDTHS = (0, len("PASS (fault caught)"), 5, 5, 9, 9, 7, 7, 10)
@@ -294,7 +299,8 @@ def _run_across_ranks(args: argparse.Namespace, names: Sequence[str], distribute
     if not args.json:
         print(table.header())
     for result in results:
-        print(json.dumps(result.to_dict(), default=str) if args.json else table.row(result), flush=True)
+        line = json.dumps(result.to_dict(), default=str) if args.json else table.row(result)
+        print(line, flush=True)
     return _report(args, opts, results)
 
 
@@ -327,9 +333,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         layers = f"{args.layers} of 61 layers" if args.layers else "61 layers"
         print(
             f"DeepSeek-V3 ({layers}), {args.ubatches} ubatches; decode: one-token requests over a "
-            f"{args.context}-token context each (--context); prefill: {sweep.PREFILL_PROMPT}-token prompts"
+            f"{args.context}-token context each (--context); prefill: "
+            f"{sweep.PREFILL_PROMPT}-token prompts"
         )
-        print(f"{'phase':8} {'tokens':>7} {'serial us':>10} {'dbo us':>10} {'gain':>7} {'overlap':>8} {'comm/compute':>13}")
+        print(
+            f"{'phase':8} {'tokens':>7} {'serial us':>10} {'dbo us':>10} {'gain':>7} "
+            f"{'overlap':>8} {'comm/compute':>13}"
+        )
 
     def on_point(p: sweep.SweepPoint) -> None:
         sink.write(p)
@@ -338,7 +348,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             return
         print(
             f"{p.phase:8} {p.tokens_per_device:7d} {p.step_us_serial:10.1f} {p.step_us_dbo:10.1f} "
-            f"{(p.speedup - 1) * 100:6.1f}% {p.overlap_fraction * 100:7.0f}% {p.comm_compute_ratio:13.2f}",
+            f"{(p.speedup - 1) * 100:6.1f}% {p.overlap_fraction * 100:7.0f}% "
+            f"{p.comm_compute_ratio:13.2f}",
             flush=True,
         )
 
@@ -378,7 +389,11 @@ def cmd_stress(args: argparse.Namespace) -> int:
 
     try:
         report = run_stress(
-            args.threads, args.iterations, seed=args.seed, deadline_s=args.timeout, on_progress=on_progress
+            args.threads,
+            args.iterations,
+            seed=args.seed,
+            deadline_s=args.timeout,
+            on_progress=on_progress,
         )
     finally:
         progress.close()
@@ -431,8 +446,11 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dbo-sim", description="Dual Batch Overlap scenarios on a simulated or real GPU")
-    parser.add_argument("--version", action="version", version=f"dbo-sim {_version()} (torch {torch.__version__})")
+    parser = _Parser(
+        prog="dbo-sim", description="Dual Batch Overlap scenarios on a simulated or real GPU"
+    )
+    version = f"dbo-sim {_version()} (torch {torch.__version__})"
+    parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command")
     listing = sub.add_parser("list", help="list the scenarios")
     listing.add_argument("--json", action="store_true", help="one JSON object per scenario and line")
@@ -449,11 +467,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     sweep = sub.add_parser("sweep", help="DBO speedup against tokens per device (CSV + PNG)")
     _add_common(sweep)
-    sweep.add_argument("--decode", type=_positive_int, nargs="+", help="decode tokens per device to try")
-    sweep.add_argument("--prefill", type=_positive_int, nargs="+", help="prefill tokens per device to try")
+    sweep.add_argument(
+        "--decode", type=_positive_int, nargs="+", help="decode tokens per device to try"
+    )
+    sweep.add_argument(
+        "--prefill", type=_positive_int, nargs="+", help="prefill tokens per device to try"
+    )
     sweep.add_argument(
         "--context", type=_positive_int, default=DECODE_CONTEXT,
-        help=f"KV-cache tokens of each decode request (default {DECODE_CONTEXT}, as in dsv3-decode-ll)",
+        help=f"KV-cache tokens per decode request (default {DECODE_CONTEXT}, as dsv3-decode-ll)",
     )
     sweep.add_argument(
         "--layers",

@@ -17,13 +17,11 @@ import pytest
 import torch
 
 import dbo
-import scenarios.catalog as catalog
-import scenarios.tools.bench as bench
-import scenarios.tools.sweep as sweep
 from dbo.sim import SimDevice
 from dbo.split import split_batch
+from scenarios import catalog
 from scenarios.cli import main
-from scenarios.tools import calibrate_host, gpu_check
+from scenarios.tools import bench, calibrate_host, gpu_check, sweep
 from scenarios.tools.stress import run_stress
 
 # Tests here start threads: each gets this bound unless it carries its own, so a hang fails
@@ -107,7 +105,9 @@ def unwritable(tmp_path: Path) -> Path:
     return tmp_path / UNWRITABLE
 
 
-def test_run_refuses_an_out_folder_it_cannot_create_before_any_scenario(capsys, monkeypatch, unwritable):
+def test_run_refuses_an_out_folder_it_cannot_create_before_any_scenario(
+    capsys, monkeypatch, unwritable
+):
     seen: list = []
     monkeypatch.setitem(catalog.SCENARIOS, "fake-a", _fake("fake-a", seen))
     assert main(["run", "fake-a", "--out", str(unwritable)]) == 2
@@ -123,7 +123,9 @@ def test_run_refuses_an_out_folder_it_cannot_create_before_any_scenario(capsys, 
         (["gpu-check", "--sim-only"], (gpu_check, "main")),
     ],
 )
-def test_tools_refuse_an_out_path_they_cannot_write_before_any_work(capsys, monkeypatch, unwritable, verb, spied):
+def test_tools_refuse_an_out_path_they_cannot_write_before_any_work(
+    capsys, monkeypatch, unwritable, verb, spied
+):
     ran: list = []
     monkeypatch.setattr(*spied, lambda *a, **k: ran.append(1) or 0)
     out = unwritable / "report.json" if verb[0] == "gpu-check" else unwritable
@@ -141,7 +143,9 @@ def test_a_split_error_stays_short_for_any_ubatch_count():
 
 
 def test_a_huge_scenario_error_prints_as_one_bounded_paragraph(capsys, monkeypatch):
-    monkeypatch.setitem(catalog.SCENARIOS, "fake-a", _fake("fake-a", [], error="cut at 0, " * 30_000))
+    monkeypatch.setitem(
+        catalog.SCENARIOS, "fake-a", _fake("fake-a", [], error="cut at 0, " * 30_000)
+    )
     assert main(["run", "fake-a", "--no-artifacts"]) == 1
     out = capsys.readouterr().out
     assert len(out) < 5000 and "more characters" in out
@@ -163,7 +167,7 @@ def test_ctrl_c_during_run_keeps_the_finished_rows_and_exits_130(capsys, monkeyp
     monkeypatch.setitem(catalog.SCENARIOS, "fake-c", _fake("fake-c", seen))
     assert main(["run", "fake-a", "fake-b", "fake-c", "--no-artifacts"]) == 130
     out, err = capsys.readouterr()
-    assert re.search(r"^fake-a\s+PASS", out, re.M) and "fake-c" not in out
+    assert re.search(r"^fake-a\s+PASS", out, re.MULTILINE) and "fake-c" not in out
     assert err == "dbo-sim: interrupted; 1 of 3 scenario(s) finished; their results are above\n"
     assert seen == ["fake-a", "fake-b"]
 
@@ -190,11 +194,24 @@ def test_ctrl_c_during_sweep_keeps_the_finished_points_in_the_csv(capsys, monkey
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sweep, "compare_serial_dbo", interrupt_the_second)
-    argv = ["sweep", "--layers", "1", "--decode", "16", "32", "--prefill", "1024", "--out", str(tmp_path)]
+    argv = [
+        "sweep",
+        "--layers",
+        "1",
+        "--decode",
+        "16",
+        "32",
+        "--prefill",
+        "1024",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(argv) == 130
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
     assert [r["tokens_per_device"] for r in rows] == ["16"]
-    assert capsys.readouterr().err.startswith("dbo-sim: interrupted; the sweep points that finished")
+    assert capsys.readouterr().err.startswith(
+        "dbo-sim: interrupted; the sweep points that finished"
+    )
 
 
 @pytest.mark.timeout(30)
@@ -237,7 +254,9 @@ def test_stress_that_finishes_in_time_is_not_cut_short():
 
 def test_version_names_the_project_version(capsys):
     assert main(["--version"]) == 0
-    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    version = re.search(
+        r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE
+    ).group(1)
     assert capsys.readouterr().out.startswith(f"dbo-sim {version} ")
 
 
@@ -273,7 +292,9 @@ def test_both_gpu_verbs_say_no_cuda_gpu_the_same_way(capsys, argv):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
-@pytest.mark.parametrize("tool, prog", [(gpu_check, "gpu_check"), (calibrate_host, "calibrate_host")])
+@pytest.mark.parametrize(
+    "tool, prog", [(gpu_check, "gpu_check"), (calibrate_host, "calibrate_host")]
+)
 def test_both_gpu_tools_run_directly_say_no_cuda_gpu_on_stderr_with_exit_2(capsys, tool, prog):
     assert tool.main([]) == 2
     out, err = capsys.readouterr()
@@ -324,7 +345,14 @@ def test_the_first_fault_in_a_cold_process_does_not_import_torch_dynamo():
         "except dbo.UBatchError:\n"
         "    print('torch._dynamo' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
     assert done.stdout.strip() == "False", done.stderr
 
 

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import dbo
-import scenarios.catalog as catalog
-import scenarios.cli as cli
 from dbo.sim import SimDevice
+from scenarios import catalog, cli
 from scenarios.cli import main
 from scenarios.harness import new_device
 from scenarios.model import MoEModel
@@ -274,7 +273,7 @@ def test_elastic_ep_scenario_fails_if_a_stale_graph_replays(capsys, monkeypatch)
 
 
 def test_a_positive_scenario_fails_if_its_measured_step_allocates(capsys, monkeypatch):
-    import scenarios.harness as harness
+    from scenarios import harness
 
     monkeypatch.setattr(harness, "_count_allocations", lambda fn: (fn(), 1))
     code, (report,) = _run_json(capsys, "moe-prefill-ht", "--no-artifacts")
@@ -354,7 +353,7 @@ def test_stress_text_report_names_the_invariants_and_passes(capsys):
 
 
 def test_stress_fails_when_a_view_lies_outside_its_slot(capsys, monkeypatch):
-    import scenarios.tools.stress as stress
+    from scenarios.tools import stress
 
     class Leaky(stress.WorkspaceManager):
         """Hands out fresh tensors instead of views into the caller's slot."""
@@ -375,7 +374,7 @@ def test_stress_refuses_a_zero_thread_count(capsys):
 
 
 def test_stress_progress_ends_at_the_iteration_count():
-    import scenarios.tools.stress as stress
+    from scenarios.tools import stress
 
     heard: list = []
     report = stress.run_stress(2, 120, on_progress=heard.append)

@@ -36,7 +36,9 @@ def _random_schedule(rng: random.Random, phases: int) -> list[str]:
     return schedule
 
 
-def _work(x: torch.Tensor, schedule: list[str], log: list | None = None, ubatch: int = 0) -> torch.Tensor:
+def _work(
+    x: torch.Tensor, schedule: list[str], log: list | None = None, ubatch: int = 0
+) -> torch.Tensor:
     """Phase k of `schedule` ends in its yield helper; `log` hears (ubatch, phase) as each
     phase runs (the last phase, after the last yield, included)."""
     for k, helper in enumerate(schedule):
@@ -65,7 +67,9 @@ def test_thousand_random_steps_follow_the_ring_and_match_the_serial_run(num):
         serial = [_work(x, schedule) for x in inputs]
         log: list = []
         outs = dbo.run_ubatches(
-            lambda ux: _work(ux[1], schedule, log, ux[0]), list(enumerate(inputs)), device=device
+            lambda ux, schedule=schedule, log=log: _work(ux[1], schedule, log, ux[0]),
+            list(enumerate(inputs)),
+            device=device,
         )
         assert log == _ring_order(num, schedule), schedule
         assert all(torch.equal(o, s) for o, s in zip(outs, serial))
