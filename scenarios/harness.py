@@ -192,7 +192,8 @@ def compare_serial_dbo(
 
 def write_artifacts(name: str, run: StepRun, opts: RunOptions) -> tuple[str, str]:
     """`<out_dir>/<stem>.trace.json` and `<stem>.png`, the stem from `opts.artifact_stem`."""
-    assert opts.out_dir is not None, "callers check out_dir first"
+    if opts.out_dir is None:
+        raise ValueError("write_artifacts needs opts.out_dir (None means: write nothing)")
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     stem = opts.out_dir / opts.artifact_stem(name)
     trace = write_chrome_trace(
