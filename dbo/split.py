@@ -328,6 +328,16 @@ def ubatch_cut_points(num_tokens_padded: int, num_ubatches: int) -> list[int]:
     return [k * (padded // n) for k in range(1, n)]
 
 
+def _brief(values: Sequence[int], keep: int = 3) -> str:
+    """A list for an error message, its middle elided when long, so the message stays
+    readable for any ubatch count."""
+    if len(values) <= 2 * keep + 1:
+        return str(list(values))
+    head = ", ".join(map(str, values[:keep]))
+    tail = ", ".join(map(str, values[-keep:]))
+    return f"[{head}, ... {len(values) - 2 * keep} more ..., {tail}]"
+
+
 def is_last_ubatch_empty(orig_num_tokens: int, padded_num_tokens: int, num_ubatches: int) -> bool:
     """True when cutting `padded_num_tokens` into `num_ubatches` at multiples of
     padded // N leaves the last ubatch without any of the `orig_num_tokens` real tokens.
@@ -512,7 +522,8 @@ def split_batch(
     if is_last_ubatch_empty(real, padded, n):
         raise ValueError(
             f"cannot split {real} real tokens (padded to {padded}) into {n} ubatches at "
-            f"{ubatch_cut_points(padded, n)}: a ubatch would hold no real tokens; check is_last_ubatch_empty first"
+            f"{_brief(ubatch_cut_points(padded, n))}: a ubatch would hold no real tokens; "
+            "check is_last_ubatch_empty first"
         )
     counts = [b - a for a, b in pairwise(qsl)]
     slices, _ = maybe_create_ubatch_slices(True, counts, padded, len(counts), n)

@@ -198,7 +198,7 @@ def _dsv3_decode(opts: RunOptions) -> ScenarioResult:
 
 
 # --------------------------------------------------------------------------------------------
-# The seed's workspace usage cases (6.1-6.4) under DBO
+# vLLM's workspace consumers (DCP attention, fused MoE, sparse indexer, MLA init) under DBO
 
 
 def _fresh(opts: RunOptions, *, watch_pointers: bool = False) -> tuple[Any, Any]:
@@ -227,7 +227,7 @@ def _with_artifacts(result: ScenarioResult, device: Any, opts: RunOptions) -> Sc
     records = list(getattr(device, "timeline", []))
     if opts.out_dir is not None and records:
         run = StepRun(torch.empty(0), 0.0, None, records, list(getattr(device, "races", [])))
-        result.trace, result.timeline_png = write_artifacts(result.scenario, run, opts.out_dir)
+        result.trace, result.timeline_png = write_artifacts(result.scenario, run, opts)
     return result
 
 
@@ -254,7 +254,7 @@ def _case_result(
     return _with_artifacts(result, device, opts)
 
 
-@scenario("dcp-attention", "Seed 6.1: two DCP attention buffers from two calls alias, per ubatch slot")
+@scenario("dcp-attention", "DCP attention: two buffers from two calls alias, per ubatch slot")
 def _dcp_attention(opts: RunOptions) -> ScenarioResult:
     n, heads, dim = 24, 4, 16
     gen = torch.Generator().manual_seed(0)
@@ -295,7 +295,7 @@ def _dcp_attention(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "fused-moe-workspace",
-    "Seed 6.2: one call gives a shared region (workspace13 / fused_out views) and an independent workspace2",
+    "Fused MoE: one call gives a shared region (workspace13 / fused_out views) and an independent workspace2",
 )
 def _fused_moe(opts: RunOptions) -> ScenarioResult:
     m, hidden, inter = 32, 48, 64
@@ -334,7 +334,7 @@ def _fused_moe(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "sparse-indexer",
-    "Seed 6.3: a profile call reserves three buffers; prefill and decode calls then allocate nothing",
+    "Sparse indexer: a profile call reserves three buffers; prefill and decode calls then allocate nothing",
 )
 def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
     total_seq, head_dim, topk_ws = 96, 32, 4096
@@ -385,7 +385,7 @@ def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "mla-init-reservation",
-    "Seed 6.4: a buffer reserved at init and held as an attribute; later calls alias it and never grow",
+    "MLA init: a buffer reserved at init and held as an attribute; later calls alias it and never grow",
 )
 def _mla_init(opts: RunOptions) -> ScenarioResult:
     max_tokens, heads, head_size = 64, 4, 32
@@ -450,7 +450,7 @@ def _graph_step(
 
 @scenario(
     "graph-pointer-stability",
-    "Seed section 8: warm up, capture, lock; replays reuse the captured workspace pointers and recompute "
+    "CUDA graphs: warm up, capture, lock; replays reuse the captured workspace pointers and recompute "
     "from new inputs",
 )
 def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
@@ -474,7 +474,7 @@ def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "elastic-ep",
-    "Seed 6.5: unlock, re-warm with larger experts (growth), relock; the stale graph is refused and a "
+    "Elastic EP: unlock, re-warm with larger experts (growth), relock; the stale graph is refused and a "
     "recaptured one replays",
 )
 def _elastic_ep(opts: RunOptions) -> ScenarioResult:
@@ -543,7 +543,7 @@ def _missing_wait(opts: RunOptions) -> ScenarioResult:
         details={"first_race": caught[0].describe() if caught else None},
     )
     if opts.out_dir is not None:
-        result.trace, result.timeline_png = write_artifacts("missing-wait-race", run, opts.out_dir)
+        result.trace, result.timeline_png = write_artifacts("missing-wait-race", run, opts)
     return result
 
 

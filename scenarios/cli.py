@@ -1,28 +1,130 @@
-"""The command line: `python -m scenarios {list,run,sweep,stress,bench,fidelity}` (also `dbo-sim`)."""
+"""The command line: `dbo-sim VERB` (also `python -m scenarios VERB`), one entry for every tool.
+
+Every check of the command line and of the output folder happens before any work starts, and
+every refusal is one line, `dbo-sim: <why>`, with exit status 2. Ctrl-C ends a verb with one
+line and exit status 130; what finished before it stays printed and written (`run` and
+`sweep` print and save each result as it finishes).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import math
+import os
+import re
 import sys
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn
+
+import torch
 
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
+from scenarios.tools import calibrate_host, gpu_check
 from scenarios.tools.progress import Progress
 from scenarios.tools import trace_window, verify_cli
+from scenarios.tools.sweep import DECODE_CONTEXT
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+# The scenarios' smallest batches split into at most this many ubatches with a real token each.
+MAX_UBATCHES = 8
+MAX_TIMEOUT_S = 86400.0  # a day: larger values overflow the thread waits further down
+MAX_STRESS_THREADS = 1024
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 
 
 class UsageError(Exception):
     """A bad command line: `main` prints it after "dbo-sim: " and exits 2."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a verb: the message says what had finished and where it is kept."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line refusal instead of a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"dbo-sim: {_one_line(message)}\n")
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    """`text` on one line, cut to `limit` characters with a note saying how much was cut."""
+    flat = re.sub(r"\s+", " ", text).strip()
+    if len(flat) <= limit:
+        return flat
+    return f"{flat[:limit]} ... ({len(flat) - limit} more characters)"
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high], refused in the user's words."""
+    bounds = f">= {low}" if high is None else f"between {low} and {high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number {bounds}, got {text!r}"
+            ) from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_in(1)
+_ubatch_count = _int_in(2, MAX_UBATCHES)
+
+
+def _timeout(text: str) -> float:
+    """An argparse type: seconds, finite, above zero and at most a day."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(
+            f"expected seconds above 0 and at most {MAX_TIMEOUT_S:.0f}, got {text!r}"
+        )
+    return value
+
+
+def _writable_dir(path: Path, flag: str = "--out", shown: Path | None = None) -> None:
+    """Create `path` if needed and prove a file can be written there, before any work."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        why = error.strerror or type(error).__name__
+        where = "this folder" if shown is None else f"its folder {path}"
+        raise UsageError(
+            f"{flag} {shown or path}: cannot create or write {where} ({why}); choose another"
+        ) from None
+
+
+def _writable_file(path: Path, flag: str = "--out") -> None:
+    """`path` can be written as a file: its folder is writable and it is not a folder."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file name")
+    _writable_dir(path.parent, flag, shown=path)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("dbo-sim")
+    except importlib.metadata.PackageNotFoundError:
+        # Run from a source tree that was never installed: read the project file beside it.
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        text = pyproject.read_text() if pyproject.is_file() else ""
+        found = re.search(r'^version = "([^"]+)"', text, re.MULTILINE)
+        return found.group(1) if found else "unknown"
 
 
 def _options(args: argparse.Namespace) -> RunOptions:
@@ -37,6 +139,8 @@ def _options(args: argparse.Namespace) -> RunOptions:
         profile_from_name(args.profile)  # a clear error for an unknown profile, before any work
     except ValueError as error:
         raise UsageError(f"--profile: {error}") from None
+    if not args.no_artifacts:
+        _writable_dir(Path(args.out))
     return RunOptions(
         num_ubatches=args.ubatches,
         device=args.device,
@@ -47,7 +151,10 @@ def _options(args: argparse.Namespace) -> RunOptions:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ubatches", "-n", type=int, default=2, help="ubatches per step (>= 2; default 2)")
+    p.add_argument(
+        "--ubatches", "-n", type=_ubatch_count, default=2,
+        help=f"ubatches per step (2 to {MAX_UBATCHES}; default 2)",
+    )
     p.add_argument(
         "--device", choices=["sim", "cuda"], default="sim", help="simulated GPU (default) or real CUDA streams"
     )
@@ -56,7 +163,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", default="out", help="folder for traces, timelines, CSV (default: out/)")
     p.add_argument("--no-artifacts", action="store_true", help="write no trace or PNG files")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck step is ended")
+    p.add_argument("--timeout", type=_timeout, default=60.0, help="seconds before a stuck step is ended")
     p.add_argument("--json", action="store_true", help="print one JSON report per line instead of the table")
 
 
@@ -72,12 +179,29 @@ def _fmt_bytes(nbytes: int | None) -> str:
     return f"{nbytes / 1024:.0f} KiB"
 
 
-def _table(results: Sequence[ScenarioResult]) -> str:
-    header = ("scenario", "verdict", "match", "races", "serial us", "dbo us", "speedup", "overlap", "ws peak")
-    rows = [header]
-    for r in results:
+_HEADER = (
+    "scenario", "verdict", "match", "races", "serial us", "dbo us", "speedup", "overlap", "ws peak"
+)
+# Widths fixed up front so that rows print as their scenarios finish; a wider cell just
+# pushes its row's later cells right.
+_WIDTHS = (0, len("PASS (fault caught)"), 5, 5, 9, 9, 7, 7, 10)
+
+
+class _Table:
+    """The run table, printed a row at a time (flushed), so an interrupt keeps finished rows."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.widths = (max(len(_HEADER[0]), *map(len, names)), *_WIDTHS[1:])
+
+    def _line(self, cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, self.widths)).rstrip()
+
+    def header(self) -> str:
+        return self._line(_HEADER) + "\n" + "  ".join("-" * w for w in self.widths)
+
+    def row(self, r: ScenarioResult) -> str:
         verdict = ("PASS" if r.passed else "FAIL") + (" (fault caught)" if r.negative and r.passed else "")
-        rows.append(
+        return self._line(
             (
                 r.scenario,
                 verdict,
@@ -90,16 +214,17 @@ def _table(results: Sequence[ScenarioResult]) -> str:
                 _fmt_bytes(r.workspace_peak_bytes),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     for name, s in SCENARIOS.items():
         kind = "negative" if s.negative else "positive"
-        print(f"{name:24} {kind:8}  {s.summary}")
+        if args.json:
+            entry = {"name": name, "kind": kind, "default": name in DEFAULT_SCENARIOS,
+                     "cuda": s.cuda, "summary": s.summary}  # fmt: skip
+            print(json.dumps(entry))
+        else:
+            print(f"{name:24} {kind:8}  {s.summary}")
     return 0
 
 
@@ -121,20 +246,27 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"{', '.join(sim_only)}: simulator-only (race checker, graph replay or meta tensors); "
             f"run with --device sim"
         )
-    if args.ubatches < 2:
-        raise UsageError(f"--ubatches must be >= 2, got {args.ubatches}")
     if across_ranks:
         return _run_across_ranks(args, names, distributed)
     opts = _options(args)
-    progress = Progress(len(names), "scenarios", enabled=False if args.json else None)
-    results = []
-    for name in names:
-        result = run_scenario(name, opts)
-        results.append(result)
-        progress.update(f"{name}: {'pass' if result.passed else 'FAIL'}")
-        if args.json:
-            print(json.dumps(result.to_dict(), default=str), flush=True)
-    progress.close()
+    table = _Table(names)
+    if not args.json:
+        print(table.header(), flush=True)
+    results: list[ScenarioResult] = []
+    try:
+        for name in names:
+            result = run_scenario(name, opts)
+            results.append(result)
+            if args.json:
+                print(json.dumps(result.to_dict(), default=str), flush=True)
+            else:
+                print(table.row(result), flush=True)
+    except KeyboardInterrupt:
+        kept = f" in {opts.out_dir}/" if opts.out_dir is not None and results else ""
+        raise Interrupted(
+            f"{len(results)} of {len(names)} scenario(s) finished; their results are above"
+            f"{' and their traces' + kept if kept else ''}"
+        ) from None
     return _report(args, opts, results)
 
 
@@ -154,6 +286,7 @@ def _run_across_ranks(args: argparse.Namespace, names: Sequence[str], distribute
         if bad_world:
             raise UsageError(f"--ranks {args.ranks}: {bad_world}")
     opts = _options(args)
+    table = _Table(names)
     if torchrun:
         try:
             results = distributed.run_as_torchrun_rank(names, opts)
@@ -164,19 +297,21 @@ def _run_across_ranks(args: argparse.Namespace, names: Sequence[str], distribute
             return 0  # rank 0 reports for every rank
     else:
         results = distributed.run_local_ranks(names, opts, args.ranks)
-    if args.json:
-        for result in results:
-            print(json.dumps(result.to_dict(), default=str), flush=True)
+    if not args.json:
+        print(table.header())
+    for result in results:
+        line = json.dumps(result.to_dict(), default=str) if args.json else table.row(result)
+        print(line, flush=True)
     return _report(args, opts, results)
 
 
 def _report(args: argparse.Namespace, opts: RunOptions, results: Sequence[ScenarioResult]) -> int:
     windowed = trace_window.write_windowed(results, getattr(args, "window", None))
     if not args.json:
-        print(_table(results))
         for r in results:
             if not r.passed:
-                print(f"\n{r.scenario} FAILED: {r.error}")
+                # One readable paragraph whatever the error's size; --json keeps the full text.
+                print(f"\n{r.scenario} FAILED: {_one_line(r.error or '', 2000)}")
         passed = sum(r.passed for r in results)
         print(f"\n{passed} passed, {len(results) - passed} failed")
         if opts.out_dir is not None:
@@ -187,51 +322,68 @@ def _report(args: argparse.Namespace, opts: RunOptions, results: Sequence[Scenar
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from scenarios.tools.sweep import DECODE_TOKENS, PREFILL_TOKENS, pays_from, plot_sweep, run_sweep, write_csv
+    from scenarios.tools import sweep
 
-    if args.ubatches < 2:
-        raise UsageError(f"--ubatches must be >= 2, got {args.ubatches}")
+    decode = args.decode or sweep.DECODE_TOKENS
+    prefill = args.prefill or sweep.PREFILL_TOKENS
+    problem = sweep.check_points(decode, prefill, args.ubatches)
+    if problem is not None:
+        raise UsageError(problem)
     opts = _options(args)
-    decode = args.decode or DECODE_TOKENS
-    prefill = args.prefill or PREFILL_TOKENS
-    progress = Progress(len(decode) + len(prefill), "sweep", enabled=False if args.json else None)
-    points = run_sweep(
-        opts,
-        decode_tokens=decode,
-        prefill_tokens=prefill,
-        num_layers=args.layers,
-        on_point=lambda p: progress.update(f"{p.phase} {p.tokens_per_device}"),
-    )
-    progress.close()
     out = Path(args.out)
-    csv_path = write_csv(out / "sweep.csv", points)
-    png_path = plot_sweep(out / "sweep.png", points)
-    if args.json:
-        for p in points:
-            print(json.dumps(p.to_dict()))
-        return 0
-    print(f"{'phase':8} {'tokens':>7} {'serial us':>10} {'dbo us':>10} {'gain':>7} {'overlap':>8} {'comm/compute':>13}")
-    for p in points:
+    _writable_dir(out)
+    sink = sweep.CsvSink(out / "sweep.csv")
+    if not args.json:
+        layers = f"{args.layers} of 61 layers" if args.layers else "61 layers"
+        print(
+            f"DeepSeek-V3 ({layers}), {args.ubatches} ubatches; decode: one-token requests over a "
+            f"{args.context}-token context each (--context); prefill: "
+            f"{sweep.PREFILL_PROMPT}-token prompts"
+        )
+        print(
+            f"{'phase':8} {'tokens':>7} {'serial us':>10} {'dbo us':>10} {'gain':>7} "
+            f"{'overlap':>8} {'comm/compute':>13}"
+        )
+
+    def on_point(p: sweep.SweepPoint) -> None:
+        sink.write(p)
+        if args.json:
+            print(json.dumps(p.to_dict()), flush=True)
+            return
         print(
             f"{p.phase:8} {p.tokens_per_device:7d} {p.step_us_serial:10.1f} {p.step_us_dbo:10.1f} "
-            f"{(p.speedup - 1) * 100:6.1f}% {p.overlap_fraction * 100:7.0f}% {p.comm_compute_ratio:13.2f}"
+            f"{(p.speedup - 1) * 100:6.1f}% {p.overlap_fraction * 100:7.0f}% "
+            f"{p.comm_compute_ratio:13.2f}",
+            flush=True,
         )
+
+    points: list[sweep.SweepPoint] = []
+    try:
+        points = sweep.run_sweep(
+            opts, decode_tokens=decode, prefill_tokens=prefill, num_layers=args.layers,
+            context_len=args.context, on_point=on_point,
+        )
+    except KeyboardInterrupt:
+        raise Interrupted(f"the sweep points that finished are above and in {sink.path}") from None
+    finally:
+        sink.close()
+    png_path = sweep.plot_sweep(out / "sweep.png", points)
+    if args.json:
+        return 0
     print()
     for phase in ("decode", "prefill"):
         phase_points = [p for p in points if p.phase == phase]
         if phase_points:
-            start = pays_from(phase_points)
+            start = sweep.pays_from(phase_points)
             where = "at no point tried" if start is None else f"from {start} tokens per device"
             print(f"{phase}: DBO pays {where}")
-    print(f"\nwrote {csv_path} and {png_path}")
+    print(f"\nwrote {sink.path} and {png_path}")
     return 0
 
 
 def cmd_stress(args: argparse.Namespace) -> int:
     from scenarios.tools.stress import run_stress
 
-    if args.threads < 1 or args.iterations < 1:
-        raise UsageError("--threads and --iterations must be >= 1")
     progress = Progress(args.iterations, f"stress x{args.threads}", enabled=False if args.json else None)
     last = [0]
 
@@ -239,10 +391,16 @@ def cmd_stress(args: argparse.Namespace) -> int:
         progress.update(step=i - last[0])
         last[0] = i
 
-    report = run_stress(
-        args.threads, args.iterations, seed=args.seed, deadline_s=args.timeout, on_progress=on_progress
-    )
-    progress.close()
+    try:
+        report = run_stress(
+            args.threads,
+            args.iterations,
+            seed=args.seed,
+            deadline_s=args.timeout,
+            on_progress=on_progress,
+        )
+    finally:
+        progress.close()
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
@@ -253,14 +411,36 @@ def cmd_stress(args: argparse.Namespace) -> int:
         )
         print("invariants: views inside own slot, no cross-slot overlap, slots equal after growth, "
               "no allocation while locked, no hang")
-        print("PASS" if report.passed else "FAIL:\n  " + "\n  ".join(report.violations[:20]))
+        problems = list(report.violations[:20])
+        if report.cut_short:
+            problems.insert(
+                0,
+                f"cut short by the {args.timeout:g} s deadline after {report.iterations_done} of "
+                f"{report.threads * report.iterations} iterations; give a longer --timeout or fewer "
+                f"--iterations",
+            )
+        print("PASS" if report.passed else "FAIL:\n  " + "\n  ".join(problems))
     return 0 if report.passed else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from scenarios.tools.bench import main as bench_main
 
+    _writable_dir(Path(args.out))
     return bench_main(args)
+
+
+def cmd_gpu_check(args: argparse.Namespace) -> int:
+    if not args.sim_only and not torch.cuda.is_available():
+        raise UsageError(gpu_check.NO_GPU_MESSAGE)
+    _writable_file(Path(args.out))
+    return gpu_check.main(args.tool_argv)
+
+
+def cmd_calibrate_host(args: argparse.Namespace) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(calibrate_host.NO_GPU_MESSAGE)
+    return calibrate_host.main(args.tool_argv)
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
@@ -276,11 +456,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dbo-sim", description="Dual Batch Overlap scenarios on a simulated or real GPU"
     )
+    version = f"dbo-sim {_version()} (torch {torch.__version__})"
+    parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command")
-    sub.add_parser("list", help="list the scenarios").set_defaults(func=cmd_list)
+    listing = sub.add_parser("list", help="list the scenarios")
+    listing.add_argument("--json", action="store_true", help="one JSON object per scenario and line")
+    listing.set_defaults(func=cmd_list)
     run = sub.add_parser("run", help="run scenarios (default: every default scenario on the simulated device)")
     run.add_argument("names", nargs="*", help="scenario names (see `list`)")
     _add_common(run)
@@ -294,8 +478,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     sweep = sub.add_parser("sweep", help="DBO speedup against tokens per device (CSV + PNG)")
     _add_common(sweep)
-    sweep.add_argument("--decode", type=_positive_int, nargs="*", help="decode tokens per device to try")
-    sweep.add_argument("--prefill", type=_positive_int, nargs="*", help="prefill tokens per device to try")
+    sweep.add_argument(
+        "--decode", type=_positive_int, nargs="+", help="decode tokens per device to try"
+    )
+    sweep.add_argument(
+        "--prefill", type=_positive_int, nargs="+", help="prefill tokens per device to try"
+    )
+    sweep.add_argument(
+        "--context", type=_positive_int, default=DECODE_CONTEXT,
+        help=f"KV-cache tokens per decode request (default {DECODE_CONTEXT}, as dsv3-decode-ll)",
+    )
     sweep.add_argument(
         "--layers",
         type=_positive_int,
@@ -304,10 +496,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.set_defaults(func=cmd_sweep)
     stress = sub.add_parser("stress", help="concurrent workspace slot access with growth and lock/unlock")
-    stress.add_argument("--threads", type=int, default=8)
-    stress.add_argument("--iterations", type=int, default=2000)
+    stress.add_argument(
+        "--threads", type=_int_in(1, MAX_STRESS_THREADS), default=8, help="ubatch threads (default 8)"
+    )
+    stress.add_argument("--iterations", type=_positive_int, default=2000, help="requests per thread")
     stress.add_argument("--seed", type=int, default=0)
-    stress.add_argument("--timeout", type=float, default=120.0)
+    stress.add_argument(
+        "--timeout", type=_timeout, default=120.0,
+        help="seconds for the whole run; a run cut short by it fails (default 120)",
+    )
     stress.add_argument("--json", action="store_true")
     stress.set_defaults(func=cmd_stress)
     bench = sub.add_parser("bench", help="benchmarks, each a ratio against a baseline in the same run")
@@ -328,20 +525,58 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("profile_args", nargs="*", help="see `dbo-sim profile --help`")
     profile.set_defaults(func=cmd_profile)
     verify_cli.add_parser(sub)
+    # The GPU tools keep their own parsers (they also run as modules); these verbs borrow them.
+    check = sub.add_parser(
+        "gpu-check", parents=[gpu_check.build_parser()], add_help=False,
+        help="real CUDA streams against the simulated H200 (needs a GPU, or --sim-only)",
+        description=gpu_check.__doc__.splitlines()[0],
+    )
+    check.set_defaults(func=cmd_gpu_check)
+    calibrate = sub.add_parser(
+        "calibrate-host", parents=[calibrate_host.build_parser()], add_help=False,
+        help="this host's launch and handoff costs, for a profile (needs a GPU, or --device sim)",
+        description=calibrate_host.build_parser().description,
+    )
+    calibrate.set_defaults(func=cmd_calibrate_host)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one verb; returns the exit status (2 usage, 130 interrupted)."""
+    try:
+        return _parse_and_run(list(sys.argv[1:] if argv is None else argv))
+    except UsageError as error:
+        _say(_one_line(str(error)))
+        return EXIT_USAGE
+    except Interrupted as interrupted:
+        _say(f"interrupted; {interrupted}")
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # also while the parser is being built
+        _say("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`dbo-sim list --json | head -1`): not an error worth a
+        # traceback; stdout goes to /dev/null so the interpreter's final flush is quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _parse_and_run(argv: list[str]) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version, or a refusal already printed
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
-    try:
-        return args.func(args)
-    except UsageError as error:
-        print(f"dbo-sim: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    args.tool_argv = argv[1:]  # what a verb that borrows a tool's parser hands that tool
+    return args.func(args)
+
+
+def _say(line: str) -> None:
+    sys.stdout.flush()  # so the line lands after every result printed before it
+    print(f"dbo-sim: {line}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -535,13 +535,14 @@ def merge_outcomes(
     if opts.out_dir is not None and traced:
         opts.out_dir.mkdir(parents=True, exist_ok=True)
         trace = merge_traces(traced, races=races, metadata={"scenario": name, "ranks": len(outcomes)})
-        path = opts.out_dir / f"{name}.trace.json"
+        stem = opts.out_dir / opts.artifact_stem(name, ranks=len(outcomes))
+        path = Path(f"{stem}.trace.json")
         path.write_text(json.dumps(trace, allow_nan=False, separators=(",", ":")), encoding="utf-8")
         result.trace = str(path)
         what = "DBO" if dbo_records else "what ran"
         result.timeline_png = str(
             plot_timeline(
-                opts.out_dir / f"{name}.png",
+                Path(f"{stem}.png"),
                 [r for records in traced for r in records],
                 title=f"{name} ({what}, {len(outcomes)} ranks)",
             )

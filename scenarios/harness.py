@@ -1,6 +1,6 @@
 """Run one workload serially and with DBO on a fresh device, and compare the two runs.
 
-Every measured run follows the engine's life cycle from the seed (section 4): init the
+Every measured run follows an inference engine's life cycle: init the
 workspace, warm up eagerly (the workspace grows to its largest need), lock it, then run the
 measured step, which must allocate nothing. The serial run is the same model code with every
 dbo_* call a no-op; the DBO run splits the batch with `dbo.split` and runs the ubatch threads
@@ -51,6 +51,11 @@ class RunOptions:
     profile: str = "h200"
     out_dir: Path | None = None  # traces and PNGs go here; None writes nothing
     timeout_s: float = 60.0
+
+    def artifact_stem(self, name: str, ranks: int = 1) -> str:
+        """A scenario's trace and PNG file name without suffix: it carries the ubatch and rank
+        counts, so runs with another `-n` or `--ranks` never overwrite each other's files."""
+        return f"{name}.n{self.num_ubatches}.r{ranks}"
 
 
 @dataclass
@@ -181,14 +186,18 @@ def compare_serial_dbo(
         serial, ubatched, match, diff, tolerance, values_checked=config.tensor_device != "meta"
     )
     if opts.out_dir is not None and ubatched.records:
-        comparison.trace, comparison.timeline_png = write_artifacts(name, ubatched, opts.out_dir)
+        comparison.trace, comparison.timeline_png = write_artifacts(name, ubatched, opts)
     return comparison
 
 
-def write_artifacts(name: str, run: StepRun, out_dir: Path) -> tuple[str, str]:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write_artifacts(name: str, run: StepRun, opts: RunOptions) -> tuple[str, str]:
+    """`<out_dir>/<stem>.trace.json` and `<stem>.png`, the stem from `opts.artifact_stem`."""
+    if opts.out_dir is None:
+        raise ValueError("write_artifacts needs opts.out_dir (None means: write nothing)")
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = opts.out_dir / opts.artifact_stem(name)
     trace = write_chrome_trace(
-        out_dir / f"{name}.trace.json", run.records, races=run.races, metadata={"scenario": name}
+        Path(f"{stem}.trace.json"), run.records, races=run.races, metadata={"scenario": name}
     )
-    png = plot_timeline(out_dir / f"{name}.png", run.records, title=f"{name} (DBO)")
+    png = plot_timeline(Path(f"{stem}.png"), run.records, title=f"{name} (DBO)")
     return str(trace), str(png)

@@ -1,9 +1,10 @@
 """A small MoE transformer stack whose dbo_* calls sit where vLLM puts them.
 
 Each layer is attention then a mixture-of-experts block with expert-parallel dispatch and
-combine. Scratch buffers come from the WorkspaceManager as in the seed's cases: the attention
-output (6.1) and the MoE block's receive buffer, intermediate and expert output, taken in one
-`get_simultaneous` call because they are alive at the same time (6.2).
+combine. Scratch buffers come from the WorkspaceManager as vLLM's layers take them: the
+attention output (as DCP attention does) and the MoE block's receive buffer, intermediate and
+expert output, taken in one `get_simultaneous` call because they are alive at the same time
+(as fused MoE does).
 
 Two overlap schedules, as in vLLM's DeepEP back ends:
 - "ht" (high-throughput): dispatch and combine run on the comm stream; 3 yields per layer

@@ -91,6 +91,7 @@ def test_views_and_metadata_are_free() -> None:
     assert placed(d) == [] and d.host_time_us == 0.0
 
 
+@pytest.mark.timeout(30)
 def test_ops_attributed_to_thread_ubatch_and_stream() -> None:
     d = SimDevice(ROUND)
     streams = [d.Stream("compute"), d.Stream("comm")]

@@ -110,6 +110,7 @@ def test_handoff_costs_host_time() -> None:
     assert d.place_op("A", 1.0, stream=s).start_us == 11.0
 
 
+@pytest.mark.timeout(30)
 def test_current_stream_is_per_thread() -> None:
     d = make()
     s = d.Stream("mine")

@@ -1,4 +1,5 @@
-"""Many steps of random but matching yield patterns give the serial run's outputs."""
+"""Many steps of random but matching yield patterns: the ubatches' phases interleave as the
+ring says, and the outputs equal the serial run's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import torch
 import dbo
 from dbo import ubatching
 from dbo.sim import SimDevice
+
+# Tests here start threads: each gets this bound unless it carries its own, so a hang fails
+# the test, never the whole run.
+pytestmark = pytest.mark.timeout(120)
 
 _HELPERS = {
     "yield": lambda: dbo.dbo_yield(),
@@ -31,22 +36,41 @@ def _random_schedule(rng: random.Random, phases: int) -> list[str]:
     return schedule
 
 
-def _work(x: torch.Tensor, schedule: list[str]) -> torch.Tensor:
+def _work(
+    x: torch.Tensor, schedule: list[str], log: list | None = None, ubatch: int = 0
+) -> torch.Tensor:
+    """Phase k of `schedule` ends in its yield helper; `log` hears (ubatch, phase) as each
+    phase runs (the last phase, after the last yield, included)."""
     for k, helper in enumerate(schedule):
-        x = x * 1.5 + k  # a different op per phase, so a misordered phase shows in the value
+        if log is not None:
+            log.append((ubatch, k))
+        x = x * 1.5 + k
         _HELPERS[helper]()
+    if log is not None:
+        log.append((ubatch, len(schedule)))
     return x.sum(dim=1, keepdim=True) - x
+
+
+def _ring_order(num: int, schedule: list[str]) -> list[tuple[int, int]]:
+    """One baton round a ring: every phase runs in ubatch 0, 1, ..., N-1 before the next."""
+    return [(u, k) for k in range(len(schedule) + 1) for u in range(num)]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num", [2, 3, 4])
-def test_thousand_random_steps_match_the_serial_run(num):
+def test_thousand_random_steps_follow_the_ring_and_match_the_serial_run(num):
     rng = random.Random(1234 + num)
     device = SimDevice(check_races=False)
     for _ in range(1000):
         schedule = _random_schedule(rng, rng.randint(0, 4))
         inputs = [torch.randn(rng.randint(1, 4), 3, dtype=torch.float64) for _ in range(num)]
         serial = [_work(x, schedule) for x in inputs]
-        outs = dbo.run_ubatches(lambda x: _work(x, schedule), inputs, device=device)
+        log: list = []
+        outs = dbo.run_ubatches(
+            lambda ux, schedule=schedule, log=log: _work(ux[1], schedule, log, ux[0]),
+            list(enumerate(inputs)),
+            device=device,
+        )
+        assert log == _ring_order(num, schedule), schedule
         assert all(torch.equal(o, s) for o, s in zip(outs, serial))
         assert not ubatching._THREAD_ID_TO_CONTEXT

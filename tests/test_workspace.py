@@ -41,6 +41,10 @@ from workspace import (
 )
 from workspace.testing import InjectedAllocationError, failing_allocations, record_allocations
 
+# Tests here start threads: each gets this bound unless it carries its own, so a hang fails
+# the test, never the whole run.
+pytestmark = pytest.mark.timeout(30)
+
 F32 = torch.float32
 U8 = torch.uint8
 
@@ -797,7 +801,7 @@ def test_every_public_name_is_exported():
 
 
 def test_hot_path_allocates_nothing():
-    # Its speed against the seed's algorithm is a benchmark (`python -m scenarios bench`,
+    # Its speed against the plain per-call algorithm is a benchmark (`python -m scenarios bench`,
     # workspace.get_simultaneous.*), not a test: timings on a shared machine are noise.
     m = WorkspaceManager("cpu")
     request = (((64, 128), torch.float16), ((32,), F32), ((4, 4, 4), torch.bfloat16))

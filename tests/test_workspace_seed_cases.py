@@ -1,5 +1,6 @@
-"""The seed's usage cases 6.1-6.5 (vLLM consumers of the workspace), each asserting the
-memory relation the seed states for it, through the module-level registry as consumers use it."""
+"""How vLLM's workspace consumers use it (DCP attention, fused MoE, the sparse indexer, an
+init-time MLA reservation, elastic EP), each asserting the memory relation that consumer relies
+on, through the module-level registry as consumers use it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ from workspace import (
     unlock_workspace,
 )
 from workspace.testing import record_allocations
+
+# Tests here start threads: each gets this bound unless it carries its own, so a hang fails
+# the test, never the whole run.
+pytestmark = pytest.mark.timeout(30)
 
 BF16 = torch.bfloat16
 
@@ -44,10 +49,10 @@ def resize_cache(buffer: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return buffer.flatten()[: math.prod(shape)].view(shape)
 
 
-# ------------------------------------------------------------------ 6.1 DCP attention outputs
+# ------------------------------------------------------------------ DCP attention outputs
 
 
-def test_6_1_dcp_context_and_query_outputs_alias_the_same_memory():
+def test_dcp_context_and_query_outputs_alias_the_same_memory():
     num_heads, dcp_world_size, head_size = 8, 4, 64
     n_context, n_query = 48, 16
     ws = current_workspace_manager()
@@ -62,10 +67,10 @@ def test_6_1_dcp_context_and_query_outputs_alias_the_same_memory():
     assert ws.capacity == context_out.numel() * 2
 
 
-# ------------------------------------------------------------------ 6.2 fused MoE buffers
+# ------------------------------------------------------------------ fused MoE buffers
 
 
-def test_6_2_fused_moe_shared_region_views_alias_each_other_and_not_workspace2():
+def test_fused_moe_shared_region_views_alias_each_other_and_not_workspace2():
     m_chunk, m_full, n, k, top_k = 32, 64, 256, 128, 2
     workspace13_shape = (m_chunk, top_k, max(n, k))
     workspace2_shape = (m_chunk, top_k, n // 2)
@@ -83,10 +88,10 @@ def test_6_2_fused_moe_shared_region_views_alias_each_other_and_not_workspace2()
     assert workspace2.data_ptr() - common.data_ptr() == -(-common_numel * 2 // 256) * 256
 
 
-# ------------------------------------------------------------------ 6.3 sparse indexer
+# ------------------------------------------------------------------ sparse indexer
 
 
-def test_6_3_sparse_indexer_profiles_once_and_allocates_nothing_at_run():
+def test_sparse_indexer_profiles_once_and_allocates_nothing_at_run():
     total_seq_lens, head_dim, radix_topk_workspace = 4096, 128, 1 << 20
     ws = current_workspace_manager()
     ws.get_simultaneous(  # profiling: reserve all three at once
@@ -110,7 +115,7 @@ def test_6_3_sparse_indexer_profiles_once_and_allocates_nothing_at_run():
     assert allocations == []
 
 
-# ------------------------------------------------------------------ 6.4 init-time reservation
+# ------------------------------------------------------------------ init-time reservation
 
 
 class FlashMLASparseLike:
@@ -124,7 +129,7 @@ class FlashMLASparseLike:
             ))
 
 
-def test_6_4_init_time_reservation_held_as_attribute_is_aliased_by_later_calls():
+def test_init_time_reservation_held_as_attribute_is_aliased_by_later_calls():
     impl = FlashMLASparseLike(max_tokens=64, num_heads=4, head_size=32)
     (moe_scratch,) = current_workspace_manager().get_simultaneous(((64, 128), BF16))
     assert moe_scratch.data_ptr() == impl.q_concat_buffer.data_ptr()
@@ -133,7 +138,7 @@ def test_6_4_init_time_reservation_held_as_attribute_is_aliased_by_later_calls()
     assert current_workspace_manager().orphaned_bytes() == 0
 
 
-def test_6_4_growth_after_the_reservation_orphans_it_and_says_so():
+def test_growth_after_the_reservation_orphans_it_and_says_so():
     """The design tension, made visible: a later, larger request replaces the slot the held
     attribute points into; the old buffer lives on (orphaned) and is counted."""
     ws = current_workspace_manager()
@@ -148,7 +153,7 @@ def test_6_4_growth_after_the_reservation_orphans_it_and_says_so():
     assert ws.orphaned_bytes() == 0
 
 
-# ------------------------------------------------------------------ 6.5 elastic EP
+# ------------------------------------------------------------------ elastic EP
 
 
 def warm_up(num_experts: int) -> list[torch.Tensor]:
@@ -171,7 +176,7 @@ def warm_up(num_experts: int) -> list[torch.Tensor]:
     return results
 
 
-def test_6_5_elastic_ep_unlock_grow_lock_grows_only_while_unlocked():
+def test_elastic_ep_unlock_grow_lock_grows_only_while_unlocked():
     ws = current_workspace_manager()
     warm_up(num_experts=8)
     lock_workspace()

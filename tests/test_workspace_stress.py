@@ -24,6 +24,10 @@ from workspace import (
 )
 from workspace.testing import InjectedAllocationError
 
+# Tests here start threads: each gets this bound unless it carries its own, so a hang fails
+# the test, never the whole run.
+pytestmark = pytest.mark.timeout(60)
+
 NUM_THREADS = 8
 JOIN_TIMEOUT_S = 40
 DTYPES = [torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,

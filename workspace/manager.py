@@ -13,11 +13,10 @@ alias per template (a new tensor object sharing storage, offset, sizes and strid
 without a dispatcher round trip). No lock, no allocation, no arithmetic. Everything else --
 new signatures, lists, numpy ints, growth, errors -- goes to the slow path, which validates
 first and only ever caches validated layouts. Template caches are dropped before a growth
-releases the buffers they point into. Measured per call, warmed and locked, against the
-seed's algorithm (byte sizes, round up, accumulate, slice + view + reshape) on the same
-slot (before lanes added the context-variable read), for 1 / 3 / 8 tensors: 0.61 / 1.20 / 2.58 us vs 3.99 / 9.14 / 22.6 us on the 2-core
-CPU build machine (6.6x / 7.6x / 8.8x), 1.65 / 1.72 / 3.82 us vs 10.5 / 17.5 / 48.0 us with
-CUDA tensors on an H200 host (6.4x / 10.2x / 12.6x). Being `.data` aliases, results carry
+releases the buffers they point into. The plain per-call algorithm (byte sizes, round up,
+accumulate, slice + view + reshape) redoes all of that arithmetic and several dispatcher
+calls per tensor every time; how much the cache saves is measured by `dbo-sim bench`
+(workspace.get_simultaneous.*) and reported in the README. Being `.data` aliases, results carry
 no autograd view link (`_base` is None) and are never inference tensors, whatever mode made
 the templates (scratch bytes are never part of an autograd graph).
 
@@ -216,7 +215,7 @@ class WorkspaceManager:
             for dim in shape:
                 if dim.__class__ is not int:
                     return self._get_simultaneous_slow(shapes_and_dtypes)
-        if len(views) == 1:  # the common call; skips the comprehension's frame (~0.1 us)
+        if len(views) == 1:  # the common call; skips the comprehension's frame
             return [views[0].data]
         return [view.data for view in views]
 

@@ -177,7 +177,7 @@ class _CommRegion:
 
 class SimDevice(Device):
     """A virtual-time GPU on which ops run eagerly (for their values) and are placed on a
-    timeline (for their time). See DESIGN.md, "The simulated device"."""
+    timeline (for their time)."""
 
     kind = "sim"
 

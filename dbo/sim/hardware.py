@@ -8,7 +8,7 @@ traces; the others price every op by the roofline below and are marked uncalibra
 Datasheet numbers carry their source in a comment; numbers that are modelling assumptions say
 so. The link efficiencies and the
 low-latency fixed time come from DeepEP's published measurements (sources beside them); the
-SGLang step-level results are never used to set a number here: they are
+SGLang step-level results (published DBO/TBO throughput) never set a number here: they are
 what `scenarios.tools.fidelity` checks the model against.
 """
 

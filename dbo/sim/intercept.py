@@ -116,6 +116,13 @@ class SimDispatchMode(TorchDispatchMode):
         super().__init__()
         self.device = device
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo guard whose first call imports
+        # torch._dynamo, which delayed the first step (and its first fault report) of every
+        # process. Nothing here runs under torch.compile, so the guard has nothing to guard.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         info = _INFO.get(func) or op_info(func)

@@ -11,8 +11,8 @@ command: benchmarks report, tests gate.
 
 What is measured (exactly), by benchmark:
 - workspace.get_simultaneous: one call of `WorkspaceManager.get_simultaneous` with 1, 3 and 8
-  tensors that fit (locked, and unlocked for 3) against `SeedWorkspace` below, the seed's
-  algorithm (byte sizes, 256-byte rounding, running offsets, slice/view/reshape per tensor),
+  tensors that fit (locked, and unlocked for 3) against `SeedWorkspace` below, the plain
+  per-call algorithm (byte sizes, 256-byte rounding, running offsets, slice/view/reshape per tensor),
   both paying the `dbo_current_ubatch_id()` lookup.
 - workspace.allocations: slot allocations (`_allocate` calls) and CPU storage allocations
   (the profiler's allocator events) during locked, fitting calls: both must be 0.
@@ -363,7 +363,7 @@ def _seed_round_up(nbytes: int, alignment: int = 256) -> int:
 
 
 class SeedWorkspace:
-    """The seed's algorithm (article sections 3.2-3.3), as the baseline for get_simultaneous.
+    """The plain per-call algorithm, as the baseline for get_simultaneous.
 
     Per call: each tensor's byte size (numel x itemsize), each rounded up to 256, their sum,
     the running offsets; the caller's slot by `dbo_current_ubatch_id()`, grown (every slot,
@@ -567,7 +567,7 @@ def bench_get_simultaneous(plan: Plan) -> list[Figure]:
                 unit="ns",
                 ours=Stats.of(samples["ours"]),
                 baseline=Stats.of(samples["seed"]),
-                baseline_what="SeedWorkspace.get_simultaneous (the seed's algorithm)",
+                baseline_what="SeedWorkspace.get_simultaneous (the plain per-call algorithm)",
                 ratio_def="baseline/ours",
                 targets=[Target("ratio", ">=", 5.0, "speedup >= 5x")] if locked else [],
             )
@@ -954,7 +954,7 @@ def _ubatched_step(
 def _locked_workspace(
     torch_device: torch.device, slots: int, warmups: Sequence[Callable[[], Any]]
 ) -> None:
-    """The harness's life cycle (seed section 4): a fresh workspace, one eager warm-up of
+    """The harness's life cycle: a fresh workspace, one eager warm-up of
     every step to be timed (the slots grow to their largest need), then lock. The variants
     of one benchmark share it, so they can interleave; a serial step uses slot 0."""
     reset_workspace_manager()

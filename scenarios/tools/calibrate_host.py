@@ -1,6 +1,7 @@
 """Measure this host's launch and handoff costs, the two host numbers of a hardware profile.
 
-`python -m scenarios.tools.calibrate_host` times, on the machine it runs on:
+`dbo-sim calibrate-host` (or `python -m scenarios.tools.calibrate_host`) times, on the machine
+it runs on (a CUDA GPU by default; `--device sim` measures the handoff alone, on any machine):
 - `launch_us`: host time of one eager torch op from Python (a tiny elementwise kernel and a
   small cuBLAS matmul; the profile's value is a typical model op between the two);
 - `handoff_us`: host time of one `dbo_yield` between two ubatch threads, through
@@ -8,7 +9,8 @@
 
 On a GPU it uses `dbo.CudaDevice`; without one it can still measure the handoff on the
 simulated device (`--device sim`), which has no real launches to time. The H200 profile's
-values (10 us, 30 us) came from this measurement on the lent H200 host. Use the output with
+host costs came from this measurement on an H200 host (the values and their date are in
+`dbo.sim.hardware` and the README). Use the output with
 `dataclasses.replace(profile, launch_us=..., handoff_us=...)` or the `SimDevice` options.
 """
 
@@ -19,13 +21,15 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
 
 import torch
 
 import dbo
 from dbo.streams import Device, resolve_device
+
+NO_GPU_MESSAGE = "no CUDA GPU present: nothing to measure (`--device sim` measures the handoff alone)"
 
 
 @dataclass(frozen=True)
@@ -84,14 +88,24 @@ def calibrate(device_name: str, *, quick: bool = False) -> HostCosts:
     return HostCosts(device=str(device.torch_device) if device.kind == "cuda" else "sim", elementwise_launch_us=add, matmul_launch_us=mm, handoff_us=handoff)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scenarios.tools.calibrate_host", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cuda", "sim"], default="cuda", help="where to measure (default cuda)")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m scenarios.tools.calibrate_host",
+        description=__doc__.splitlines()[0] + " Needs a CUDA GPU unless --device sim.",
+    )
+    parser.add_argument(
+        "--device", choices=["cuda", "sim"], default="cuda",
+        help="where to measure: cuda (default; needs a GPU) or sim (the handoff alone)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("calibrate_host: no CUDA GPU present; `--device sim` measures the handoff alone", file=sys.stderr)
+        print(f"calibrate_host: {NO_GPU_MESSAGE}", file=sys.stderr)
         return 2
     costs = calibrate(args.device, quick=args.quick)
     if args.json:

@@ -70,7 +70,7 @@ SGLANG_BLOG = (
 )
 SGLANG_STRATEGY = "sglang srt/batch_overlap/operations_strategy.py (TBO 'blog' strategies)"
 DEEPEP_README = "deepseek-ai/DeepEP README, V1 'Performance' tables (now docs/legacy.md)"
-VLLM_DBO = "vLLM maintainers on DBO (as quoted in DESIGN.md, 'Anchors for numbers')"
+VLLM_DBO = "vLLM maintainers on DBO (pays only when comm outweighs GEMMs; eager decode is launch bound)"
 
 # DeepEP V1 low-latency kernels, H800 + CX7 400 Gb/s: 128 tokens, hidden 7168, top-8, FP8
 # dispatch, BF16 combine. EP -> (dispatch us, combine us).

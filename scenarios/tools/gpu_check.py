@@ -36,7 +36,7 @@ the measured gain exceeds 3%. The H200 profile's constants come from kernel
 microbenchmarks and per-op host figures, never from these step times.
 
 Exit status: 0 measured (or --sim-only done); 2 no CUDA GPU present (nothing measured);
-1 a measurement failed (the others are still reported). About a minute on an H200.
+1 a measurement failed (the others are still reported).
 """
 
 from __future__ import annotations
@@ -430,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gpu_check: --against needs --sim-only (on a GPU, it measures itself)", file=sys.stderr)
         return 2
     if on_gpu and not torch.cuda.is_available():
-        print(f"gpu_check: {NO_GPU_MESSAGE}")
+        print(f"gpu_check: {NO_GPU_MESSAGE}", file=sys.stderr)
         return 2
     gpu_name = torch.cuda.get_device_name() if on_gpu else "no GPU (--sim-only)"
     reference: dict[str, dict[str, list[float]]] = {}

@@ -7,7 +7,12 @@ runs at a time). The checks are invariants, not "no exception":
 - no returned view overlaps a buffer that belonged to another slot;
 - after every growth all slots have equal capacity;
 - no slot buffer is allocated while the manager is locked;
-- every thread finishes (joined with a deadline).
+- every thread finishes (joined with a deadline);
+- every thread does all its iterations: a run cut short by its deadline fails (`cut_short`),
+  since it checked less than it was asked to.
+
+An interrupt (Ctrl-C) stops and joins every thread before it propagates, so that no thread is
+inside torch when the interpreter exits.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -24,6 +29,7 @@ from dbo import ubatching
 from workspace import WorkspaceLockedError, WorkspaceManager
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.uint8, torch.int64, torch.float64)
+_STOP_JOIN_S = 5.0  # a stopped worker ends within one iteration; longer than this is a hang
 
 
 @dataclass
@@ -39,10 +45,12 @@ class StressReport:
     seconds: float = 0.0
     final_capacities: list[int] = field(default_factory=list)
     orphaned_bytes_after: int = 0
+    iterations_done: int = 0  # over all threads; threads * iterations unless cut short
+    cut_short: bool = False  # the deadline passed before every thread finished
 
     @property
     def passed(self) -> bool:
-        return not self.violations and self.hung_threads == 0
+        return not self.violations and self.hung_threads == 0 and not self.cut_short
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "passed": self.passed, "violations": self.violations[:20]}
@@ -79,12 +87,14 @@ def run_stress(
     manager._allocate = allocate  # type: ignore[method-assign]
     stop = threading.Event()
     done = [0]
+    finished = [0] * threads  # iterations each worker completed
 
     def worker(slot: int) -> None:
         ubatching._THREAD_ID_TO_CONTEXT[threading.get_ident()] = slot
         rng = random.Random(seed * 1000 + slot)
         try:
             for i in range(iterations):
+                finished[slot] = i
                 if stop.is_set():
                     return
                 pairs = [
@@ -104,6 +114,7 @@ def run_stress(
                     report.requests += 1
                 if on_progress is not None and slot == 0 and ((i + 1) % 50 == 0 or i + 1 == iterations):
                     on_progress(i + 1)  # iterations slot 0 has completed
+            finished[slot] = iterations
         finally:
             ubatching._THREAD_ID_TO_CONTEXT.pop(threading.get_ident(), None)
             with record_lock:
@@ -128,11 +139,20 @@ def run_stress(
     for t in workers:
         t.start()
     lock_thread.start()
-    for t in workers:
-        t.join(max(deadline_s - (time.monotonic() - start), 0.0))
-    stop.set()
-    lock_thread.join(5)
+    try:
+        for t in workers:
+            # Short joins: an interrupt is noticed at once, whichever thread took the signal.
+            while t.is_alive() and time.monotonic() - start < deadline_s:
+                t.join(min(0.1, max(deadline_s - (time.monotonic() - start), 0.0)))
+        report.cut_short = any(t.is_alive() for t in workers)
+    finally:
+        # Also on Ctrl-C: every worker stops at its next iteration and is joined, so none is
+        # inside torch when the interpreter exits (a daemon thread there aborts the process).
+        stop.set()
+        for t in [*workers, lock_thread]:
+            t.join(_STOP_JOIN_S)
     report.hung_threads = sum(t.is_alive() for t in workers) + int(lock_thread.is_alive())
+    report.iterations_done = sum(finished)
     report.seconds = time.monotonic() - start
     manager.unlock()
     if allocations_while_locked[0]:

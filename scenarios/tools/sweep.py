@@ -8,21 +8,30 @@ host-launch and latency bound, so overlap cannot pay for its handoffs there; lar
 batches move enough bytes for the comm stream to hide under compute. `pays_from` reads off
 where a phase's gain turns positive; the PNG plots the gain against tokens per device (one
 panel per phase) and against the comm/compute ratio.
+
+Decode points are one-token requests over a `context_len`-token KV cache each, by default the
+same context as the `dsv3-decode-ll` scenario, so the sweep's 256-token point is that
+scenario's step; prefill points are 4096-token prompts (the last one shorter when the count is
+not a multiple). `CsvSink` writes each point as it finishes, so an interrupted sweep keeps the
+points it computed.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import IO
 
 from scenarios.harness import RunOptions, compare_serial_dbo
 from scenarios.model import Batch, ModelConfig, preset
 
 DECODE_TOKENS = (16, 32, 64, 128, 256, 512)
 PREFILL_TOKENS = (1024, 2048, 4096, 8192, 16384)
+DECODE_CONTEXT = 2048  # tokens in each decode request's KV cache, as in dsv3-decode-ll
+PREFILL_PROMPT = 4096  # tokens per prefill prompt, as in SGLang's prefill benchmark
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class SweepPoint:
     exposed_comm_us: float
     comm_us: float
     compute_us: float
+    context_len: int = 0  # KV-cache tokens per decode request (0 for prefill)
 
     @property
     def comm_compute_ratio(self) -> float:
@@ -59,11 +69,32 @@ def pays_from(points: Sequence[SweepPoint]) -> int | None:
     return start
 
 
-def _batch(phase: str, tokens: int) -> Batch:
+def check_points(
+    decode_tokens: Iterable[int], prefill_tokens: Iterable[int], num_ubatches: int
+) -> str | None:
+    """Why these token counts cannot be swept with `num_ubatches` ubatches (None: they can).
+    Every ubatch needs at least one real token, so no count may be below the ubatch count."""
+    for flag, counts in (("--decode", decode_tokens), ("--prefill", prefill_tokens)):
+        small = sorted({t for t in counts if t < num_ubatches})
+        if small:
+            listed = ", ".join(map(str, small))
+            return (
+                f"{flag} {listed}: fewer tokens per device than the {num_ubatches} ubatches "
+                f"(each ubatch needs at least one); choose counts >= {num_ubatches}"
+            )
+    return None
+
+
+def _batch(phase: str, tokens: int, context_len: int) -> Batch:
     if phase == "decode":
-        return Batch.decode(num_requests=tokens, context_len=128)
-    prompt = min(tokens, 4096)  # 4K-token prompts, as in SGLang's prefill benchmark
-    return Batch.prefill(num_requests=max(tokens // prompt, 1), prompt_len=prompt)
+        return Batch.decode(num_requests=tokens, context_len=context_len)
+    lens = [PREFILL_PROMPT] * (tokens // PREFILL_PROMPT)
+    if tokens % PREFILL_PROMPT:
+        lens.append(tokens % PREFILL_PROMPT)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    return Batch(tuple(starts), (0,) * len(lens))
 
 
 def reduced(config: ModelConfig, num_layers: int) -> ModelConfig:
@@ -81,8 +112,16 @@ def run_sweep(
     decode_tokens: Sequence[int] = DECODE_TOKENS,
     prefill_tokens: Sequence[int] = PREFILL_TOKENS,
     num_layers: int | None = None,
+    context_len: int = DECODE_CONTEXT,
     on_point: Callable[[SweepPoint], None] | None = None,
 ) -> list[SweepPoint]:
+    """One point per token count; `on_point` hears each as it finishes. Raises ValueError
+    before any work for counts the ubatches cannot split or a context below 1."""
+    problem = check_points(decode_tokens, prefill_tokens, opts.num_ubatches)
+    if problem is None and context_len < 1:
+        problem = f"context_len must be >= 1, got {context_len}"
+    if problem is not None:
+        raise ValueError(problem)
     config = preset("deepseek-v3")
     if num_layers is not None:
         config = reduced(config, num_layers)
@@ -91,7 +130,8 @@ def run_sweep(
     for phase, tokens_list in (("decode", decode_tokens), ("prefill", prefill_tokens)):
         mode = "ll" if phase == "decode" else "ht"
         for tokens in tokens_list:
-            c = compare_serial_dbo(f"sweep-{phase}-{tokens}", config, _batch(phase, tokens), mode, no_artifacts)
+            batch = _batch(phase, tokens, context_len)
+            c = compare_serial_dbo(f"sweep-{phase}-{tokens}", config, batch, mode, no_artifacts)
             s = c.dbo.summary
             point = SweepPoint(
                 phase=phase,
@@ -103,6 +143,7 @@ def run_sweep(
                 exposed_comm_us=s.exposed_comm_us,
                 comm_us=s.comm_us,
                 compute_us=s.compute_us,
+                context_len=context_len if phase == "decode" else 0,
             )
             points.append(point)
             if on_point is not None:
@@ -110,13 +151,34 @@ def run_sweep(
     return points
 
 
+class CsvSink:
+    """`sweep.csv` written a row at a time and flushed, so the rows survive an interrupt."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file: IO[str] = path.open("w", newline="")
+        self._writer: csv.DictWriter | None = None
+
+    def write(self, point: SweepPoint) -> None:
+        row = point.to_dict()
+        if self._writer is None:
+            self._writer = csv.DictWriter(self._file, fieldnames=list(row))
+            self._writer.writeheader()
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def write_csv(path: Path, points: Sequence[SweepPoint]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(points[0].to_dict()))
-        writer.writeheader()
+    sink = CsvSink(path)
+    try:
         for p in points:
-            writer.writerow(p.to_dict())
+            sink.write(p)
+    finally:
+        sink.close()
     return path
 
 
