@@ -99,6 +99,11 @@ def _tensors(values: Iterable[Any], into: list[torch.Tensor]) -> None:
                     into.append(w)
 
 
+def _shape(t: torch.Tensor) -> Any:
+    # A nested tensor has no single shape; the trace gets its layout instead.
+    return "nested" if t.is_nested else tuple(t.shape)
+
+
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -179,7 +184,7 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
         reads=reads,
         writes=writes,
         fresh=fresh,
-        args={"shapes": [tuple(t.shape) for t in ins], "dtype": str(dtype).replace("torch.", "")},
+        args={"shapes": [_shape(t) for t in ins], "dtype": str(dtype).replace("torch.", "")},
     )
     if graph is not None and not tls.replaying:
         graph.on_op(func, args, kwargs, out, record, cost, reads, writes)
