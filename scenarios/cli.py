@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
 from scenarios.tools.progress import Progress
+from scenarios.tools import race_check
 
 
 def _positive_int(text: str) -> int:
@@ -310,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity.add_argument("--quick", action="store_true", help="fewer layers and points (seconds, for CI)")
     fidelity.add_argument("--json", action="store_true", help="print the report as JSON")
     fidelity.set_defaults(func=cmd_fidelity)
+    checks = sub.add_parser(
+        "race-check", description=race_check.DESCRIPTION,
+        help="seeded race programs: the simulator's checker and torch's CSAN side by side",
+    )  # fmt: skip
+    race_check.add_arguments(checks)
+    checks.set_defaults(func=race_check.run_command)
     return parser
 
 

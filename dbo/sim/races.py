@@ -36,7 +36,8 @@ import os
 import sys
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,7 +46,7 @@ from dbo.sim.records import Access, OpRecord, OpSite, RaceReport
 if TYPE_CHECKING:
     from dbo.sim.device import SimDevice, _Track
 
-__all__ = ["RaceChecker", "RaceError", "user_stack", "footprint", "footprints_meet"]
+__all__ = ["RaceChecker", "RaceError", "footprint", "footprints_meet", "user_stack"]
 
 MAX_REPORTS = 1000  # a broken schedule races on every layer; the first reports say enough
 ALLOC_ROUND = 512  # the caching allocator rounds every request up to this many bytes
@@ -77,11 +78,7 @@ def user_stack(depth: int = 4, skip: int = 1) -> tuple[tuple[str, int, str], ...
     f = sys._getframe(skip)
     while f is not None and len(frames) < depth:
         filename = f.f_code.co_filename
-        if not (
-            filename.startswith(_TORCH_DIR)
-            or filename.startswith(_SIM_DIR)
-            or filename.endswith(_SKIP_FILES)
-        ):
+        if not (filename.startswith((_TORCH_DIR, _SIM_DIR)) or filename.endswith(_SKIP_FILES)):
             frames.append((filename, f.f_lineno, f.f_code.co_name))
         f = f.f_back
     frames.reverse()
@@ -133,10 +130,6 @@ def _canonical(base: int, shape: Sequence[int], stride: Sequence[int], size: int
     return base, base + extent, run, tuple((n, s) for n, s in reversed(out))
 
 
-def _span_end(base: int, run: int, dims: Dims) -> int:
-    return base + run + sum((n - 1) * s for n, s in dims)
-
-
 def footprints_meet(a: tuple[int, int, int, Dims], b: tuple[int, int, int, Dims]) -> bool:
     """True when two footprints share a byte (exact within MEET_BUDGET search steps, "may
     share" beyond)."""
@@ -146,15 +139,16 @@ def footprints_meet(a: tuple[int, int, int, Dims], b: tuple[int, int, int, Dims]
         return False
     if not ad and not bd:
         return True
-    budget = [MEET_BUDGET]
-    return _meet(a0, ar or a1 - a0, ad, b0, br or b1 - b0, bd, max(a0, b0), min(a1, b1), budget)
+    return _meet(a0, a1, ar or a1 - a0, ad, b0, b1, br or b1 - b0, bd, [MEET_BUDGET])
 
 
 def _residues_disjoint(a0: int, ar: int, ad: Dims, b0: int, br: int, bd: Dims) -> bool:
     # Every stride a multiple of g: each footprint's bytes lie in one interval of residues
     # mod g, so disjoint residue intervals mean disjoint footprints.
     g = 0
-    for _, s in (*ad, *bd):
+    for _, s in ad:
+        g = math.gcd(g, s)
+    for _, s in bd:
         g = math.gcd(g, s)
     if g == 0 or ar >= g or br >= g:
         return False
@@ -163,11 +157,10 @@ def _residues_disjoint(a0: int, ar: int, ad: Dims, b0: int, br: int, bd: Dims) -
 
 
 def _meet(
-    a0: int, ar: int, ad: Dims, b0: int, br: int, bd: Dims, lo: int, hi: int, budget: list[int]
+    a0: int, a1: int, ar: int, ad: Dims, b0: int, b1: int, br: int, bd: Dims, budget: list[int]
 ) -> bool:
-    lo = max(lo, a0, b0)
-    hi = min(hi, _span_end(a0, ar, ad), _span_end(b0, br, bd))
-    if lo >= hi:
+    """Footprints [a0, a1) and [b0, b1) as base, run, dims (a dense one: run = its length)."""
+    if a1 <= b0 or b1 <= a0:
         return False
     if not ad and not bd:
         return True
@@ -177,13 +170,15 @@ def _meet(
     if budget[0] < 0:
         return True  # out of budget: answer "may overlap", never miss a race
     if not ad or (bd and bd[0][1] > ad[0][1]):
-        a0, ar, ad, b0, br, bd = b0, br, bd, a0, ar, ad
+        a0, a1, ar, ad, b0, b1, br, bd = b0, b1, br, bd, a0, a1, ar, ad
+    # Split `a` along its largest stride; visit only the slices inside b's span.
     (n, s), inner = ad[0], ad[1:]
-    inner_extent = _span_end(0, ar, inner)
-    first = max(0, -(-(lo - a0 - inner_extent + 1) // s))
-    last = min(n - 1, (hi - 1 - a0) // s)
+    extent = a1 - a0 - (n - 1) * s  # span of one slice
+    first = max(0, -(-(b0 - a0 - extent + 1) // s))
+    last = min(n - 1, (b1 - 1 - a0) // s)
     for i in range(first, last + 1):
-        if _meet(a0 + i * s, ar, inner, b0, br, bd, lo, hi, budget):
+        base = a0 + i * s
+        if _meet(base, base + extent, ar, inner, b0, b1, br, bd, budget):
             return True
     return False
 
@@ -193,8 +188,17 @@ def _meet(
 
 class _Entry:
     __slots__ = (
-        "start", "end", "run", "dims", "is_write", "track", "epoch", "record", "stack",
-        "argument", "freed_alloc",
+        "argument",
+        "dims",
+        "end",
+        "epoch",
+        "freed_alloc",
+        "is_write",
+        "record",
+        "run",
+        "stack",
+        "start",
+        "track",
     )  # fmt: skip
 
     def __init__(
@@ -213,7 +217,7 @@ class _Entry:
         self.argument = argument
         self.freed_alloc = freed_alloc  # set on a hazard inherited from a freed block
 
-    def moved(self, delta: int, freed_alloc: Any) -> "_Entry":
+    def moved(self, delta: int, freed_alloc: Any) -> _Entry:
         return _Entry(
             self.start + delta, self.end + delta, self.run, self.dims, self.is_write,
             self.track, self.epoch, self.record, self.stack, self.argument, freed_alloc,
@@ -223,20 +227,20 @@ class _Entry:
 class _Block:
     """A range of addresses and the accesses to it; shared by storages over its bytes."""
 
-    __slots__ = ("start", "end", "entries", "storages", "alloc_track", "alloc_stack", "recorded")
+    __slots__ = ("alloc_stack", "alloc_track", "end", "entries", "recorded", "start", "storages")
 
     def __init__(self, start: int, end: int) -> None:
         self.start = start
         self.end = end
         self.entries: list[_Entry] = []
         self.storages: set[int] = set()
-        self.alloc_track: "_Track | None" = None  # set when the allocation was seen
+        self.alloc_track: _Track | None = None  # set when the allocation was seen
         self.alloc_stack: Any = None
-        self.recorded: list["_Track"] = []  # streams named by record_stream
+        self.recorded: list[_Track] = []  # streams named by record_stream
 
 
 class _Storage:
-    __slots__ = ("key", "base", "nbytes", "block")
+    __slots__ = ("base", "block", "key", "nbytes")
 
     def __init__(self, key: int, base: int, nbytes: int, block: _Block) -> None:
         self.key = key
@@ -248,7 +252,7 @@ class _Storage:
 class _Freed:
     """A freed block whose history still holds accesses no later work is ordered after."""
 
-    __slots__ = ("entries", "alloc_stack")
+    __slots__ = ("alloc_stack", "entries")
 
     def __init__(self, entries: list[_Entry], alloc_stack: Any) -> None:
         self.entries = entries  # addresses relative to the block's start
@@ -262,7 +266,7 @@ def _ordered(e: _Entry, track_index: int, vc: Sequence[int]) -> bool:
 class _ArgSpec:
     """Per op overload: each schema argument's name and whether the op writes it."""
 
-    __slots__ = ("positional", "by_name")
+    __slots__ = ("by_name", "positional")
 
     def __init__(self, func: Any) -> None:
         args = func._schema.arguments
@@ -295,7 +299,7 @@ def _components(t: torch.Tensor) -> list[torch.Tensor] | None:
 class RaceChecker:
     """Access history by memory block of one device, checked at every placed op."""
 
-    def __init__(self, device: "SimDevice") -> None:
+    def __init__(self, device: SimDevice) -> None:
         self.device = device
         self._storages: dict[int, _Storage] = {}  # StorageImpl address -> live storage
         self._starts: list[int] = []  # sorted block starts (blocks are disjoint)
@@ -421,7 +425,7 @@ class RaceChecker:
         pool.append(_Freed(pending, block.alloc_stack))
         del pool[:-POOL_DEPTH]
 
-    def allocated(self, t: torch.Tensor, track: "_Track", stack: Any) -> None:
+    def allocated(self, t: torch.Tensor, track: _Track, stack: Any) -> None:
         """`t`'s storage was just allocated on `track` by an op that launches no kernel."""
         try:
             st = t.untyped_storage()
@@ -431,7 +435,7 @@ class RaceChecker:
         if rec.block.alloc_track is None:
             self._take_from_pool(rec, track, stack)
 
-    def record_stream(self, t: torch.Tensor, track: "_Track") -> None:
+    def record_stream(self, t: torch.Tensor, track: _Track) -> None:
         """The allocator must not reuse `t`'s memory before `track`'s work at the free."""
         try:
             st = t.untyped_storage()
@@ -475,7 +479,14 @@ class RaceChecker:
     def _add_tensor(self, t: torch.Tensor, w: bool, name: str, found: dict, fresh: Any) -> None:
         try:
             st = t.untyped_storage()
-            fp = footprint(t)
+            n = t.numel()
+            if n == 0:
+                return
+            if t.is_contiguous():  # the cheap path: one dense interval
+                start = t.data_ptr()
+                fp: tuple = (start, start + n * t.element_size(), 0, ())
+            else:
+                fp = _canonical(t.data_ptr(), t.shape, t.stride(), t.element_size())
         except (RuntimeError, NotImplementedError):
             parts = _components(t)
             if parts is None:
@@ -484,14 +495,16 @@ class RaceChecker:
             for part in parts:
                 self._add_tensor(part, w, name, found, fresh)
             return
-        if fp is None:
-            return
-        rec, new = self._storage(st)
-        if new and fresh is not None:
-            fresh.append(rec.key)
-        slot = found.get((rec.key, *fp))
+        key = st._cdata
+        rec = self._storages.get(key)
+        if rec is None:
+            rec = self._storage(st)[0]
+            if fresh is not None:
+                fresh.append(key)
+        slot_key = (key, *fp)
+        slot = found.get(slot_key)
         if slot is None:
-            found[(rec.key, *fp)] = [w, [name]]
+            found[slot_key] = [w, [name]]
         else:
             slot[0] = slot[0] or w
             if name not in slot[1]:
@@ -508,7 +521,7 @@ class RaceChecker:
     def on_op(
         self,
         record: OpRecord,
-        track: "_Track",
+        track: _Track,
         epoch: int,
         reads: Sequence[Access],
         writes: Sequence[Access],
@@ -529,7 +542,7 @@ class RaceChecker:
             if rec is not None:
                 self._check(access, rec, record, me, vc, epoch, stack)
 
-    def _take_from_pool(self, rec: _Storage, track: "_Track", stack: Any) -> None:
+    def _take_from_pool(self, rec: _Storage, track: _Track, stack: Any) -> None:
         """A new allocation on `track`: the allocator may hand it a freed block of the same
         rounded size from that stream's pool, and with it the block's pending accesses."""
         block = rec.block
@@ -558,12 +571,16 @@ class RaceChecker:
             ordered = old.track == me or (old.track < len(vc) and vc[old.track] >= old.epoch)
             if not ordered and (w or old.is_write):
                 self._report(access, rec, old, record, stack)
-            if ordered and not dims and old.start >= s and old.end <= e and (w or not old.is_write):
+            covered = old.start >= s and old.end <= e
+            if (
+                ordered
+                and covered
+                and (w or not old.is_write)
+                and (not dims or (old.dims == dims and old.run == access.run))
+            ):
                 continue  # redundant: any later conflict with `old` conflicts with us
             keep.append(old)
-        keep.append(
-            _Entry(s, e, access.run, dims, w, me, epoch, record, stack, access.argument)
-        )
+        keep.append(_Entry(s, e, access.run, dims, w, me, epoch, record, stack, access.argument))
         block.entries = keep
 
     def _report(

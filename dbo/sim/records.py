@@ -18,7 +18,7 @@ HANDOFF = "handoff"
 GRAPH_LAUNCH = "graph-launch"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made for every tensor of every op, so init must be cheap
 class Access:
     """The bytes of memory one op reads or writes through one tensor (or several arguments
     that are the same tensor). Addresses are absolute; `dims` () means every byte of
