@@ -452,20 +452,27 @@ class RaceChecker:
         spec = _SPECS.get(func)
         if spec is None:
             spec = _SPECS[func] = _ArgSpec(func)
-        found: dict[tuple, list] = {}  # footprint + storage -> [is_write, names]
+        found: dict[tuple, list] = {}  # storage + footprint -> [is_write, names]
         fresh: list[int] = []
+        add = self._add_tensor
         positional = spec.positional
         for i, value in enumerate(args):
-            name, w = positional[i] if i < len(positional) else ("", False)
-            self._add(value, w, name, found, None)
+            if isinstance(value, torch.Tensor):
+                name, w = positional[i]
+                add(value, w, name, found, None)
+            elif isinstance(value, (list, tuple)):
+                name, w = positional[i] if i < len(positional) else ("", False)
+                for v in value:
+                    if isinstance(v, torch.Tensor):
+                        add(v, w, name, found, None)
         for name, value in kwargs.items():
             self._add(value, spec.by_name.get(name, False), name, found, None)
         self._add(out, True, "output", found, fresh)
         reads: list[Access] = []
         writes: list[Access] = []
         for (key, start, end, run, dims), (w, names) in found.items():
-            access = Access(key, start, end, w, dims, run, ", ".join(names))
-            (writes if w else reads).append(access)
+            argument = names[0] if len(names) == 1 else ", ".join(names)
+            (writes if w else reads).append(Access(key, start, end, w, dims, run, argument))
         return reads, writes, fresh
 
     def _add(self, value: Any, w: bool, name: str, found: dict, fresh: list | None) -> None:
@@ -563,22 +570,21 @@ class RaceChecker:
             if old.end <= s or e <= old.start:
                 keep.append(old)
                 continue
-            if (dims or old.dims) and not footprints_meet(
-                (s, e, access.run, dims), (old.start, old.end, old.run, old.dims)
+            if old.track == me or (old.track < len(vc) and vc[old.track] >= old.epoch):
+                if (
+                    old.start >= s
+                    and old.end <= e
+                    and (w or not old.is_write)
+                    and (not dims or (old.dims == dims and old.run == access.run))
+                ):
+                    continue  # redundant: any later conflict with `old` conflicts with us
+            elif (w or old.is_write) and (
+                not (dims or old.dims)
+                or footprints_meet(
+                    (s, e, access.run, dims), (old.start, old.end, old.run, old.dims)
+                )
             ):
-                keep.append(old)
-                continue
-            ordered = old.track == me or (old.track < len(vc) and vc[old.track] >= old.epoch)
-            if not ordered and (w or old.is_write):
                 self._report(access, rec, old, record, stack)
-            covered = old.start >= s and old.end <= e
-            if (
-                ordered
-                and covered
-                and (w or not old.is_write)
-                and (not dims or (old.dims == dims and old.run == access.run))
-            ):
-                continue  # redundant: any later conflict with `old` conflicts with us
             keep.append(old)
         keep.append(_Entry(s, e, access.run, dims, w, me, epoch, record, stack, access.argument))
         block.entries = keep

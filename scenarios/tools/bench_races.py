@@ -23,7 +23,7 @@ from dbo.sim import SimDevice
 
 __all__ = ["RaceBench", "bench_races", "main"]
 
-OPS_PER_ROUND = 6  # ops each round of `_mix` issues (a list op counts once)
+OPS_PER_ROUND = 5  # ops each round of `_mix` issues, plus one with `list_op` (counted once)
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class RaceBench:
     checked_ns: float  # SimDevice(check_races=True)
     rounds: int
     reps: int
+    list_op: bool
     best_unchecked_ns: float = 0.0  # fastest samples: less sensitive to a loaded machine
     best_checked_ns: float = 0.0
 
@@ -53,13 +54,18 @@ class RaceBench:
             f"per intercepted op: plain {self.plain_ns / 1e3:.2f} us, unchecked "
             f"{self.unchecked_ns / 1e3:.2f} us, checked {self.checked_ns / 1e3:.2f} us; "
             f"checker {self.checker_ns / 1e3:.2f} us/op; checked/unchecked {self.ratio:.2f}x "
-            f"({self.rounds} rounds x {OPS_PER_ROUND} ops, median of {self.reps}); fastest "
+            f"({self.rounds} rounds x {_ops(self.list_op)} ops{' with a list op' if self.list_op else ''}, "
+            f"median of {self.reps}); fastest "
             f"samples: checker {(self.best_checked_ns - self.best_unchecked_ns) / 1e3:.2f} "
             f"us/op, checked/unchecked {self.best_checked_ns / self.best_unchecked_ns:.2f}x"
         )
 
 
-def _mix(device: SimDevice | None, rounds: int) -> Callable[[], None]:
+def _ops(list_op: bool) -> int:
+    return OPS_PER_ROUND + int(list_op)
+
+
+def _mix(device: SimDevice | None, rounds: int, list_op: bool) -> Callable[[], None]:
     x = torch.randn(64)
     grid = torch.zeros(16, 16)
     params = [torch.zeros(16) for _ in range(4)]
@@ -76,7 +82,8 @@ def _mix(device: SimDevice | None, rounds: int) -> Callable[[], None]:
             y = x * 2.0
             y.add_(1.0)
             grid[:, i % 16].copy_(y[:16])  # a strided column
-            torch._foreach_mul_(params, 1.0)
+            if list_op:
+                torch._foreach_mul_(params, 1.0)
             z = y.sum()
             del z
             x.mul_(1.0)
@@ -87,32 +94,36 @@ def _mix(device: SimDevice | None, rounds: int) -> Callable[[], None]:
     return run
 
 
-def _sampler(device: SimDevice | None, rounds: int) -> Callable[[], float]:
-    run = _mix(device, rounds)
+def _sampler(device: SimDevice | None, rounds: int, list_op: bool) -> Callable[[], float]:
+    run = _mix(device, rounds, list_op)
+    per_sample = rounds * _ops(list_op)
 
     def sample() -> float:
         if device is None:
             start = time.perf_counter_ns()
             run()
-            return (time.perf_counter_ns() - start) / (rounds * OPS_PER_ROUND)
+            return (time.perf_counter_ns() - start) / per_sample
         device.reset()
         with device.thread_scope(None):
             start = time.perf_counter_ns()
             run()
             elapsed = time.perf_counter_ns() - start
-        return elapsed / (rounds * OPS_PER_ROUND)
+        return elapsed / per_sample
 
     return sample
 
 
-def bench_races(rounds: int = 200, reps: int = 15) -> RaceBench:
-    """Median ns per op of the mix: plain, unchecked, checked (interleaved samples)."""
+def bench_races(rounds: int = 200, reps: int = 15, *, list_op: bool = False) -> RaceBench:
+    """Median ns per op of the mix: plain, unchecked, checked (interleaved samples). Without
+    `list_op` the mix holds only ops that every version of the checker sees (comparable
+    across commits); with it, one in-place list op per round too."""
     if rounds < 1 or reps < 1:
         raise ValueError(f"rounds and reps must be positive, got {rounds} and {reps}")
+    checked = SimDevice(check_races=True)
     samplers = {
-        "plain": _sampler(None, rounds),
-        "unchecked": _sampler(SimDevice(check_races=False), rounds),
-        "checked": _sampler(SimDevice(check_races=True), rounds),
+        "plain": _sampler(None, rounds, list_op),
+        "unchecked": _sampler(SimDevice(check_races=False), rounds, list_op),
+        "checked": _sampler(checked, rounds, list_op),
     }
     for sample in samplers.values():
         sample()  # warm-up: first calls pay one-time dispatch and classification setup
@@ -120,19 +131,30 @@ def bench_races(rounds: int = 200, reps: int = 15) -> RaceBench:
     for _ in range(reps):
         for key, sample in samplers.items():
             samples[key].append(sample())
+    if checked.races:
+        raise RuntimeError(f"the benchmark's schedule must be race-free: {checked.races[0]}")
     med = {k: statistics.median(v) for k, v in samples.items()}
     best = {k: min(v) for k, v in samples.items()}
     return RaceBench(
-        med["plain"], med["unchecked"], med["checked"], rounds, reps,
-        best["unchecked"], best["checked"],
-    )  # fmt: skip
+        plain_ns=med["plain"],
+        unchecked_ns=med["unchecked"],
+        checked_ns=med["checked"],
+        rounds=rounds,
+        reps=reps,
+        list_op=list_op,
+        best_unchecked_ns=best["unchecked"],
+        best_checked_ns=best["checked"],
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    rounds = int(args[0]) if args else 200
-    reps = int(args[1]) if len(args) > 1 else 15
+    numbers = [a for a in args if not a.startswith("--")]
+    rounds = int(numbers[0]) if numbers else 200
+    reps = int(numbers[1]) if len(numbers) > 1 else 15
     print(bench_races(rounds, reps).describe())
+    if "--list-op" in args:
+        print(bench_races(rounds, reps, list_op=True).describe())
     return 0
 
 
