@@ -351,7 +351,9 @@ class RaceChecker:
         rec = _Storage(key, base, nbytes, block)
         block.storages.add(key)
         self._storages[key] = rec
-        weakref.finalize(st, self._died, rec)
+        # The callback holds the dead list, not the checker: a long-lived tensor must not
+        # keep its device alive.
+        weakref.finalize(st, _on_death, self._dead, rec)
         return rec, True
 
     def _block_for(self, start: int, end: int) -> _Block:
@@ -379,16 +381,6 @@ class RaceChecker:
         self._starts[j:i] = [block.start]
         self._blocks[j:i] = [block]
         return block
-
-    def _died(self, rec: _Storage) -> None:
-        # Runs when the storage object dies (any thread, any moment): only snapshot the
-        # clocks that say what the free is ordered after; the work happens in _reap.
-        block = rec.block
-        snap = None
-        if block.alloc_track is not None:
-            track = block.alloc_track
-            snap = (list(track.vc), [(t.index, list(t.vc)) for t in block.recorded])
-        self._dead.append((rec, snap))
 
     def _reap(self) -> None:
         while self._dead:
@@ -630,6 +622,17 @@ class RaceChecker:
             raise RaceError(report)
         if action == "warn":
             warnings.warn(report.describe(), RuntimeWarning, stacklevel=2)
+
+
+def _on_death(dead: list, rec: _Storage) -> None:
+    # Runs when a storage object dies (any thread, any moment): only snapshot the clocks
+    # that say what the free is ordered after; RaceChecker._reap does the rest.
+    block = rec.block
+    snap = None
+    if block.alloc_track is not None:
+        track = block.alloc_track
+        snap = (list(track.vc), [(t.index, list(t.vc)) for t in block.recorded])
+    dead.append((rec, snap))
 
 
 def _rounded(nbytes: int) -> int:
