@@ -111,16 +111,15 @@ class RaceReport:
         lines.append(f"  is not ordered after {self.first.line()}")
         lines += stack(self.first.stack)
         if self.freed_allocation is not None:
-            lines.append(
-                "  The first access was to an earlier tensor, freed while that access was "
-                "pending; the caching allocator handed its memory on. That tensor was "
-                "allocated at:"
-            )
+            lines += [
+                "  The first access was to an earlier tensor, freed while that access was",
+                "  pending; the caching allocator handed its memory on. It was allocated at:",
+            ]
             lines += stack(self.freed_allocation)
-            lines.append(
-                "  Order the free after the pending work: tensor.record_stream(stream) "
-                "(device.record_stream on the simulated device) or an event wait."
-            )
+            lines += [
+                "  Order the free after the pending work: tensor.record_stream(stream)",
+                "  (device.record_stream on the simulated device) or an event wait.",
+            ]
         lines.append("  The memory was allocated at:")
         lines += stack(self.allocation)
         return "\n".join(lines)
