@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dbo
 from dbo.sim import SimDevice
@@ -327,7 +328,7 @@ class _CsanDevice(CudaDevice):
     def _mode_for_thread(self) -> Any:
         # One mode object per thread (its enter/exit bookkeeping is per object), one handler.
         mode = self._csan.CUDASanitizerDispatchMode.__new__(self._csan.CUDASanitizerDispatchMode)
-        torch.utils._python_dispatch.TorchDispatchMode.__init__(mode)
+        TorchDispatchMode.__init__(mode)
         mode.event_handler = self._root.event_handler
         return mode
 
