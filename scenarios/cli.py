@@ -10,8 +10,8 @@ from typing import Any, Sequence
 
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
-from scenarios.tools.progress import Progress
 from scenarios.tools import race_check
+from scenarios.tools.progress import Progress
 
 
 def _positive_int(text: str) -> int:

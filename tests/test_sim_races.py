@@ -529,7 +529,8 @@ def test_allocator_reuse_of_a_block_still_read_on_another_stream_races() -> None
     _free_while_comm_reads(d, compute, comm, record=False, wait=False)
     (race,) = d.races
     assert (race.first.op, race.first.stream) == ("comm::dispatch", "comm")
-    assert (race.second.op, race.second.stream, race.second.argument) == ("aten::add", "compute", "output")
+    second = (race.second.op, race.second.stream, race.second.argument)
+    assert second == ("aten::add", "compute", "output")
     assert race.freed_allocation and "_free_while_comm_reads" in race.freed_allocation[-1]
     assert "reused after free" in race.describe()
 
@@ -575,11 +576,13 @@ def test_report_names_ops_streams_ubatches_bytes_arguments_stacks_and_allocation
     (race,) = d.races
     assert (race.first.op, race.first.stream, race.first.ubatch) == ("aten::mul", "compute", 1)
     assert (race.first.argument, race.first.is_write) == ("output", True)
-    assert (race.second.op, race.second.stream, race.second.argument) == ("aten::add", "comm", "other")
+    second = (race.second.op, race.second.stream, race.second.argument)
+    assert second == ("aten::add", "comm", "other")
     assert (race.second.start, race.second.end) == (16, 32)
     assert "test_report_names" in race.allocation[-1]
     text = str(race)
-    for part in ("aten::mul", "aten::add", "'comm'", "ubatch 1", "other", "[16, 32)", "allocated at"):
+    parts = ("aten::mul", "aten::add", "'comm'", "ubatch 1", "other", "[16, 32)", "allocated at")
+    for part in parts:
         assert part in text, part
     assert text.count("test_sim_races.py") >= 3  # both stacks and the allocation site
 
@@ -590,7 +593,9 @@ def test_report_names_ops_streams_ubatches_bytes_arguments_stacks_and_allocation
 @pytest.mark.parametrize("check_races", [True, False])
 @pytest.mark.parametrize("kind", ["coo", "csr"])
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
-def test_sparse_tensors_in_a_ubatch_are_checked_through_their_parts(kind: str, check_races: bool) -> None:
+def test_sparse_tensors_in_a_ubatch_are_checked_through_their_parts(
+    kind: str, check_races: bool
+) -> None:
     d = SimDevice("h200", check_races=check_races)
     compute, comm = d.Stream("compute"), d.Stream("comm")
     dense = torch.eye(4)

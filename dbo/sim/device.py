@@ -7,7 +7,8 @@ then runs from max(h + launch, S.free_at) for its cost; events carry the time of
 recorded before them. Beside times, every timeline keeps a vector clock (one entry per
 timeline) so the race checker can tell which accesses are ordered: an op's epoch is its
 timeline's entry right after it; event record/wait and host syncs join clocks as CUDA orders
-work. Ops reach `place_op` from the dispatch mode (`dbo.sim.intercept`), from `comm_region`,
+work (a query that returns True is a host sync too; one that returns False costs the host a
+driver call, so a polling loop moves the host clock). Ops reach `place_op` from the dispatch mode (`dbo.sim.intercept`), from `comm_region`,
 and from graph replay (`dbo.sim.graph`).
 
 SM sharing (an approximation): a high-throughput comm op holds comm_sms / num_sms of the SMs
@@ -123,9 +124,9 @@ class SimEvent(Event):
         self.device._sync_event(self)
 
     def query(self) -> bool:
-        if not self.recorded:
+        if not self.recorded or self.time_us is None:
             return True
-        return self.device._poll(self.time_us, self.vc, f"event on {self.stream_name}")  # type: ignore[arg-type]
+        return self.device._poll(self.time_us, self.vc, f"event on {self.stream_name}")
 
     def __repr__(self) -> str:
         return f"<SimEvent t={self.time_us} on {self.stream_name!r}>"
