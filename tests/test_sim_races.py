@@ -637,3 +637,15 @@ def test_mkldnn_tensor_is_placed_unchecked_and_noted_once() -> None:
         m + m
     assert d.races == [] and len(d.race_checker.notes) == 1
     assert sum(r.name == "aten::add" for r in d.timeline) == 2
+
+
+def test_report_says_when_the_allocation_was_not_seen() -> None:
+    d, compute, comm = setup()
+    x = torch.zeros(8)  # made before the device saw anything
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        x.fill_(1)
+        d.set_stream(comm)
+        x.fill_(2)
+    (race,) = d.races
+    assert race.allocation == () and "allocated outside" in str(race)

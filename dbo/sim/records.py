@@ -120,6 +120,9 @@ class RaceReport:
                 "  Order the free after the pending work: tensor.record_stream(stream)",
                 "  (device.record_stream on the simulated device) or an event wait.",
             ]
-        lines.append("  The memory was allocated at:")
-        lines += stack(self.allocation)
+        if self.allocation:
+            lines.append("  The memory was allocated at:")
+            lines += stack(self.allocation)
+        else:
+            lines.append("  The memory was allocated outside the simulated device's view.")
         return "\n".join(lines)
