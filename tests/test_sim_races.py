@@ -649,3 +649,23 @@ def test_report_says_when_the_allocation_was_not_seen() -> None:
         x.fill_(2)
     (race,) = d.races
     assert race.allocation == () and "allocated outside" in str(race)
+
+
+def test_low_latency_staging_freed_after_the_send_is_not_an_allocator_hazard() -> None:
+    """Writes inside an "ll" region land on the link track; a temporary the region stages its
+    send in, freed at once and its block reused on the sending stream, is not a race: data in
+    flight lands in registered buffers, not in memory the allocator hands on."""
+    d, compute, _ = setup()
+    x = torch.randn(256)
+    recv = torch.zeros(256)
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        with d.comm_region("dispatch", nbytes=1024, mode="ll", ep_size=16) as h:
+            staged = x * 1.0  # staging buffer, allocated on the sending stream
+            recv.copy_(staged)
+        del staged
+        y = x + 1  # same size on the sending stream: may get the staging block
+        compute.wait_event(h.event)
+        recv.sum()
+        del y
+    assert d.races == []

@@ -238,7 +238,7 @@ class SimDevice(Device):
         # Race bookkeeping needs real storages; a meta run has none.
         self._checker: RaceChecker | None = None
         if check_races and self.torch_device.type != "meta":
-            self._checker = RaceChecker(self)
+            self._checker = RaceChecker(self, transfer_tracks=(self._link.index,))
         self._graph: Any = None  # the SimGraph being captured, if any
         self._buffer_owners: list[Any] = []
 

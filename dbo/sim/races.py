@@ -18,7 +18,9 @@ allocation of the same rounded size on the stream that allocated it. Accesses to
 block that are ordered neither before the allocating stream's position at the free (stream
 order covers those) nor before a stream named by `record_stream` (the allocator waits for
 those) stay in the block's history and move to the new tensor: an unordered access to it is
-reported as a race with the freed tensor's access.
+reported as a race with the freed tensor's access. Writes on a transfer track (low-latency
+data in flight) are not such hazards: they land in registered communication buffers, which
+the allocator never hands on.
 
 Check. An earlier access A on timeline X at epoch a happens before the current op on timeline
 T iff X == T (issue order) or T's vector clock has entry X >= a. Two accesses sharing a byte,
@@ -299,8 +301,11 @@ def _components(t: torch.Tensor) -> list[torch.Tensor] | None:
 class RaceChecker:
     """Access history by memory block of one device, checked at every placed op."""
 
-    def __init__(self, device: SimDevice) -> None:
+    def __init__(self, device: SimDevice, transfer_tracks: Iterable[int] = ()) -> None:
         self.device = device
+        # Timelines of data in flight between GPUs (low-latency transfers): their writes land
+        # in registered communication buffers, which the caching allocator never hands on.
+        self._transfer_tracks = frozenset(transfer_tracks)
         self._storages: dict[int, _Storage] = {}  # StorageImpl address -> live storage
         self._starts: list[int] = []  # sorted block starts (blocks are disjoint)
         self._blocks: list[_Block] = []
@@ -407,7 +412,8 @@ class RaceChecker:
         pending = [
             e.moved(-block.start, None)
             for e in block.entries
-            if not _ordered(e, track.index, alloc_vc)
+            if e.track not in self._transfer_tracks
+            and not _ordered(e, track.index, alloc_vc)
             and not any(_ordered(e, i, vc) for i, vc in recorded)
         ]
         if not pending:
