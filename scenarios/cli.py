@@ -25,6 +25,7 @@ import torch
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
 from scenarios.tools import calibrate_host, gpu_check
+from scenarios.tools import race_check
 from scenarios.tools.progress import Progress
 from scenarios.tools import trace_window, verify_cli
 from scenarios.tools.sweep import DECODE_CONTEXT
@@ -538,6 +539,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=calibrate_host.build_parser().description,
     )
     calibrate.set_defaults(func=cmd_calibrate_host)
+    checks = sub.add_parser(
+        "race-check", description=race_check.DESCRIPTION,
+        help="seeded race programs: the simulator's checker and torch's CSAN side by side",
+    )  # fmt: skip
+    race_check.add_arguments(checks)
+    checks.set_defaults(func=race_check.run_command)
     return parser
 
 

@@ -63,7 +63,6 @@ def test_host_sync_advances_host_and_is_recorded() -> None:
     d = make()
     s = d.Stream("a")
     d.place_op("A", 10.0, stream=s)
-    assert not s.query()
     s.synchronize()
     assert d.host_time_us == 11.0 and s.query()
     sync = d.timeline[-1]
@@ -228,3 +227,33 @@ def test_records_carry_the_device_rank() -> None:
         (SYNC, 3, 1),
         (HANDOFF, 3, 1),
     ]
+
+
+def test_event_query_true_orders_later_host_work_after_the_event() -> None:
+    d = SimDevice(ROUND)
+    a, b = d.Stream("a"), d.Stream("b")
+    x = torch.zeros(8)
+    with d.thread_scope(0):
+        d.set_stream(a)
+        x.fill_(1)
+        e = a.record_event()
+        while not e.query():
+            pass
+        d.set_stream(b)
+        x.sum()  # the host saw the write done: ordered, as after e.synchronize()
+    assert d.races == []
+
+
+def test_polling_query_advances_the_host_clock_until_done() -> None:
+    d = make()
+    s = d.Stream("a")
+    d.place_op("A", 10.0, stream=s)  # done at 11 us
+    e = s.record_event()
+    polls = 0
+    while not e.query():
+        polls += 1
+    assert polls == 10 and d.host_time_us == 11.0  # one launch's host time per poll
+    d.place_op("B", 10.0, stream=s)
+    while not s.query():
+        pass
+    assert d.host_time_us >= d.streams[-1].free_at_us

@@ -256,3 +256,28 @@ def test_replay_after_workspace_growth_names_the_replaced_slot(two_slot_workspac
     two_slot_workspace.get_simultaneous(((1024,), torch.float32))  # growth replaces every slot
     with pytest.raises(GraphReplayError, match=r"workspace slot 0 .*aten::mm \(ubatch 0"):
         g.replay()
+
+
+def test_one_device_captures_one_graph_at_a_time() -> None:
+    d = SimDevice(ROUND)
+    with d.graph():
+        with pytest.raises(RuntimeError, match="already being captured"):
+            with d.graph():
+                pass
+    with d.graph() as again:  # the first capture ended: a new one may start
+        pass
+    assert again.num_ops == 0
+
+
+def test_replayed_list_op_recomputes_and_is_placed_again() -> None:
+    d = SimDevice(ROUND)
+    xs = [torch.ones(4), torch.ones(4)]
+    with d.thread_scope(0):
+        with d.graph() as g:
+            torch._foreach_mul_(xs, 2.0)
+    assert g.num_ops == 1
+    d.reset()
+    g.replay()
+    assert [x.tolist() for x in xs] == [[4.0] * 4] * 2
+    assert [r.name for r in ops(d.timeline)] == ["aten::_foreach_mul_"]
+    assert d.races == []

@@ -8,8 +8,10 @@ graph), then runs from max(h + issue, S.free_at) for its cost (`dbo.sim.cost.op_
 events carry the time of the work recorded before them. Beside times, every timeline keeps a
 vector clock (one entry per timeline) so the race checker can tell which accesses are ordered:
 an op's epoch is its timeline's entry right after it; event record/wait and host syncs join
-clocks as CUDA orders work. Ops reach `place_op` from the dispatch mode (`dbo.sim.intercept`),
-from `comm_region`, and from graph replay (`dbo.sim.graph`).
+clocks as CUDA orders work (a query that returns True is a host sync too; one that returns
+False costs the host a driver call, so a polling loop moves the host clock). Ops reach
+`place_op` from the dispatch mode (`dbo.sim.intercept`), from `comm_region`, and from graph
+replay (`dbo.sim.graph`).
 
 SM sharing (an approximation): a high-throughput comm op holds comm_sms / num_sms of the SMs
 for its duration; a compute op placed later whose time span overlaps it progresses at
@@ -48,7 +50,17 @@ from dbo.sim.cost import (
 )
 from dbo.sim.hardware import HardwareProfile, profile_from_name
 from dbo.sim.races import RaceChecker, RaceReport, user_stack
-from dbo.sim.records import COMM, COMPUTE, HANDOFF, SYNC, Access, EventWait, HostRange, OpRecord
+from dbo.sim.records import (
+    COMM,
+    COMPUTE,
+    GRAPH_LAUNCH,
+    HANDOFF,
+    SYNC,
+    Access,
+    EventWait,
+    HostRange,
+    OpRecord,
+)
 from dbo.streams import CommHandle, Device, Event, Stream
 
 __all__ = ["SimDevice", "SimMark", "SimStream", "SimEvent"]
@@ -103,8 +115,7 @@ class SimStream(Stream):
         self.device._sync_stream(self)
 
     def query(self) -> bool:
-        with self.device._lock:
-            return self._track.free_at <= self.device._host_us
+        return self.device._poll(self._track.free_at, self._track.vc, f"stream {self.name}")
 
     @property
     def free_at_us(self) -> float:
@@ -133,8 +144,9 @@ class SimEvent(Event):
         self.device._sync_event(self)
 
     def query(self) -> bool:
-        with self.device._lock:
-            return not self.recorded or self.time_us <= self.device._host_us  # type: ignore
+        if not self.recorded or self.time_us is None:
+            return True
+        return self.device._poll(self.time_us, self.vc, f"event on {self.stream_name}")
 
     def __repr__(self) -> str:
         return f"<SimEvent t={self.time_us} on {self.stream_name!r}>"
@@ -262,7 +274,7 @@ class SimDevice(Device):
         # Race bookkeeping needs real storages; a meta run has none.
         self._checker: RaceChecker | None = None
         if check_races and self.torch_device.type != "meta":
-            self._checker = RaceChecker(self)
+            self._checker = RaceChecker(self, transfer_tracks=(self._link.index,))
         self._graph: Any = None  # the SimGraph being captured, if any
         self._buffer_owners: list[Any] = []
 
@@ -296,7 +308,9 @@ class SimDevice(Device):
 
     # --------------------------------------------------------------------- per-thread state
 
-    def _state(self) -> threading.local:
+    def thread_state(self) -> threading.local:
+        """The calling thread's state: current stream, ubatch stack, interception modes, the
+        comm region being entered, replaying/suspended flags (for intercept and graph)."""
         tls = self._tls
         if not hasattr(tls, "stream"):
             tls.stream = self._default
@@ -306,6 +320,8 @@ class SimDevice(Device):
             tls.replaying = False
             tls.suspended = 0  # >0: ops run without being placed (graph replay, internals)
         return tls
+
+    _state = thread_state
 
     def current_stream(self) -> SimStream:
         return self._state().stream
@@ -514,12 +530,10 @@ class SimDevice(Device):
                 args=args,
             )
             self._append(record)
-            if self._checker is not None and (reads or writes):
-                for key in fresh:
-                    self._checker.fresh(key)
+            if self._checker is not None and (reads or writes or fresh):
                 if stack is None and self.capture_stacks:
                     stack = user_stack()
-                self._checker.on_op(record, track, epoch, reads, writes, stack)
+                self._checker.on_op(record, track, epoch, reads, writes, stack, fresh)
             return record
 
     # ------------------------------------------------------------------------ events, syncs
@@ -597,6 +611,18 @@ class SimDevice(Device):
         with self._lock:
             if event.recorded:
                 self._host_wait(event.time_us, event.vc, f"event on {event.stream_name}")  # type: ignore[arg-type]
+
+    def _poll(self, done_at_us: float, vc: Sequence[int], what: str) -> bool:
+        """A host query of work done at `done_at_us`. True once the host clock has reached
+        it, and then, as after a synchronize, later launches are ordered after that work.
+        False costs the host one driver call (a launch's worth of host time), so a bare
+        polling loop advances the clock and ends."""
+        with self._lock:
+            if done_at_us <= self._host_us:
+                self._host_wait(done_at_us, vc, what)
+                return True
+            self._host_us += max(self.profile.launch_us, 1e-3)
+            return False
 
     def host_read(self, what: str = "host read") -> None:
         """A host read of device data (.item(), .tolist(), .cpu()): as a CUDA sync, the host
@@ -740,6 +766,66 @@ class SimDevice(Device):
             self._record_on_track(event, region.stream._track)
         if self._graph is not None and not self._state().replaying:
             self._graph.on_comm(region, event)
+
+    # ------------------------------------------------- internals for intercept, graph, checker
+
+    @property
+    def race_checker(self) -> RaceChecker | None:
+        """The race checker (None with check_races=False or on meta tensors)."""
+        return self._checker
+
+    def accesses(self, func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[list, list, list]:
+        """(reads, writes, fresh storage keys) of one executed op, as the checker parses
+        them; all empty without a checker."""
+        if self._checker is None:
+            return [], [], []
+        with self._lock:
+            return self._checker.parse(func, args, kwargs, out)
+
+    def note_allocation(self, tensor: torch.Tensor) -> None:
+        """A kernel-less allocation (`empty`) on the calling thread's current stream (the
+        comm region's stream inside one): the allocator may hand it freed memory."""
+        if self._checker is None or tensor.device.type == "meta":
+            return
+        tls = self.thread_state()
+        stream = tls.comm.stream if tls.comm is not None else tls.stream
+        stack = user_stack() if self.capture_stacks else None
+        with self._lock:
+            self._checker.allocated(tensor, stream._track, stack)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """`Tensor.record_stream` for the simulated device: the caching allocator will not
+        hand `tensor`'s memory to a new tensor before the work issued on `stream` up to the
+        moment the memory is freed. (torch's own method only accepts CUDA streams.)"""
+        track = self.check_stream(stream)._track  # type: ignore[attr-defined]
+        if self._checker is not None and tensor.device.type != "meta":
+            with self._lock:
+                self._checker.record_stream(tensor, track)
+
+    @property
+    def capturing_graph(self) -> Any:
+        """The SimGraph being captured, or None."""
+        return self._graph
+
+    def begin_capture(self, graph: Any) -> None:
+        with self._lock:
+            if self._graph is not None:
+                raise RuntimeError("a graph is already being captured on this device")
+            self._graph = graph
+
+    def end_capture(self, graph: Any) -> None:
+        with self._lock:
+            if self._graph is graph:
+                self._graph = None
+
+    def buffer_owners(self) -> list[Any]:
+        """The registered buffer owners (see add_buffer_owner)."""
+        with self._lock:
+            return list(self._buffer_owners)
+
+    def launch_graph(self) -> None:
+        """Host time of launching a whole replayed graph, drawn on the host track."""
+        self._host_launch("graph-launch", self.profile.graph_launch_us, GRAPH_LAUNCH)
 
     # ---------------------------------------------------------------------- graphs, buffers
 

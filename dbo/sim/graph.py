@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from dbo.sim.records import GRAPH_LAUNCH, Access, OpRecord
+from dbo.sim.records import Access, OpRecord
 
 if TYPE_CHECKING:
     from dbo.sim.device import SimDevice, SimEvent, SimStream, _CommRegion
@@ -107,20 +107,15 @@ class SimGraph:
     # ----------------------------------------------------------------------------- capture
 
     def __enter__(self) -> "SimGraph":
-        device = self.device
-        with device._lock:
-            if device._graph is not None:
-                raise RuntimeError("a graph is already being captured on this device")
-            if self._captured:
-                raise RuntimeError("this graph was captured already; make a new one")
-            device._graph = self
-            self._capturing = self._captured = True
+        if self._captured:
+            raise RuntimeError("this graph was captured already; make a new one")
+        self.device.begin_capture(self)
+        self._capturing = self._captured = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        with self.device._lock:
-            self.device._graph = None
-            self._capturing = False
+        self.device.end_capture(self)
+        self._capturing = False
         self._pointers = self._collect_pointers()
 
     def on_op(
@@ -180,7 +175,7 @@ class SimGraph:
 
     def check_pointers(self) -> None:
         """Raise GraphReplayError if a buffer owner says a recorded pointer is not live."""
-        owners = list(self.device._buffer_owners)
+        owners = self.device.buffer_owners()
         if not owners:
             return
         for ptr, where in self._pointers:
@@ -200,9 +195,9 @@ class SimGraph:
             raise RuntimeError("cannot replay a graph while it is being captured")
         self.check_pointers()
         device = self.device
-        tls = device._state()
+        tls = device.thread_state()
         saved_stream, saved_replaying = tls.stream, tls.replaying
-        device._host_launch("graph-launch", device.profile.graph_launch_us, GRAPH_LAUNCH)
+        device.launch_graph()
         tls.replaying = True
         tls.suspended += 1  # values are recomputed here; placement is ours, not the mode's
         try:

@@ -18,7 +18,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dbo.sim.cost import OpCall, aliased_input_bytes, flop_formula, price_op
-from dbo.sim.records import Access
 from dbo.sim.ranges import ENTER, EXIT, close_range, open_range, profiler_range_op
 
 if TYPE_CHECKING:
@@ -71,19 +70,23 @@ def _classify(func: Any) -> OpInfo:
     name = schema.name
     base = name.split("::")[-1]
     returns_tensor = any("Tensor" in str(r.type) for r in schema.returns)
-    if base in _HOST_READ_NAMES:
-        kind = HOST_READ
-    elif getattr(func, "is_view", False) or base in _FREE_NAMES or not returns_tensor:
-        kind = FREE
-    elif base in _ALLOC_NAMES:
-        kind = ALLOC
-    else:
-        kind = KERNEL
     writes = tuple(
         (i, a.name)
         for i, a in enumerate(schema.arguments)
         if a.alias_info is not None and a.alias_info.is_write
     )
+    if base in _HOST_READ_NAMES:
+        kind = HOST_READ
+    elif getattr(func, "is_view", False) or base in _FREE_NAMES:
+        kind = FREE
+    elif not returns_tensor and not writes:
+        kind = FREE  # metadata queries (sizes, strides, flags)
+    elif base in _ALLOC_NAMES:
+        kind = ALLOC
+    else:
+        # Includes ops that return nothing but write their arguments: in-place list ops
+        # (`_foreach_*_`, fused optimizer steps) and `out=` lists are kernels too.
+        kind = KERNEL
     return OpInfo(kind, name, flop_formula(func), writes)
 
 
@@ -95,6 +98,11 @@ def _tensors(values: Iterable[Any], into: list[torch.Tensor]) -> None:
             for w in v:
                 if isinstance(w, torch.Tensor):
                     into.append(w)
+
+
+def _shape(t: torch.Tensor) -> Any:
+    # A nested tensor has no single shape; the trace gets its layout instead.
+    return "nested" if t.is_nested else tuple(t.shape)
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -131,15 +139,12 @@ class SimDispatchMode(TorchDispatchMode):
         if kind == FREE:
             return out
         device = self.device
-        tls = device._state()
+        tls = device.thread_state()
         if tls.suspended:
             return out
         if kind == ALLOC:
-            checker = device._checker
-            if checker is not None and isinstance(out, torch.Tensor) and out.device.type != "meta":
-                with device._lock:
-                    checker.watch(out)
-                    checker.fresh(out.untyped_storage()._cdata)
+            if isinstance(out, torch.Tensor):
+                device.note_allocation(out)
             return out
         issue_op(device, tls, func, info, args, kwargs, out)
         if kind == HOST_READ:
@@ -164,48 +169,13 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
             flops = 0.0
     dtype = _cost_dtype(ins, outs)
 
-    reads: list[Access] = []
-    writes: list[Access] = []
-    fresh: list[int] = []
-    checker = device._checker
-    if checker is not None:
-        from dbo.sim.races import storage_span
-
-        in_keys: set[int] = set()
-        seen: set[tuple[int, int, int]] = set()
-        with device._lock:
-            read_spans: list[tuple[int, int, int]] = []
-            for t in ins:
-                span = storage_span(t)
-                if span is not None:
-                    checker.watch(t)
-                    in_keys.add(span[0])
-                    read_spans.append(span)
-            written: list[torch.Tensor] = []
-            for pos, name in info.writes:
-                value = args[pos] if pos < len(args) else kwargs.get(name)
-                _tensors((value,), written)
-            written.extend(outs)
-            for t in written:
-                span = storage_span(t)
-                if span is None or span in seen:
-                    continue
-                seen.add(span)
-                if span[0] not in in_keys:
-                    checker.watch(t)
-                    fresh.append(span[0])
-                writes.append(Access(span[0], span[1], span[2], True))
-            # An argument the op also writes (in place, out=) is checked as the write only:
-            # a write conflicts with everything its read would.
-            for span in read_spans:
-                if span not in seen:
-                    seen.add(span)
-                    reads.append(Access(span[0], span[1], span[2], False))
+    # The race checker parses the op's arguments itself (names, footprints, fresh outputs).
+    reads, writes, fresh = device.accesses(func, args, kwargs, out)
 
     call = OpCall(info.name, func, args, kwargs, out, ins, outs, flops, nbytes, dtype)
     priced = price_op(call, device.profile)
     region = tls.comm
-    graph = device._graph
+    graph = device.capturing_graph
     if region is not None:
         region.add_op(nbytes, priced, info.name)  # an EP group of one is these ops (place_comm)
         region.reads.extend(reads)
@@ -225,7 +195,7 @@ def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple
         writes=writes,
         fresh=fresh,
         args={
-            "shapes": [tuple(t.shape) for t in ins],
+            "shapes": [_shape(t) for t in ins],
             "dtype": str(dtype).replace("torch.", ""),
             "cost": priced.source,
         },
@@ -266,7 +236,7 @@ class HostReadMode(TorchFunctionMode):
         what = _HOST_FUNCS.get(func)
         if what is None and func is torch.Tensor.to and _to_host(args, kwargs):
             what = "to(cpu)"
-        if what is not None and not self.device._state().suspended:
+        if what is not None and not self.device.thread_state().suspended:
             self.device.host_read(what)
         return func(*args, **kwargs)
 

@@ -1,30 +1,45 @@
-"""Race checker: happens-before by vector clocks over byte ranges of storages.
+"""Race checker: happens-before by vector clocks over the bytes of memory each op touches.
 
-Every placed op hands in its accesses (`Access`: storage identity, byte range, read/write)
-together with its timeline and epoch (its timeline's own vector-clock entry right after it).
-An earlier access A on timeline X at epoch a happens before the current op on timeline T iff
-X == T (issue order) or T's vector clock has entry X >= a. Two accesses to overlapping bytes
-of one storage, at least one a write, neither ordered before the other: a race, reported once
-per pair of ops as a `RaceReport`.
+Accesses. For every placed op the checker parses the op's arguments and outputs itself (as
+the CUDA sanitizer's argument handler does): each tensor argument is read, or written where
+its schema says `(a!)`, under its argument name; returned tensors are written as "output". An
+access is the exact byte footprint of the tensor in memory: a dense interval for a contiguous
+tensor (the cheap path), otherwise a base, a contiguous run and (count, stride) dimensions.
+Sparse and nested tensors are mapped through their component tensors; a tensor with no
+addressable memory (MKL-DNN's opaque layout) is placed without a check and noted once.
 
-Keys: the storage's StorageImpl address (`untyped_storage()._cdata`), which is unique while
-the storage lives; the storage's Python object is preserved by torch, so a weakref finalizer
-drops its history when it dies (an allocator reusing the address then starts clean), and a
-freshly allocated op output resets it too. Ranges are a conservative span: from the first to
-one past the last byte any element of the view can touch (a strided view covers its gaps).
+Memory. Histories are keyed by memory, not by storage object: every live storage belongs to
+one block of addresses, and storages whose bytes overlap (`torch.from_dlpack`, a second
+storage over the same allocation) share one block. When the last storage of a block dies,
+the block leaves the address index, so a later allocation at the same address starts clean.
 
-Memory stays bounded: an entry is pruned when a newer access covers its bytes, is ordered
-after it, and makes it redundant (a write covers anything; a read covers reads only), and a
-device-wide synchronize clears everything (all earlier work is then ordered before all later).
+Allocator hazards. Freed memory is handed on as the CUDA caching allocator would: to the next
+allocation of the same rounded size on the stream that allocated it. Accesses to the freed
+block that are ordered neither before the allocating stream's position at the free (stream
+order covers those) nor before a stream named by `record_stream` (the allocator waits for
+those) stay in the block's history and move to the new tensor: an unordered access to it is
+reported as a race with the freed tensor's access. Writes on a transfer track (low-latency
+data in flight) are not such hazards: they land in registered communication buffers, which
+the allocator never hands on.
+
+Check. An earlier access A on timeline X at epoch a happens before the current op on timeline
+T iff X == T (issue order) or T's vector clock has entry X >= a. Two accesses sharing a byte,
+at least one a write, neither ordered before the other: a race, reported once per pair of
+ops as a `RaceReport`. History stays bounded: an entry is dropped when a later dense access
+covers it, is ordered after it and makes it redundant (a write covers anything; a read covers
+reads only), and a device-wide synchronize clears everything.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import os
 import sys
-import threading
+import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,13 +48,20 @@ from dbo.sim.records import Access, OpRecord, OpSite, RaceReport
 if TYPE_CHECKING:
     from dbo.sim.device import SimDevice, _Track
 
-__all__ = ["RaceChecker", "RaceError", "user_stack", "storage_span"]
+__all__ = ["RaceChecker", "RaceError", "footprint", "footprints_meet", "user_stack"]
 
 MAX_REPORTS = 1000  # a broken schedule races on every layer; the first reports say enough
+ALLOC_ROUND = 512  # the caching allocator rounds every request up to this many bytes
+POOL_DEPTH = 8  # freed blocks with pending hazards kept per (stream, size); older ones drop
+# Search steps an exact strided-overlap test may take before it answers "may overlap": a
+# bound on the cost per pair of entries that keeps the answer sound (never a missed race).
+MEET_BUDGET = 512
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_SKIP_FILES = ("threading.py", "contextlib.py")
+_SKIP_FILES = ("threading.py", "contextlib.py", "weakref.py")
+
+Dims = tuple[tuple[int, int], ...]  # (count, byte stride), largest stride first
 
 
 class RaceError(RuntimeError):
@@ -58,150 +80,566 @@ def user_stack(depth: int = 4, skip: int = 1) -> tuple[tuple[str, int, str], ...
     f = sys._getframe(skip)
     while f is not None and len(frames) < depth:
         filename = f.f_code.co_filename
-        if not (
-            filename.startswith(_TORCH_DIR)
-            or filename.startswith(_SIM_DIR)
-            or filename.endswith(_SKIP_FILES)
-        ):
+        if not (filename.startswith((_TORCH_DIR, _SIM_DIR)) or filename.endswith(_SKIP_FILES)):
             frames.append((filename, f.f_lineno, f.f_code.co_name))
         f = f.f_back
     frames.reverse()
     return tuple(frames)
 
 
-def _format_stack(raw: tuple[tuple[str, int, str], ...]) -> tuple[str, ...]:
-    return tuple(f"{os.path.relpath(fn) if fn.startswith(os.getcwd()) else fn}:{ln}:{name}" for fn, ln, name in raw)
+def _format_stack(raw: Any) -> tuple[str, ...]:
+    cwd = os.getcwd()
+    return tuple(
+        f"{os.path.relpath(fn) if fn.startswith(cwd) else fn}:{ln}:{name}"
+        for fn, ln, name in (raw or ())
+    )
 
 
-def storage_span(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(storage key, first byte, one past the last byte) a tensor's elements may touch, or
-    None for an empty or storage-less (meta) tensor."""
-    if t.device.type == "meta":
-        return None
+# ------------------------------------------------------------------------------ footprints
+
+
+def footprint(t: torch.Tensor) -> tuple[int, int, int, Dims] | None:
+    """(first byte, one past the last byte, run, dims) of a strided tensor's elements in
+    memory, by absolute address; None for an empty tensor. Dense tensors have dims () and
+    cover every byte of the interval; otherwise the bytes are base + sum(i_k * stride_k) +
+    [0, run) over the dims. Raises for tensors without addressable strided memory."""
     n = t.numel()
     if n == 0:
         return None
     size = t.element_size()
-    first = t.storage_offset()
-    last = first
-    for dim, stride in zip(t.shape, t.stride()):
-        last += (dim - 1) * stride
-    return t.untyped_storage()._cdata, first * size, (last + 1) * size
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + n * size, 0, ()
+    return _canonical(start, t.shape, t.stride(), size)
+
+
+def _canonical(base: int, shape: Sequence[int], stride: Sequence[int], size: int) -> Any:
+    # Innermost first: fold dims that extend the contiguous run, merge dims that extend the
+    # dim below them; broadcast (stride 0) and size-1 dims add no byte.
+    dims = sorted((st * size, n) for n, st in zip(shape, stride) if n > 1 and st != 0)
+    run = size
+    out: list[list[int]] = []
+    for s, n in dims:
+        if not out and s <= run:
+            run += (n - 1) * s
+        elif out and s == out[-1][0] * out[-1][1]:
+            out[-1][0] *= n
+        else:
+            out.append([n, s])
+    extent = run + sum((n - 1) * s for n, s in out)
+    if not out:
+        return base, base + run, 0, ()
+    return base, base + extent, run, tuple((n, s) for n, s in reversed(out))
+
+
+def footprints_meet(a: tuple[int, int, int, Dims], b: tuple[int, int, int, Dims]) -> bool:
+    """True when two footprints share a byte (exact within MEET_BUDGET search steps, "may
+    share" beyond)."""
+    a0, a1, ar, ad = a
+    b0, b1, br, bd = b
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if not ad and not bd:
+        return True
+    return _meet(a0, a1, ar or a1 - a0, ad, b0, b1, br or b1 - b0, bd, [MEET_BUDGET])
+
+
+def _residues_disjoint(a0: int, ar: int, ad: Dims, b0: int, br: int, bd: Dims) -> bool:
+    # Every stride a multiple of g: each footprint's bytes lie in one interval of residues
+    # mod g, so disjoint residue intervals mean disjoint footprints.
+    g = 0
+    for _, s in ad:
+        g = math.gcd(g, s)
+    for _, s in bd:
+        g = math.gcd(g, s)
+    if g == 0 or ar >= g or br >= g:
+        return False
+    d = (b0 - a0) % g
+    return ar <= d <= g - br
+
+
+def _meet(
+    a0: int, a1: int, ar: int, ad: Dims, b0: int, b1: int, br: int, bd: Dims, budget: list[int]
+) -> bool:
+    """Footprints [a0, a1) and [b0, b1) as base, run, dims (a dense one: run = its length)."""
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if not ad and not bd:
+        return True
+    if _residues_disjoint(a0, ar, ad, b0, br, bd):
+        return False
+    budget[0] -= 1
+    if budget[0] < 0:
+        return True  # out of budget: answer "may overlap", never miss a race
+    if not ad or (bd and bd[0][1] > ad[0][1]):
+        a0, a1, ar, ad, b0, b1, br, bd = b0, b1, br, bd, a0, a1, ar, ad
+    # Split `a` along its largest stride; visit only the slices inside b's span.
+    (n, s), inner = ad[0], ad[1:]
+    extent = a1 - a0 - (n - 1) * s  # span of one slice
+    first = max(0, -(-(b0 - a0 - extent + 1) // s))
+    last = min(n - 1, (b1 - 1 - a0) // s)
+    for i in range(first, last + 1):
+        base = a0 + i * s
+        if _meet(base, base + extent, ar, inner, b0, b1, br, bd, budget):
+            return True
+    return False
+
+
+# ------------------------------------------------------------------------------ memory
 
 
 class _Entry:
-    __slots__ = ("start", "end", "is_write", "track", "epoch", "record", "stack")
+    __slots__ = (
+        "argument",
+        "dims",
+        "end",
+        "epoch",
+        "freed_alloc",
+        "is_write",
+        "record",
+        "run",
+        "stack",
+        "start",
+        "track",
+    )  # fmt: skip
 
-    def __init__(self, start: int, end: int, is_write: bool, track: int, epoch: int, record: OpRecord, stack: Any) -> None:
+    def __init__(
+        self, start: int, end: int, run: int, dims: Dims, is_write: bool, track: int,
+        epoch: int, record: OpRecord, stack: Any, argument: str, freed_alloc: Any = None,
+    ) -> None:  # fmt: skip
         self.start = start
         self.end = end
+        self.run = run
+        self.dims = dims
         self.is_write = is_write
         self.track = track
         self.epoch = epoch
         self.record = record
         self.stack = stack
+        self.argument = argument
+        self.freed_alloc = freed_alloc  # set on a hazard inherited from a freed block
+
+    def moved(self, delta: int, freed_alloc: Any) -> _Entry:
+        return _Entry(
+            self.start + delta, self.end + delta, self.run, self.dims, self.is_write,
+            self.track, self.epoch, self.record, self.stack, self.argument, freed_alloc,
+        )  # fmt: skip
+
+
+class _Block:
+    """A range of addresses and the accesses to it; shared by storages over its bytes."""
+
+    __slots__ = ("alloc_stack", "alloc_track", "end", "entries", "recorded", "start", "storages")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start = start
+        self.end = end
+        self.entries: list[_Entry] = []
+        self.storages: set[int] = set()
+        self.alloc_track: _Track | None = None  # set when the allocation was seen
+        self.alloc_stack: Any = None
+        self.recorded: list[_Track] = []  # streams named by record_stream
+
+
+class _Storage:
+    __slots__ = ("base", "block", "key", "nbytes")
+
+    def __init__(self, key: int, base: int, nbytes: int, block: _Block) -> None:
+        self.key = key
+        self.base = base
+        self.nbytes = nbytes
+        self.block = block
+
+
+class _Freed:
+    """A freed block whose history still holds accesses no later work is ordered after."""
+
+    __slots__ = ("alloc_stack", "entries")
+
+    def __init__(self, entries: list[_Entry], alloc_stack: Any) -> None:
+        self.entries = entries  # addresses relative to the block's start
+        self.alloc_stack = alloc_stack
+
+
+def _ordered(e: _Entry, track_index: int, vc: Sequence[int]) -> bool:
+    return e.track == track_index or (e.track < len(vc) and vc[e.track] >= e.epoch)
+
+
+class _ArgSpec:
+    """Per op overload: each schema argument's name and whether the op writes it."""
+
+    __slots__ = ("by_name", "positional")
+
+    def __init__(self, func: Any) -> None:
+        args = func._schema.arguments
+        self.positional = tuple(
+            (a.name, a.alias_info is not None and a.alias_info.is_write) for a in args
+        )
+        self.by_name = {name: w for name, w in self.positional}
+
+
+_SPECS: dict[Any, _ArgSpec] = {}
+
+
+def _components(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The strided tensors that hold a sparse or nested tensor's data; None if opaque."""
+    layout = t.layout
+    try:
+        if layout == torch.sparse_coo:
+            return [t._indices(), t._values()]
+        if layout in (torch.sparse_csr, torch.sparse_bsr):
+            return [t.crow_indices(), t.col_indices(), t.values()]
+        if layout in (torch.sparse_csc, torch.sparse_bsc):
+            return [t.ccol_indices(), t.row_indices(), t.values()]
+        if t.is_nested:
+            return [t.values()]
+    except (RuntimeError, NotImplementedError):
+        return None
+    return None
 
 
 class RaceChecker:
-    """Per-storage access history of one device, checked at every placed op."""
+    """Access history by memory block of one device, checked at every placed op."""
 
-    def __init__(self, device: "SimDevice") -> None:
+    def __init__(self, device: SimDevice, transfer_tracks: Iterable[int] = ()) -> None:
         self.device = device
-        self._history: dict[int, list[_Entry]] = {}
-        self._watched: set[int] = set()
-        self._dead: list[int] = []  # keys whose storage died; appended from any thread
+        # Timelines of data in flight between GPUs (low-latency transfers): their writes land
+        # in registered communication buffers, which the caching allocator never hands on.
+        self._transfer_tracks = frozenset(transfer_tracks)
+        self._storages: dict[int, _Storage] = {}  # StorageImpl address -> live storage
+        self._starts: list[int] = []  # sorted block starts (blocks are disjoint)
+        self._blocks: list[_Block] = []
+        self._dead: list[tuple[_Storage, Any]] = []  # appended by finalizers, any thread
+        self._pool: dict[tuple[int, int], list[_Freed]] = {}
         self._reported: set[tuple[int, int, int]] = set()
+        self.notes: list[str] = []  # tensors placed without a check, one line per kind
 
     def clear(self) -> None:
-        self._history.clear()
+        """Forget every access (all earlier work is ordered before all later work)."""
+        if self._dead:
+            self._reap()
+        for block in self._blocks:
+            block.entries = []
+        self._pool.clear()
         self._reported.clear()
 
-    # ------------------------------------------------------------------ storage lifetimes
+    # -------------------------------------------------------------------------- inspection
 
-    def watch(self, t: torch.Tensor) -> None:
-        """Forget a storage's history when it dies (its address may be reused)."""
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in self._watched:
-            return
-        self._watched.add(key)
-        weakref.finalize(storage, self._dead.append, key)
+    @property
+    def num_blocks(self) -> int:
+        """Memory blocks with a live storage the checker knows."""
+        if self._dead:
+            self._reap()
+        return len(self._blocks)
 
-    def fresh(self, key: int) -> None:
-        """A new allocation at `key`: earlier accesses there were to another buffer."""
-        self._history.pop(key, None)
+    def ops_at(self, address: int) -> list[str]:
+        """Names of the ops in the history of the live memory at `address` (oldest first)."""
+        if self._dead:
+            self._reap()
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i < 0 or self._blocks[i].end <= address:
+            return []
+        return [e.record.name for e in self._blocks[i].entries]
+
+    # ------------------------------------------------------------------ storages, blocks
+
+    def _storage(self, st: Any) -> tuple[_Storage, bool]:
+        """The live record of a storage object, registering it on first sight."""
+        key = st._cdata
+        rec = self._storages.get(key)
+        if rec is not None:
+            return rec, False
+        if self._dead:
+            self._reap()
+        base, nbytes = st.data_ptr(), st.nbytes()
+        block = self._block_for(base, base + max(nbytes, 1))
+        rec = _Storage(key, base, nbytes, block)
+        block.storages.add(key)
+        self._storages[key] = rec
+        # The callback holds the dead list, not the checker: a long-lived tensor must not
+        # keep its device alive.
+        weakref.finalize(st, _on_death, self._dead, rec)
+        return rec, True
+
+    def _block_for(self, start: int, end: int) -> _Block:
+        """The block over [start, end): new, or the union of the live blocks it overlaps."""
+        i = bisect.bisect_left(self._starts, end)
+        j = i
+        while j > 0 and self._blocks[j - 1].end > start:
+            j -= 1
+        if i == j:
+            block = _Block(start, end)
+            self._starts.insert(i, start)
+            self._blocks.insert(i, block)
+            return block
+        merged = self._blocks[j:i]
+        block = merged[0]
+        for other in merged[1:]:
+            block.entries.extend(other.entries)
+            block.storages |= other.storages
+            block.recorded.extend(other.recorded)
+            block.alloc_track = block.alloc_track or other.alloc_track
+            block.alloc_stack = block.alloc_stack or other.alloc_stack
+            for key in other.storages:
+                self._storages[key].block = block
+        block.start, block.end = min(block.start, start), max(block.end, end)
+        self._starts[j:i] = [block.start]
+        self._blocks[j:i] = [block]
+        return block
 
     def _reap(self) -> None:
         while self._dead:
-            key = self._dead.pop()
-            self._watched.discard(key)
-            self._history.pop(key, None)
+            rec, snap = self._dead.pop()
+            if self._storages.get(rec.key) is rec:
+                del self._storages[rec.key]
+            block = rec.block
+            block.storages.discard(rec.key)
+            if block.storages:
+                continue
+            i = bisect.bisect_left(self._starts, block.start)
+            while i < len(self._blocks) and self._blocks[i] is not block:
+                i += 1
+            if i < len(self._blocks):
+                del self._starts[i], self._blocks[i]
+            if snap is not None and block.entries:
+                self._free(block, snap)
+
+    def _free(self, block: _Block, snap: Any) -> None:
+        """Pool a freed block's accesses that nothing orders before a reuse."""
+        track = block.alloc_track
+        assert track is not None
+        alloc_vc, recorded = snap
+        pending = [
+            e.moved(-block.start, None)
+            for e in block.entries
+            if e.track not in self._transfer_tracks
+            and not _ordered(e, track.index, alloc_vc)
+            and not any(_ordered(e, i, vc) for i, vc in recorded)
+        ]
+        if not pending:
+            return
+        key = (track.index, _rounded(block.end - block.start))
+        pool = self._pool.setdefault(key, [])
+        pool.append(_Freed(pending, block.alloc_stack))
+        del pool[:-POOL_DEPTH]
+
+    def allocated(self, t: torch.Tensor, track: _Track, stack: Any) -> None:
+        """`t`'s storage was just allocated on `track` by an op that launches no kernel."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        rec, _ = self._storage(st)
+        if rec.block.alloc_track is None:
+            self._take_from_pool(rec, track, stack)
+
+    def record_stream(self, t: torch.Tensor, track: _Track) -> None:
+        """The allocator must not reuse `t`'s memory before `track`'s work at the free."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        block = self._storage(st)[0].block
+        if all(r is not track for r in block.recorded):
+            block.recorded.append(track)
+
+    # ------------------------------------------------------------------------- accesses
+
+    def parse(self, func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[list, list, list]:
+        """(reads, writes, fresh storage keys) of one executed op, from its schema."""
+        spec = _SPECS.get(func)
+        if spec is None:
+            spec = _SPECS[func] = _ArgSpec(func)
+        found: dict[tuple, list] = {}  # storage + footprint -> [is_write, names]
+        fresh: list[int] = []
+        add = self._add_tensor
+        positional = spec.positional
+        for i, value in enumerate(args):
+            if isinstance(value, torch.Tensor):
+                name, w = positional[i]
+                add(value, w, name, found, None)
+            elif isinstance(value, (list, tuple)):
+                name, w = positional[i] if i < len(positional) else ("", False)
+                for v in value:
+                    if isinstance(v, torch.Tensor):
+                        add(v, w, name, found, None)
+        for name, value in kwargs.items():
+            self._add(value, spec.by_name.get(name, False), name, found, None)
+        self._add(out, True, "output", found, fresh)
+        reads: list[Access] = []
+        writes: list[Access] = []
+        for (key, start, end, run, dims), (w, names) in found.items():
+            argument = names[0] if len(names) == 1 else ", ".join(names)
+            (writes if w else reads).append(Access(key, start, end, w, dims, run, argument))
+        return reads, writes, fresh
+
+    def _add(self, value: Any, w: bool, name: str, found: dict, fresh: list | None) -> None:
+        if isinstance(value, torch.Tensor):
+            self._add_tensor(value, w, name, found, fresh)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                if isinstance(v, torch.Tensor):
+                    self._add_tensor(v, w, name, found, fresh)
+
+    def _add_tensor(self, t: torch.Tensor, w: bool, name: str, found: dict, fresh: Any) -> None:
+        try:
+            st = t.untyped_storage()
+            n = t.numel()
+            if n == 0:
+                return
+            if t.is_contiguous():  # the cheap path: one dense interval
+                start = t.data_ptr()
+                fp: tuple = (start, start + n * t.element_size(), 0, ())
+            else:
+                fp = _canonical(t.data_ptr(), t.shape, t.stride(), t.element_size())
+        except (RuntimeError, NotImplementedError):
+            parts = _components(t)
+            if parts is None:
+                self._note(t)
+                return
+            for part in parts:
+                self._add_tensor(part, w, name, found, fresh)
+            return
+        key = st._cdata
+        rec = self._storages.get(key)
+        if rec is None:
+            rec = self._storage(st)[0]
+            if fresh is not None:
+                fresh.append(key)
+        slot_key = (key, *fp)
+        slot = found.get(slot_key)
+        if slot is None:
+            found[slot_key] = [w, [name]]
+        else:
+            slot[0] = slot[0] or w
+            if name not in slot[1]:
+                slot[1].append(name)
+
+    def _note(self, t: torch.Tensor) -> None:
+        what = f"{t.layout} tensors are placed without a race check (no addressable memory)"
+        if what not in self.notes:
+            self.notes.append(what)
+            warnings.warn(what, RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------------------ check
 
     def on_op(
         self,
         record: OpRecord,
-        track: "_Track",
+        track: _Track,
         epoch: int,
         reads: Sequence[Access],
         writes: Sequence[Access],
         stack: Any = None,
+        fresh: Iterable[int] = (),
     ) -> None:
         """Check one op's accesses against the history, then add them (lock held)."""
         if self._dead:
             self._reap()
+        for key in fresh:
+            rec = self._storages.get(key)
+            if rec is not None and rec.block.alloc_track is None:
+                self._take_from_pool(rec, track, stack)
         vc = track.vc
-        nvc = len(vc)
         me = track.index
         for access in (*reads, *writes):
-            entries = self._history.get(access.storage)
-            if entries is None:
-                entries = self._history[access.storage] = []
-            keep: list[_Entry] = []
-            s, e, w = access.start, access.end, access.is_write
-            for old in entries:
-                if old.end <= s or e <= old.start:
-                    keep.append(old)
-                    continue
-                ordered = old.track == me or (old.track < nvc and vc[old.track] >= old.epoch)
-                if not ordered and (w or old.is_write):
-                    self._report(access, old, record, stack)
-                if ordered and old.start >= s and old.end <= e and (w or not old.is_write):
-                    continue  # redundant: any later conflict with `old` conflicts with us
-                keep.append(old)
-            keep.append(_Entry(s, e, w, me, epoch, record, stack))
-            self._history[access.storage] = keep
+            rec = self._storages.get(access.storage)
+            if rec is not None:
+                self._check(access, rec, record, me, vc, epoch, stack)
 
-    def _report(self, access: Access, old: _Entry, record: OpRecord, stack: Any) -> None:
+    def _take_from_pool(self, rec: _Storage, track: _Track, stack: Any) -> None:
+        """A new allocation on `track`: the allocator may hand it a freed block of the same
+        rounded size from that stream's pool, and with it the block's pending accesses."""
+        block = rec.block
+        block.alloc_track, block.alloc_stack = track, stack
+        pool = self._pool.get((track.index, _rounded(rec.nbytes)))
+        if pool:
+            freed = pool.pop()
+            block.entries.extend(e.moved(block.start, freed.alloc_stack) for e in freed.entries)
+
+    def _check(
+        self, access: Access, rec: _Storage, record: OpRecord, me: int, vc: Sequence[int],
+        epoch: int, stack: Any,
+    ) -> None:  # fmt: skip
+        block = rec.block
+        s, e, w, dims = access.start, access.end, access.is_write, access.dims
+        keep: list[_Entry] = []
+        for old in block.entries:
+            if old.end <= s or e <= old.start:
+                keep.append(old)
+                continue
+            if old.track == me or (old.track < len(vc) and vc[old.track] >= old.epoch):
+                if (
+                    old.start >= s
+                    and old.end <= e
+                    and (w or not old.is_write)
+                    and (not dims or (old.dims == dims and old.run == access.run))
+                ):
+                    continue  # redundant: any later conflict with `old` conflicts with us
+            elif (w or old.is_write) and (
+                not (dims or old.dims)
+                or footprints_meet(
+                    (s, e, access.run, dims), (old.start, old.end, old.run, old.dims)
+                )
+            ):
+                self._report(access, rec, old, record, stack)
+            keep.append(old)
+        keep.append(_Entry(s, e, access.run, dims, w, me, epoch, record, stack, access.argument))
+        block.entries = keep
+
+    def _report(
+        self, access: Access, rec: _Storage, old: _Entry, record: OpRecord, stack: Any
+    ) -> None:
         key = (access.storage, old.record.seq, record.seq)
         if key in self._reported or len(self.device.races) >= MAX_REPORTS:
             return
         self._reported.add(key)
+        base = rec.base
         first = OpSite(
             op=old.record.name,
             ubatch=old.record.ubatch,
             stream=old.record.stream,
-            start=old.start,
-            end=old.end,
+            start=old.start - base,
+            end=old.end - base,
             is_write=old.is_write,
-            stack=_format_stack(old.stack or ()),
+            stack=_format_stack(old.stack),
+            argument=old.argument,
         )
         second = OpSite(
             op=record.name,
             ubatch=record.ubatch,
             stream=record.stream,
-            start=access.start,
-            end=access.end,
+            start=access.start - base,
+            end=access.end - base,
             is_write=access.is_write,
-            stack=_format_stack(stack or ()),
+            stack=_format_stack(stack),
+            argument=access.argument,
         )
-        report = RaceReport(storage=access.storage, first=first, second=second)
+        report = RaceReport(
+            storage=access.storage,
+            first=first,
+            second=second,
+            allocation=_format_stack(rec.block.alloc_stack),
+            freed_allocation=None if old.freed_alloc is None else _format_stack(old.freed_alloc),
+        )
         self.device.races.append(report)
         action = self.device.race_action
         if action == "raise":
             raise RaceError(report)
         if action == "warn":
-            import warnings
-
             warnings.warn(report.describe(), RuntimeWarning, stacklevel=2)
+
+
+def _on_death(dead: list, rec: _Storage) -> None:
+    # Runs when a storage object dies (any thread, any moment): only snapshot the clocks
+    # that say what the free is ordered after; RaceChecker._reap does the rest.
+    block = rec.block
+    snap = None
+    if block.alloc_track is not None:
+        track = block.alloc_track
+        snap = (list(track.vc), [(t.index, list(t.vc)) for t in block.recorded])
+    dead.append((rec, snap))
+
+
+def _rounded(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // ALLOC_ROUND) * ALLOC_ROUND

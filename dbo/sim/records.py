@@ -18,14 +18,20 @@ HANDOFF = "handoff"
 GRAPH_LAUNCH = "graph-launch"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made for every tensor of every op, so init must be cheap
 class Access:
-    """Bytes [start, end) of one storage, read or written by one op."""
+    """The bytes of memory one op reads or writes through one tensor (or several arguments
+    that are the same tensor). Addresses are absolute; `dims` () means every byte of
+    [start, end), else the bytes start + sum(i_k * stride_k) + [0, run) over (count, stride)
+    dims, largest stride first (a strided view's exact footprint)."""
 
     storage: int  # identity of the storage while it lives (its StorageImpl address)
     start: int
     end: int
     is_write: bool
+    dims: tuple[tuple[int, int], ...] = ()
+    run: int = 0
+    argument: str = ""  # schema argument name(s), "output" for a returned tensor
 
 
 @dataclass(slots=True)
@@ -58,34 +64,68 @@ class OpSite:
     op: str
     ubatch: int | None
     stream: str
-    start: int
+    start: int  # byte range, relative to the start of the racing storage
     end: int
     is_write: bool
     stack: tuple[str, ...]  # short user stack, innermost last ("file:line:function")
+    argument: str = ""  # the op's argument(s) the access went through, or "output"
+
+    def line(self) -> str:
+        rw = "writes" if self.is_write else "reads"
+        through = f" {self.argument}" if self.argument else ""
+        return (
+            f"{self.op} (ubatch {self.ubatch}, stream {self.stream!r}) {rw}{through} bytes "
+            f"[{self.start}, {self.end})"
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class RaceReport:
-    """Two unordered accesses to overlapping bytes on different streams, one a write."""
+    """Two unordered accesses to a common byte on different streams, one a write. `str()`
+    is the readable report; `describe()` the one-line summary."""
 
     storage: int
     first: OpSite
     second: OpSite
+    allocation: tuple[str, ...] = ()  # where the memory the second access touches was allocated
+    # Set when the first access was to an earlier tensor whose freed block the caching
+    # allocator handed on: where that tensor was allocated.
+    freed_allocation: tuple[str, ...] | None = None
 
     def describe(self) -> str:
         def site(s: OpSite) -> str:
-            rw = "writes" if s.is_write else "reads"
-            where = s.stack[-1] if s.stack else "?"
-            return (
-                f"{s.op} (ubatch {s.ubatch}, stream {s.stream!r}) {rw} bytes "
-                f"[{s.start}, {s.end}) at {where}"
-            )
+            return f"{s.line()} at {s.stack[-1] if s.stack else '?'}"
 
+        reuse = " (memory reused after free)" if self.freed_allocation is not None else ""
         return (
-            f"race on storage {self.storage:#x}: {site(self.first)} is not ordered before "
-            f"{site(self.second)}"
+            f"race on storage {self.storage:#x}{reuse}: {site(self.first)} is not ordered "
+            f"before {site(self.second)}"
         )
 
+    def __str__(self) -> str:
+        def stack(frames: tuple[str, ...] | None) -> list[str]:
+            return [f"    {f}" for f in frames] if frames else ["    (no user frame)"]
+
+        lines = [f"Race on storage {self.storage:#x}:", f"  {self.second.line()}"]
+        lines += stack(self.second.stack)
+        lines.append(f"  is not ordered after {self.first.line()}")
+        lines += stack(self.first.stack)
+        if self.freed_allocation is not None:
+            lines += [
+                "  The first access was to an earlier tensor, freed while that access was",
+                "  pending; the caching allocator handed its memory on. It was allocated at:",
+            ]
+            lines += stack(self.freed_allocation)
+            lines += [
+                "  Order the free after the pending work: tensor.record_stream(stream)",
+                "  (device.record_stream on the simulated device) or an event wait.",
+            ]
+        if self.allocation:
+            lines.append("  The memory was allocated at:")
+            lines += stack(self.allocation)
+        else:
+            lines.append("  The memory was allocated outside the simulated device's view.")
+        return "\n".join(lines)
 
 @dataclass(frozen=True, slots=True)
 class EventWait:
