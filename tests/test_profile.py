@@ -173,3 +173,40 @@ def test_dbo_sim_profile_passes_its_arguments_to_the_tool(tmp_path, capsys) -> N
 
     assert cli_main(["profile", "--out", str(tmp_path / "x.csv"), "--layers", "1"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def _kernel(name: str, ts: float, dur: float, tid: int, grid=(1, 1, 1)) -> dict:
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": tid,
+            "args": {"grid": list(grid), "block": [128, 1, 1]}}  # fmt: skip
+
+
+def test_overlap_rates_come_from_kernels_slowed_beside_another_stream(tmp_path) -> None:
+    compute, comm = 7, 9  # the compute stream issues the most kernels
+    events = [
+        _kernel("gemm", 0, 100, compute),  # solo
+        _kernel("add", 110, 5, compute),  # solo
+        _kernel("gemm", 200, 150, compute),  # shares [250, 350] with the scatter
+        _kernel("scatter", 250, 100, comm),
+        _kernel("scatter", 500, 60, comm),  # solo
+        _kernel("gemm", 600, 40, compute, grid=(2, 1, 1)),  # other grid: not the gemm's solo
+        _kernel("gather", 620, 30, comm),  # no solo time of its own: left out
+    ]
+    rates = profile.overlap_rates_from_traces([_trace(tmp_path / "p-dbo.json.gz", events)])
+    # gemm: 50 us over its 100 us solo time in 100 us shared -> 0.5; scatter: 40 over 60 -> 0.6
+    assert rates["overlap_rates"] == {"compute": 0.5, "full_grid": 0.6}
+    assert rates["overlap_kernels"] == 2
+
+
+def test_overlap_rates_take_the_largest_solo_time_not_above_the_kernel(tmp_path) -> None:
+    events = [
+        _kernel("gemm", 0, 100, 7), _kernel("gemm", 110, 300, 7),  # two shapes, both solo
+        _kernel("gemm", 500, 150, 7), _kernel("scatter", 550, 100, 9),  # shares 100 us
+        _kernel("scatter", 700, 80, 9), _kernel("add", 800, 1, 7),
+    ]  # fmt: skip
+    rates = profile.overlap_rates_from_traces([_trace(tmp_path / "q-dbo.json.gz", events)])
+    assert rates["overlap_rates"]["compute"] == pytest.approx(1 - (150 - 100) / 100)
+
+
+def test_traces_without_kernels_side_by_side_give_no_overlap_rates(tmp_path) -> None:
+    events = [_kernel("gemm", 0, 100, 7), _kernel("scatter", 100, 50, 9)]
+    assert profile.overlap_rates_from_traces([_trace(tmp_path / "d-dbo.json.gz", events)]) == {}

@@ -10,8 +10,9 @@ One job: measure what the simulator's cost model needs from a real device. Two p
   overhead is excluded). Rows are written in the table format of `dbo.sim.tables`.
 - Host costs (`--host-from-trace`): per-op-kind host time, Python time between ops and the
   baton pass between ubatch threads, derived from `torch.profiler` Chrome traces of eager
-  serial and DBO steps (see `host_costs_from_traces` for the rules), written as the table's
-  `-host.json`.
+  serial and DBO steps (see `host_costs_from_traces` for the rules), and how fast kernels on
+  two streams progress side by side, from the kernels of the DBO traces
+  (`overlap_rates_from_traces`), written as the table's `-host.json`.
 
     python -m scenarios.tools.profile --out my-gpu.csv [--layers 2] [--reps 5]
     python -m scenarios.tools.profile --host-from-trace a-serial.json.gz b-dbo.json.gz --out x.csv
@@ -51,6 +52,7 @@ __all__ = [
     "host_costs_from_traces",
     "main",
     "materialize",
+    "overlap_rates_from_traces",
     "profile_calls",
     "record_calls",
     "table_row",
@@ -298,6 +300,7 @@ _LAUNCHES = (
     "cudaMemcpyAsync",
     "cudaMemsetAsync",
 )
+_GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 _HOST_NAMES = {
     "aten::matmul": "gemm",
     "aten::linear": "gemm",
@@ -398,6 +401,80 @@ def host_costs_from_traces(
     return out
 
 
+def _gpu_work(path: str | Path) -> list[dict]:
+    """A trace's device activity (kernels, copies, memsets), in start order."""
+    return sorted((e for e in _events(path) if e.get("cat") in _GPU_WORK), key=lambda e: e["ts"])
+
+
+def _cross_stream_overlap(work: Sequence[dict]) -> list[float]:
+    """Per entry of `work` (sorted by start): time it shares with work on other streams."""
+    out = []
+    for i, e in enumerate(work):
+        start, end = e["ts"], e["ts"] + e["dur"]
+        shared = 0.0
+        for other in itertools.chain(reversed(work[:i]), work[i + 1 :]):
+            if other["tid"] != e["tid"]:
+                shared += max(0.0, min(end, other["ts"] + other["dur"]) - max(start, other["ts"]))
+        out.append(shared)
+    return out
+
+
+def overlap_rates_from_traces(dbo_traces: Sequence[str | Path]) -> dict:
+    """How fast a kernel progresses while a kernel on another stream runs, from eager DBO
+    traces (`HardwareProfile.overlap_rates`). The rules, fixed before looking at any step time:
+
+    - Roles: in each trace the stream with the most kernels is the compute stream
+      ("compute"); kernels on any other stream are the local comm ops ("full_grid").
+    - A kernel's signature is its name, grid and block. Its solo time is a duration of the
+      same signature that shared no time with another stream; kernels of one signature can run
+      different shapes, so the solo time taken is the largest one not above the kernel's own
+      duration (it never overstates a slowdown). A kernel with no such duration is left out.
+    - Per role, over its kernels that shared time with another stream: rate = 1 - (sum of
+      duration minus solo time) / (sum of shared time), clamped to [0.01, 1]. 1: a neighbour
+      costs nothing; near 0: the kernel stands still while the neighbour runs. Empty when
+      neither role has such a kernel (steps without a comm stream).
+    """
+    excess = {"compute": 0.0, "full_grid": 0.0}
+    shared = {"compute": 0.0, "full_grid": 0.0}
+    counted = 0
+    for path in dbo_traces:
+        work = _gpu_work(path)
+        kernels = [e for e in work if e.get("cat") == "kernel"]
+        if not kernels:
+            continue
+        counts: dict[Any, int] = {}
+        for e in kernels:
+            counts[e["tid"]] = counts.get(e["tid"], 0) + 1
+        compute_stream = max(counts, key=counts.__getitem__)
+        solo: dict[tuple, list[float]] = {}
+        overlapped = []
+        for e, o in zip(work, _cross_stream_overlap(work)):
+            if e.get("cat") != "kernel":
+                continue
+            args = e.get("args", {})
+            sig = (e["name"], str(args.get("grid")), str(args.get("block")))
+            if o > 0:
+                overlapped.append((e, o, sig))
+            else:
+                solo.setdefault(sig, []).append(e["dur"])
+        for e, o, sig in overlapped:
+            below = [d for d in solo.get(sig, ()) if d <= e["dur"]]
+            if not below:
+                continue
+            role = "compute" if e["tid"] == compute_stream else "full_grid"
+            excess[role] += e["dur"] - max(below)
+            shared[role] += o
+            counted += 1
+    if not all(shared.values()):
+        return {}  # nothing ran beside a neighbour: no rate to measure, turns stay free
+    rates = {r: round(min(1.0, max(0.01, 1.0 - excess[r] / shared[r])), 3) for r in excess}
+    return {
+        "overlap_rates": rates,
+        "overlap_kernels": counted,
+        "overlap_shared_us": round(sum(shared.values()) / 2, 1),
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # Command line
 
@@ -451,6 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         dbo_paths = [p for p in args.host_from_trace if "dbo" in Path(p).name]
         serial_paths = [p for p in args.host_from_trace if p not in dbo_paths]
         host = host_costs_from_traces(serial_paths, dbo_paths, bare_op_us=args.bare_op_us)
+        if dbo_paths:
+            host.update(overlap_rates_from_traces(dbo_paths))
         host_path = out.with_name(f"{out.stem}-host.json")
         host_path.write_text(json.dumps(host, indent=1) + "\n")
         print(json.dumps(host, indent=1))
