@@ -20,6 +20,11 @@ was issued are not re-timed, and the comm op itself is never slowed by compute. 
 `dbo_gemm_sms` set (SGLang's two-batch overlap caps its GEMM library at the SMs the comm
 kernels leave), a ubatch's GEMMs instead always run on that many SMs and are never stretched.
 
+Compute and full-grid kernels (below) take the GPU in turn. A real GPU runs them side by side
+when both are ready, and each then progresses slower than alone; with a profile's
+`overlap_rates` (measured per kind from DBO traces), an op that waited for the other kind is
+charged what running beside it would have cost beyond the turns (`_contention_us`).
+
 Communication regions are costed by `dbo.sim.cost.comm_time_us`; an EP group of one rank
 moves no byte over a link, so such a region is costed as its own ops (the gather, the
 weighting, the scatter-add), priced like any other op, and placed as full-grid kernels on its
@@ -441,6 +446,26 @@ class SimDevice(Device):
             remaining -= (nxt - t) * rate
             t = nxt
 
+    def _contention_us(self, full_grid: bool, waited: float, work: float) -> float:
+        """What an op that waited `waited` us for the other kind (compute vs full-grid) to
+        finish would have lost by running beside it instead, at the profile's overlap rates.
+
+        Beside each other the waiting op (rate r_own) and the rest of the other kind's work
+        (`waited` us, rate r_other) would share the GPU until either finished, i.e. for
+        T = min(waited / r_other, work / r_own), doing (r_own + r_other) * T of work in T; all
+        the rest runs alone as in turns. The pair therefore ends (1 - r_own - r_other) * T
+        later than in turns. The op that waited carries it (the other is placed already and is
+        not re-timed); rates that sum to 1 or more cost nothing (turns are kept)."""
+        rates = self.profile.overlap_rates
+        if not rates or waited <= 0 or work <= 0:
+            return 0.0
+        own = rates["full_grid" if full_grid else "compute"]
+        other = rates["compute" if full_grid else "full_grid"]
+        loss = 1.0 - own - other
+        if loss <= 0:
+            return 0.0
+        return loss * min(waited / other, work / own)
+
     def place_op(
         self,
         name: str,
@@ -488,7 +513,8 @@ class SimDevice(Device):
             self._join_host(track)
             track.vc[track.index] += 1
             epoch = track.vc[track.index]
-            start = max(self._host_us, track.free_at, not_before)
+            ready = max(self._host_us, track.free_at, not_before)
+            start = ready
             if full_grid:
                 start = max(start, self._compute_end)
             elif kind == COMPUTE:
@@ -499,6 +525,8 @@ class SimDevice(Device):
                 end = start + cost_us
             else:
                 end = self._stretch(start, cost_us) if kind == COMPUTE else start + cost_us
+            contention = self._contention_us(full_grid, start - ready, cost_us)
+            end += contention
             if full_grid:
                 self._grid_end = max(self._grid_end, end)
             elif kind == COMPUTE:
@@ -510,8 +538,11 @@ class SimDevice(Device):
                 self._sm_busy.append((start, end, sm_share))
             if args is None:
                 args = {}
-            if kind == COMPUTE and end - start > cost_us + 1e-9:
-                args["sm_slowdown_us"] = (end - start) - cost_us
+            stretched = end - contention - start
+            if kind == COMPUTE and stretched > cost_us + 1e-9:
+                args["sm_slowdown_us"] = stretched - cost_us
+            if contention > 0:
+                args["overlap_slowdown_us"] = contention
             if args.get("cost") == ROOFLINE:
                 args["fallback_us"] = end - start
             record = OpRecord(

@@ -30,7 +30,11 @@ __all__ = [
     "profile_from_name",
     "dtype_class",
     "HOST_KINDS",
+    "OVERLAP_KINDS",
 ]
+
+# The two kinds of kernel that take the GPU in turn (see HardwareProfile.overlap_rates).
+OVERLAP_KINDS = ("compute", "full_grid")
 
 # Op kinds whose eager host cost differs (see dbo.sim.cost.host_family).
 HOST_KINDS = ("elementwise", "gemm", "attention", "sort_topk", "index")
@@ -121,6 +125,14 @@ class HardwareProfile:
     # elementwise op, or any op not listed, is 1): a GEMM walks more Python and library
     # heuristics per call than an add.
     host_op_scale: dict[str, float] = field(default_factory=dict)
+    # How fast a kernel progresses while one of the other kind runs on another stream, per
+    # kind ("compute", "full_grid": the local comm ops of one rank), as a share of its solo
+    # rate. The simulator runs the two kinds in turn; when one had to wait for the other, the
+    # pair is charged what running them together at these rates would have cost beyond the
+    # turns (dbo.sim.device.SimDevice.place_op). Empty: turns cost nothing extra (uncalibrated).
+    # A calibrated profile takes them from its table, derived from profiler traces of DBO steps
+    # (scenarios.tools.profile.overlap_rates_from_traces).
+    overlap_rates: dict[str, float] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # free-form notes for reports
 
     def __post_init__(self) -> None:
@@ -136,6 +148,14 @@ class HardwareProfile:
         for name in ("hbm_gbps", "nvlink_total_gbps", "rdma_gbps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        rates = self.overlap_rates
+        if rates and (
+            set(rates) != set(OVERLAP_KINDS) or not all(0.0 < v <= 1.0 for v in rates.values())
+        ):
+            raise ValueError(
+                f"overlap_rates needs a rate in (0, 1] for each of {OVERLAP_KINDS} (or none), "
+                f"got {rates!r}"
+            )
 
     def __hash__(self) -> int:
         # The dict fields make the generated hash fail; profiles are small, hash their repr.
@@ -175,7 +195,7 @@ class HardwareProfile:
 
 
 def _host_costs(table: str) -> dict:
-    """A table's host figures as profile fields. The table keeps them apart (a bare launch per
+    """A table's host figures (and its overlap rates) as profile fields. The table keeps them apart (a bare launch per
     op kind, the Python between ops); the profile's launch_us is a whole eager elementwise op,
     Python included, and each kind a multiple of it, so `replace(profile, launch_us=...)`
     rescales every kind at once."""
@@ -192,6 +212,8 @@ def _host_costs(table: str) -> dict:
     }
     if "handoff_us" in host:
         fields["handoff_us"] = host["handoff_us"]
+    if "overlap_rates" in host:
+        fields["overlap_rates"] = dict(host["overlap_rates"])
     return fields
 
 
