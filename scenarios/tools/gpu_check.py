@@ -405,7 +405,7 @@ def _pct(value: float | None) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m scenarios.tools.gpu_check", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="gpu_check.json", help="JSON report path (default gpu_check.json)")
+    p.add_argument("--out", default="out/gpu_check.json", help="JSON report path (default out/gpu_check.json)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per variant (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")
     p.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
