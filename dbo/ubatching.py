@@ -74,20 +74,23 @@ _get_ident = threading.get_ident
 class CpuSignal:
     """A one-shot wake-up for one parked thread: the baton primitive of the ring.
 
-    A bare `threading.Lock` used as a binary semaphore (held = not signalled). Chosen by
-    measurement against vLLM's `threading.Event` ring (`python -m scenarios bench`, figures
-    baton.*): an Event wait builds a fresh lock and condition per call, a Lock acquire does
-    not. One pass of `dbo_yield` between two ubatch threads costs 6.6 us against 12.2 us for
-    the Event ring and 5.7 us for a bare lock ping-pong, medians of the same `--quick` run on
-    the 2-core CPU build machine (torch 2.13, Python 3.11). Any thread may `set` it; only its
-    owner `wait`s.
+    A bare `threading.Lock` used as a binary semaphore (held = not signalled), instead of
+    vLLM's `threading.Event`: an Event wait builds a fresh lock and condition per call, a Lock
+    acquire does not (the bench's baton figures compare the two, and a bare lock ping-pong,
+    in one run). Any thread may `set` it; only its owner `wait`s.
+
+    `release` and `acquire` are the lock's own bound methods, for the yield path: between
+    waking the peer and parking itself, the yielding thread still holds the GIL, and every
+    Python call in that window is one the woken peer may wake up into and wait out.
     """
 
-    __slots__ = ("_lock",)
+    __slots__ = ("_lock", "release", "acquire")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
+        self.release = self._lock.release  # raises RuntimeError when already signalled
+        self.acquire = self._lock.acquire
 
     def set(self) -> None:
         try:
@@ -240,6 +243,10 @@ class UBatchContext:
         self._registered_ident: int | None = None
         self._state = step.states[id]
         self._next_state = step.states[(id + 1) % step.num_ubatches]
+        # The hand-off's calls, bound once: see CpuSignal.
+        self._on_handoff = self.device.on_handoff
+        self._signal_next = cpu_signal_event.release
+        self._wait_own = cpu_wait_event.acquire
 
     # -- enter / exit ------------------------------------------------------------------------
 
@@ -346,9 +353,14 @@ class UBatchContext:
         if self._next_state.status in (FINISHED, FAILED):
             raise step._mismatch(f"ubatch {self.id} yielded to a finished ubatch")
         state.status = PARKED
-        self.device.on_handoff()
-        self.cpu_signal_event.set()
-        self._wait_for_baton()
+        self._on_handoff()
+        try:
+            self._signal_next()
+        except RuntimeError:
+            pass  # already signalled: only an abort sets a signal twice, and it is seen below
+        self._wait_own()
+        if step.aborted:
+            raise _StepAborted()
         state.status = RUNNING
 
     # -- streams -----------------------------------------------------------------------------
@@ -533,7 +545,15 @@ def _ubatch_helper(method: Callable[[UBatchContext], None]) -> Callable[[], None
     return helper
 
 
-dbo_yield = _ubatch_helper(UBatchContext.yield_)
+def dbo_yield() -> None:
+    """`UBatchContext.yield_` for the calling ubatch; no-op elsewhere."""
+    # Written out rather than made by _ubatch_helper: it is the hot path, and two fewer
+    # Python frames per pass show in the bench's baton figures.
+    ubatch_id = _THREAD_ID_TO_CONTEXT.get(_get_ident())
+    if ubatch_id is not None:
+        ctx = _CURRENT_CONTEXTS[ubatch_id]
+        if ctx is not None:
+            ctx._cpu_yield()
 dbo_yield_and_switch_from_compute_to_comm = _ubatch_helper(
     UBatchContext.yield_and_switch_from_compute_to_comm
 )

@@ -136,3 +136,36 @@ def test_every_benchmark_is_registered_once_in_run_order():
 
     assert [n for b in registered() for n in b.names] == list(BENCHMARKS)
     assert BENCHMARKS[0].startswith("workspace.") and BENCHMARKS[-1].startswith("scaling.")
+
+
+_AFFINITY = pytest.mark.skipif(
+    not hasattr(__import__("os"), "sched_setaffinity"), reason="no thread affinity here"
+)
+
+
+@_AFFINITY
+@pytest.mark.timeout(30)
+def test_pinning_runs_the_calling_thread_on_one_cpu_and_gives_its_cpus_back():
+    import os
+
+    from scenarios.tools.bench.baton import _one_core_cpu, _pinned
+
+    everywhere = os.sched_getaffinity(0)
+    with _pinned(_one_core_cpu()):
+        inside = os.sched_getaffinity(0)
+    assert inside == {min(everywhere)}
+    assert os.sched_getaffinity(0) == everywhere
+
+
+@_AFFINITY
+@pytest.mark.timeout(30)
+def test_a_one_core_baton_sample_leaves_the_pooled_ubatch_threads_unpinned():
+    import os
+
+    import dbo
+    from scenarios.tools.bench.baselines import _NullDevice
+    from scenarios.tools.bench.baton import _dbo_pingpong, _one_core_cpu
+
+    assert _dbo_pingpong(_NullDevice(), 3, _one_core_cpu())() > 0
+    after = dbo.run_ubatches(lambda _: os.sched_getaffinity(0), [None, None], device=_NullDevice())
+    assert after == [os.sched_getaffinity(0)] * 2

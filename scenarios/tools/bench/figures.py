@@ -83,8 +83,8 @@ class Figure:
         """The median of per-repetition ratios when paired, else the ratio of medians.
 
         Pairing matters on a shared machine: it drifts between phases (the baton's floor
-        alone flips between about 6 and 20 us as the peer core sleeps or not), and both
-        samples of a pair sit in the same phase, while two medians may not.
+        alone changes several-fold as the peer core sleeps or not), and both samples of a
+        pair sit in the same phase, while two medians may not.
         """
         if self.baseline is None:
             return None

@@ -30,8 +30,8 @@ SCHEMA_VERSION = 1
 
 
 # Torch intra-op threads during the run. Every op timed here is small, and on a shared
-# 2-core machine an OpenMP region whose second worker is descheduled waits out a whole time
-# slice: tiny steps showed 100-500 ms outliers against a 3 ms median with 2 threads.
+# machine an OpenMP region whose second worker is descheduled waits out a whole time slice,
+# which turns a tiny step's samples into outliers many times its median.
 BENCH_TORCH_THREADS = 1
 
 
