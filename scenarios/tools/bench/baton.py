@@ -29,20 +29,22 @@ def _one_core_cpu() -> int | None:
 
 
 @contextmanager
-def _pinned(cpu: int | None) -> Iterator[None]:
+def _pinned(cpu: int | None, home: set[int] | None = None) -> Iterator[None]:
     """Run the calling thread, and only it, on `cpu` for the block (None: leave it where the
-    OS puts it). Affinity is per thread on Linux, so every thread that takes part in a pass
-    pins itself: the ubatch threads are pooled and reused, so they inherit nothing from
-    whoever starts a step, and they get their old affinity back for the next user."""
+    OS puts it), then move it to `home` (default: where it was). Affinity is per thread on
+    Linux, so every thread that takes part in a pass pins itself: the ubatch threads are
+    pooled and reused, so they inherit nothing from whoever starts a step. A worker the pool
+    creates while the launcher is pinned inherits the pin, hence `home`: the launcher's CPUs
+    from before, which every worker gets back for the next user."""
     if cpu is None:
         yield
         return
-    before = os.sched_getaffinity(0)
+    back = set(os.sched_getaffinity(0)) if home is None else home
     os.sched_setaffinity(0, {cpu})
     try:
         yield
     finally:
-        os.sched_setaffinity(0, before)
+        os.sched_setaffinity(0, back)
 
 
 def _dbo_pingpong(device: Device, handoffs: int, cpu: int | None) -> Callable[[], float]:
@@ -53,9 +55,10 @@ def _dbo_pingpong(device: Device, handoffs: int, cpu: int | None) -> Callable[[]
 
     def sample() -> float:
         times = [0, 0]
+        home = None if cpu is None else set(os.sched_getaffinity(0))
 
         def body(_: Any) -> None:
-            with _pinned(cpu):
+            with _pinned(cpu, home):
                 first = dbo_current_ubatch_id() == 0
                 dbo_yield()  # the untimed round: the peer pins itself before the clock starts
                 if first:
