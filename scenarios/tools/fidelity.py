@@ -34,14 +34,13 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-import dbo
 from dbo.sim import SimDevice
 from dbo.sim.cost import comm_time_us, node_dedup_share
 from dbo.sim.hardware import H100, H800, HardwareProfile, profile_from_name
 from dbo.sim.records import COMM, COMPUTE, OpRecord
 from dbo.sim.report import summarize
-from dbo.split import split_batch
 from scenarios.model import Batch, ModelConfig, MoEModel, preset
+from scenarios.steps import serial_step, ubatched_step
 from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
 
 __all__ = [
@@ -307,30 +306,17 @@ def simulate_step(
     init_workspace_manager(device.torch_device, num_ubatches or 1)
     try:
         if num_ubatches is None:
-
-            def step(capture: Any = None) -> None:
-                with dbo.use_device(device), device.thread_scope(None):
-                    model.forward(x, None, mode=mode)
-
+            step = serial_step(model, x, device, mode=mode)
         else:
-            slices = split_batch(batch.query_start_loc, batch.num_tokens, num_ubatches)
-
-            def step(capture: Any = None) -> None:
-                dbo.run_ubatches(
-                    lambda s: model.forward(x[s.token_slice], s, mode=mode),
-                    slices, device=device, timeout=timeout_s, graph=capture,
-                )  # fmt: skip
-
+            step = ubatched_step(
+                model, x, device, mode=mode, num_ubatches=num_ubatches, timeout_s=timeout_s
+            )
         step()  # warm-up: the workspace grows to its largest need
         lock_workspace()
         device.synchronize()
         if graph:
             g = device.graph()
-            if num_ubatches is None:
-                with g:
-                    step()
-            else:
-                step(g)
+            step.capture(g)
             device.synchronize()
             device.reset()
             g.replay()

@@ -11,10 +11,11 @@ import dbo
 from dbo.sim import SimDevice
 from dbo.ubatching import dbo_yield
 from scenarios.model import Batch, MoEModel, preset
+from scenarios.steps import prepare
 from scenarios.tools.bench.baselines import _NullDevice, _request, _request_bytes
 from scenarios.tools.bench.figures import Figure, Stats, Target
 from scenarios.tools.bench.registry import Plan, benchmark
-from scenarios.tools.bench.simulator import _locked_workspace, _step_sampler, _ubatched_step
+from scenarios.tools.bench.simulator import _step_sampler, _ubatched
 from scenarios.tools.bench.timing import _interleave
 from scenarios.tools.bench.workspace import _get_simultaneous_samples
 from workspace import WorkspaceManager, reset_workspace_manager
@@ -53,8 +54,8 @@ def bench_scaling_steps(plan: Plan) -> list[Figure]:
     model = MoEModel(tiny, batch)
     x = model.inputs()
     device = SimDevice(check_races=False)
-    steps = {str(n): _ubatched_step(model, x, device, n, mode) for n in plan.ubatch_counts}
-    _locked_workspace(torch.device("cpu"), max(plan.ubatch_counts), list(steps.values()))
+    steps = {str(n): _ubatched(model, x, device, n, mode) for n in plan.ubatch_counts}
+    prepare(torch.device("cpu"), max(plan.ubatch_counts), list(steps.values()))
     samples = _interleave({k: _step_sampler(s, device) for k, s in steps.items()}, plan.step_reps)
     first = str(plan.ubatch_counts[0])
     for n in plan.ubatch_counts:
@@ -73,8 +74,8 @@ def bench_scaling_steps(plan: Plan) -> list[Figure]:
     steps = {}
     for layers in plan.layer_counts:
         model = MoEModel(preset("tiny", num_layers=layers), batch)
-        steps[str(layers)] = _ubatched_step(model, model.inputs(), device, 2, mode)
-    _locked_workspace(torch.device("cpu"), 2, list(steps.values()))
+        steps[str(layers)] = _ubatched(model, model.inputs(), device, 2, mode)
+    prepare(torch.device("cpu"), 2, list(steps.values()))
     samples = _interleave({k: _step_sampler(s, device) for k, s in steps.items()}, plan.step_reps)
     first = str(plan.layer_counts[0])
     for layers in plan.layer_counts:

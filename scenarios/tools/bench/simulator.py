@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import dbo
 from dbo.sim import SimDevice
-from dbo.split import split_batch
 from dbo.streams import Device
 from scenarios.model import Batch, MoEModel, preset
+from scenarios.steps import Step, prepare, serial_step, ubatched_step
 from scenarios.tools.bench.baselines import _NullDevice
 from scenarios.tools.bench.figures import Figure, Stats, Target
 from scenarios.tools.bench.registry import Plan, benchmark
 from scenarios.tools.bench.timing import _interleave, _timed_ms
-from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
+from workspace import reset_workspace_manager
 
 
 @benchmark("sim.intercept")
@@ -83,43 +82,12 @@ def bench_intercept(plan: Plan) -> list[Figure]:
     return figures
 
 
-def _serial_step(
-    model: MoEModel, x: torch.Tensor, device: Device, *, intercept: bool, mode: str
-) -> Callable[[], Any]:
-    def step() -> Any:
-        with dbo.use_device(device), (device.thread_scope(None) if intercept else nullcontext()):
-            return model.forward(x, None, mode=mode)
-
-    return step
+# Bench steps get a generous timeout: a shared machine may stall a DeepSeek-size meta step.
+_STEP_TIMEOUT_S = 120.0
 
 
-def _ubatched_step(
-    model: MoEModel, x: torch.Tensor, device: Device, num_ubatches: int, mode: str
-) -> Callable[[], Any]:
-    slices = split_batch(model.batch.query_start_loc, model.batch.num_tokens, num_ubatches)
-
-    def step() -> Any:
-        return dbo.run_ubatches(
-            lambda s: model.forward(x[s.token_slice], s, mode=mode),
-            slices,
-            device=device,
-            timeout=120.0,
-        )
-
-    return step
-
-
-def _locked_workspace(
-    torch_device: torch.device, slots: int, warmups: Sequence[Callable[[], Any]]
-) -> None:
-    """The harness's life cycle: a fresh workspace, one eager warm-up of
-    every step to be timed (the slots grow to their largest need), then lock. The variants
-    of one benchmark share it, so they can interleave; a serial step uses slot 0."""
-    reset_workspace_manager()
-    init_workspace_manager(torch_device, slots)
-    for step in warmups:
-        step()
-    lock_workspace()
+def _ubatched(model: MoEModel, x: torch.Tensor, device: Device, n: int, mode: str) -> Step:
+    return ubatched_step(model, x, device, mode=mode, num_ubatches=n, timeout_s=_STEP_TIMEOUT_S)
 
 
 def _step_sampler(step: Callable[[], Any], device: Device) -> Callable[[], float]:
@@ -140,10 +108,10 @@ def bench_tiny_step(plan: Plan) -> list[Figure]:
         "races": SimDevice(check_races=True),
     }
     steps = {
-        key: _serial_step(model, x, device, intercept=key != "plain", mode=mode)
+        key: serial_step(model, x, device, mode=mode, thread_scope=key != "plain")
         for key, device in devices.items()
     }
-    _locked_workspace(torch.device("cpu"), 1, list(steps.values()))
+    prepare(torch.device("cpu"), 1, list(steps.values()))
     samples = _interleave(
         {key: _step_sampler(step, devices[key]) for key, step in steps.items()}, plan.step_reps
     )
@@ -178,12 +146,12 @@ def bench_deepseek(plan: Plan) -> list[Figure]:
     sim = SimDevice(tensor_device="meta")
     null = _NullDevice("meta")
     variants: dict[str, tuple[Callable[[], Any], Device]] = {
-        "dbo_sim": (_ubatched_step(model, x, sim, 2, mode), sim),
-        "plain": (_serial_step(model, x, null, intercept=False, mode=mode), null),
-        "dbo_null": (_ubatched_step(model, x, null, 2, mode), null),
-        "serial_sim": (_serial_step(model, x, sim, intercept=True, mode=mode), sim),
+        "dbo_sim": (_ubatched(model, x, sim, 2, mode), sim),
+        "plain": (serial_step(model, x, null, mode=mode, thread_scope=False), null),
+        "dbo_null": (_ubatched(model, x, null, 2, mode), null),
+        "serial_sim": (serial_step(model, x, sim, mode=mode), sim),
     }
-    _locked_workspace(torch.device("meta"), 2, [step for step, _ in variants.values()])
+    prepare(torch.device("meta"), 2, [step for step, _ in variants.values()])
     samples = _interleave(
         {key: _step_sampler(step, device) for key, (step, device) in variants.items()},
         max(3, plan.step_reps - 2),
