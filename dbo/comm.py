@@ -333,10 +333,6 @@ class EPGroup:
         return self._pg is not None
 
     @property
-    def process_group(self) -> Any:
-        return self._pg
-
-    @property
     def global_ranks(self) -> tuple[int, ...]:
         """The world ranks of this EP group's members, in EP rank order."""
         return self._members

@@ -9,7 +9,6 @@ yield-and-switch helpers to order the two streams for that ubatch.
 Documented registries (the only module state):
 - `_THREAD_ID_TO_CONTEXT`: thread ident -> ubatch id, for the threads of the running step;
 - `_CURRENT_CONTEXTS`: ubatch id -> its `UBatchContext` while it runs, else None;
-- `_NUM_UBATCHES`: the ubatch count of the current step;
 - `_forward_context`: the forward context of threads that are not ubatches (serial steps,
   set by `set_forward_context`); a ubatch thread reads its own context's instead, so its
   forward context is restored on every resume and never leaks into the launcher.
@@ -32,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+from dbo._checks import as_int
 from dbo.errors import UBatchError, YieldMismatchError, _StepAborted
 from dbo.streams import Device, Event, Stream, stream_context
 
@@ -58,7 +58,6 @@ __all__ = [
 
 _THREAD_ID_TO_CONTEXT: dict[int, int] = {}
 _CURRENT_CONTEXTS: list["UBatchContext | None"] = []
-_NUM_UBATCHES: int = 0
 _forward_context: Any = None
 # Guards registration and step close. Readers (dbo_current_ubatch_id, the helpers) take no
 # lock: a single dict/list read is atomic, and a thread only ever reads its own entry.
@@ -455,9 +454,7 @@ def make_ubatch_contexts(
     """Build the ring of N contexts (vLLM's signature). The launcher then calls
     `contexts[0].step.release_first()` (or `contexts[0].cpu_wait_event.set()`) after the
     barrier to let ubatch 0 run."""
-    global _NUM_UBATCHES
-    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int):
-        raise TypeError(f"num_micro_batches must be an int, got {num_micro_batches!r}")
+    num_micro_batches = as_int("num_micro_batches", num_micro_batches)
     if num_micro_batches < 2:
         raise ValueError(
             f"num_micro_batches must be >= 2 for DBO, got {num_micro_batches}; run the step "
@@ -485,7 +482,6 @@ def make_ubatch_contexts(
                 "another ubatched step is still running in this process; DBO runs one step "
                 "at a time (the registries are process-wide)"
             )
-        _NUM_UBATCHES = num_micro_batches
         if len(_CURRENT_CONTEXTS) < num_micro_batches:
             _CURRENT_CONTEXTS.extend([None] * (num_micro_batches - len(_CURRENT_CONTEXTS)))
     step = UBatchStep(num_micro_batches, ready_barrier)

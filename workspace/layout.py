@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from dbo._checks import as_int
 
 __all__ = ["ALIGNMENT", "Region", "Layout", "round_up", "plan_layout"]
 
@@ -47,15 +48,7 @@ def _describe(value: Any) -> str:
 
 
 def _check_dim(dim: Any, where: str) -> int:
-    # bool is an int subclass, and True would silently mean 1: refuse it like any non-int.
-    if isinstance(dim, bool):
-        raise TypeError(f"{where} must be an int, got {_describe(dim)}")
-    try:
-        value = operator.index(dim)
-    except TypeError:
-        raise TypeError(f"{where} must be an int, got {_describe(dim)}") from None
-    if value < 0:
-        raise ValueError(f"{where} must be >= 0, got {value}")
+    value = as_int(where, dim)
     if value > _MAX_DIM:
         raise ValueError(f"{where} must fit in int64, got {value}")
     return value

@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+from dbo._json import json_safe
 from dbo.sim import SimDevice
 from dbo.sim.cost import comm_time_us, node_dedup_share
 from dbo.sim.hardware import H100, H800, HardwareProfile, profile_from_name
@@ -116,11 +117,7 @@ class FidelityRow:
     note: str = ""  # why a target is missed, or what a row cannot check
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k, v in d.items():
-            if isinstance(v, float) and not math.isfinite(v):
-                d[k] = None
-        return d
+        return json_safe(asdict(self))
 
 
 @dataclass

@@ -13,11 +13,11 @@ panel per phase) and against the comm/compute ratio.
 from __future__ import annotations
 
 import csv
-import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+from dbo._json import finite_or_none
 from scenarios.harness import RunOptions, compare_serial_dbo
 from scenarios.model import Batch, ModelConfig, preset
 
@@ -45,7 +45,7 @@ class SweepPoint:
     def to_dict(self) -> dict[str, float | int | str]:
         """One CSV row (and one `sweep --json` line): the fields and the comm/compute ratio."""
         ratio = self.comm_compute_ratio
-        return {**asdict(self), "comm_compute_ratio": ratio if math.isfinite(ratio) else None}
+        return {**asdict(self), "comm_compute_ratio": finite_or_none(ratio)}
 
 
 def pays_from(points: Sequence[SweepPoint]) -> int | None:

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dbo._json import finite_or_none
+
 
 @dataclass(frozen=True)
 class Stats:
@@ -109,7 +111,7 @@ class Figure:
             "ours": _stats_dict(self.ours),
             "baseline": None if self.baseline is None else _stats_dict(self.baseline),
             "baseline_what": self.baseline_what,
-            "ratio": _json_float(self.ratio),
+            "ratio": finite_or_none(self.ratio),
             "ratio_def": self.ratio_def,
             "ratio_paired": self.paired,
             "targets": [asdict(t) for t in self.targets],
@@ -127,21 +129,5 @@ def _divide(ours: float, baseline: float, ratio_def: str) -> float:
     return a / b
 
 
-def _json_float(x: float | None) -> float | None:
-    # JSON has no inf/nan; a figure that produced one carries null and says so in its note.
-    return None if x is None or not math.isfinite(x) else x
-
-
 def _stats_dict(stats: Stats) -> dict[str, Any]:
-    return {k: _json_float(v) if isinstance(v, float) else v for k, v in asdict(stats).items()}
-
-
-def _strict_json(value: Any) -> Any:
-    """`value` with every non-finite float (in extras too) replaced by None."""
-    if isinstance(value, float):
-        return _json_float(value)
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return value
+    return {k: finite_or_none(v) if isinstance(v, float) else v for k, v in asdict(stats).items()}

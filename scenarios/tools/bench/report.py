@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from scenarios.tools.bench.figures import Figure, _strict_json
+from dbo._json import json_safe
+from scenarios.tools.bench.figures import Figure
 from scenarios.tools.bench.registry import FULL, QUICK, Plan, benchmark_names, registered
 from scenarios.tools.progress import Progress
 from workspace import reset_workspace_manager
@@ -155,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         progress.close()
         reset_workspace_manager()  # leave no benchmark's workspace behind for the caller
-    doc = _strict_json(report(figures, plan, time.monotonic() - start))
+    doc = json_safe(report(figures, plan, time.monotonic() - start))
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench.json"
     path.write_text(json.dumps(doc, indent=2, default=str, allow_nan=False) + "\n")
