@@ -25,6 +25,7 @@ answer for the calling thread, and a second step started while one runs is refus
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 from contextlib import contextmanager
@@ -168,7 +169,7 @@ class UBatchStep:
                 ctx._unregister_locked()
 
     def describe(self) -> str:
-        frames = sys._current_frames()
+        frames = _current_frames()
         lines = []
         for i, state in enumerate(self.states):
             where = ""
@@ -187,6 +188,20 @@ class UBatchStep:
             f"yield the same number of times per step, or the ring hangs:\n{self.describe()}",
             yield_counts=self.yield_counts(),
         )
+
+
+def _current_frames() -> dict[int, Any]:
+    """`sys._current_frames()` with the collector off: CPython builds the frame objects under
+    its thread-list lock, and a collection run there may finalize an object whose destructor
+    needs that lock (a thread state made or dropped, e.g. by a process group's C++ thread),
+    which hangs the process with the GIL held."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _frame_site(frame: Any) -> str:
