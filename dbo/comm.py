@@ -69,7 +69,8 @@ import torch.distributed as dist
 
 from dbo._checks import as_int
 from dbo.split import UBatchAgreementError
-from dbo.streams import Event, current_device
+from dbo.devices import current_device
+from dbo.streams import Event
 from dbo.ubatching import dbo_current_ubatch_id
 
 __all__ = [

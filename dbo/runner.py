@@ -22,7 +22,8 @@ import torch
 
 from dbo import ubatching
 from dbo.errors import UBatchError, UBatchTimeoutError, _StepAborted
-from dbo.streams import Device, Stream, resolve_device, use_device
+from dbo.devices import resolve_device, use_device
+from dbo.streams import Device, Stream
 from dbo.ubatching import UBatchContext, _as_ubatch_error, make_ubatch_contexts
 
 __all__ = ["run_ubatches", "merge_outputs", "DEFAULT_TIMEOUT_S"]

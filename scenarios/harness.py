@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from dbo.devices import resolve_device
 from dbo.sim import SimDevice
 from dbo.sim.records import OpRecord, RaceReport
 from dbo.sim.report import StepSummary, plot_timeline, summarize, write_chrome_trace
-from dbo.streams import Device, resolve_device
+from dbo.streams import Device
 from scenarios.model import Batch, ModelConfig, MoEModel
 from scenarios.steps import prepare, serial_step, ubatched_step
 from workspace import current_workspace_manager

@@ -25,7 +25,8 @@ from typing import Callable, Sequence
 import torch
 
 import dbo
-from dbo.streams import Device, resolve_device
+from dbo.devices import resolve_device
+from dbo.streams import Device
 
 
 @dataclass(frozen=True)
