@@ -15,7 +15,7 @@ import torch
 
 import dbo
 from dbo import ubatching
-from dbo.sim import SimDevice
+from dbo.sim import GraphReplayError, SimDevice
 from scenarios.distributed import run_local_ranks
 from scenarios.harness import (
     Comparison,
@@ -214,7 +214,7 @@ def _case_result(
     return _with_artifacts(result, device, opts)
 
 
-@scenario("dcp-attention", "Seed 6.1: two DCP attention buffers from two calls alias, per ubatch slot")
+@scenario("dcp-attention", "Two DCP attention buffers from two calls alias, per ubatch slot")
 def _dcp_attention(opts: RunOptions) -> ScenarioResult:
     n, heads, dim = 24, 4, 16
     gen = torch.Generator().manual_seed(0)
@@ -255,7 +255,7 @@ def _dcp_attention(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "fused-moe-workspace",
-    "Seed 6.2: one call gives a shared region (workspace13 / fused_out views) and an independent workspace2",
+    "One call gives a shared region (workspace13 / fused_out views) and an independent workspace2",
 )
 def _fused_moe(opts: RunOptions) -> ScenarioResult:
     m, hidden, inter = 32, 48, 64
@@ -294,7 +294,7 @@ def _fused_moe(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "sparse-indexer",
-    "Seed 6.3: a profile call reserves three buffers; prefill and decode calls then allocate nothing",
+    "A profile call reserves three buffers; prefill and decode calls then allocate nothing",
 )
 def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
     total_seq, head_dim, topk_ws = 96, 32, 4096
@@ -345,7 +345,7 @@ def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "mla-init-reservation",
-    "Seed 6.4: a buffer reserved at init and held as an attribute; later calls alias it and never grow",
+    "A buffer reserved at init and held as an attribute; later calls alias it and never grow",
 )
 def _mla_init(opts: RunOptions) -> ScenarioResult:
     max_tokens, heads, head_size = 64, 4, 32
@@ -410,7 +410,7 @@ def _graph_step(
 
 @scenario(
     "graph-pointer-stability",
-    "Seed section 8: warm up, capture, lock; replays reuse the captured workspace pointers and recompute "
+    "Warm up, capture, lock; replays reuse the captured workspace pointers and recompute "
     "from new inputs",
 )
 def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
@@ -434,12 +434,10 @@ def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "elastic-ep",
-    "Seed 6.5: unlock, re-warm with larger experts (growth), relock; the stale graph is refused and a "
+    "Unlock, re-warm with larger experts (growth), relock; the stale graph is refused and a "
     "recaptured one replays",
 )
 def _elastic_ep(opts: RunOptions) -> ScenarioResult:
-    from dbo.sim import GraphReplayError
-
     device, manager = _fresh(opts, watch_pointers=True)
     old_graph, *_ = _graph_step(opts, device, width=16)
     lock_workspace()

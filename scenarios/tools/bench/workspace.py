@@ -38,6 +38,8 @@ def _quiet_fd2() -> Iterator[None]:
 
 def _storage_allocations(fn: Callable[[], Any]) -> int:
     """CPU allocator calls while fn runs, as the profiler's memory events count them."""
+    # Imported here: the profiler is optional machinery (a torch build may lack it), and its
+    # absence is reported in the figure rather than failing the whole bench at import.
     from torch.profiler import ProfilerActivity, profile
 
     with _quiet_fd2():
