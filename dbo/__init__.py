@@ -5,20 +5,16 @@ this package reads like an engine's. Streams come from `dbo.streams` (real CUDA 
 device in `dbo.sim`); `run_ubatches` runs one ubatched step and always comes back.
 """
 
-from dbo.errors import UBatchError, UBatchTimeoutError, YieldMismatchError
-from dbo.runner import DEFAULT_TIMEOUT_S, merge_outputs, run_ubatches
-from dbo.streams import (
-    CudaDevice,
-    Device,
-    Event,
-    Stream,
+from dbo.devices import (
     current_device,
     current_stream,
     get_default_device,
     set_default_device,
-    stream_context,
     use_device,
 )
+from dbo.errors import UBatchError, UBatchTimeoutError, YieldMismatchError
+from dbo.runner import DEFAULT_TIMEOUT_S, merge_outputs, run_ubatches
+from dbo.streams import CudaDevice, Device, Event, Stream, stream_context
 from dbo.ubatching import (
     UBatchContext,
     current_forward_context,

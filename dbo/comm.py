@@ -69,7 +69,8 @@ import torch.distributed as dist
 
 from dbo._checks import as_int
 from dbo.split import UBatchAgreementError
-from dbo.streams import Event, current_device
+from dbo.devices import current_device
+from dbo.streams import Event
 from dbo.ubatching import dbo_current_ubatch_id
 
 __all__ = [
@@ -331,10 +332,6 @@ class EPGroup:
     @property
     def is_distributed(self) -> bool:
         return self._pg is not None
-
-    @property
-    def process_group(self) -> Any:
-        return self._pg
 
     @property
     def global_ranks(self) -> tuple[int, ...]:

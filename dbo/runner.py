@@ -32,8 +32,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dbo import ubatching
+from dbo.devices import resolve_device, use_device
 from dbo.errors import UBatchError, UBatchTimeoutError, _describe, _StepAborted
-from dbo.streams import Device, Stream, resolve_device, use_device
+from dbo.streams import Device, Stream
 from dbo.ubatching import UBatchContext, make_ubatch_contexts
 
 __all__ = ["run_ubatches", "merge_outputs", "DEFAULT_TIMEOUT_S"]

@@ -1,24 +1,23 @@
 """Streams and events: one small interface, two devices (real CUDA and the simulated GPU).
 
 The ubatch runtime speaks only to `Device`, `Stream` and `Event` below. `CudaDevice` wraps
-`torch.cuda`; `dbo.sim.SimDevice` places the same calls on a virtual-time timeline. Nothing
-outside this module and `dbo.sim` knows which one runs.
+`torch.cuda`; `dbo.sim.SimDevice` places the same calls on a virtual-time timeline. This
+module is the interface and knows no implementation but CUDA's; `dbo.devices`, which knows
+both, decides which device a thread uses.
 
 Semantics follow CUDA: work issued to one stream runs in issue order; `stream.wait_event(e)`
 makes later work on that stream wait for the work recorded before `e`; `synchronize()` blocks
 the host. The *current stream* is per thread, as in torch.cuda.
-
-Documented registry: the process-wide default device (`set_default_device`), used by threads
-that have not entered `use_device`.
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -29,26 +28,20 @@ __all__ = [
     "CommHandle",
     "GraphCapture",
     "CudaDevice",
-    "current_device",
-    "current_stream",
-    "set_default_device",
-    "get_default_device",
-    "use_device",
     "stream_context",
-    "resolve_device",
 ]
 
 
 class Event(ABC):
     """A marker in a stream's work; `record` captures everything issued before it."""
 
-    device: "Device"
+    device: Device
 
     @abstractmethod
-    def record(self, stream: "Stream | None" = None) -> None:
+    def record(self, stream: Stream | None = None) -> None:
         """Capture the work issued so far on `stream` (default: the thread's current one)."""
 
-    def wait(self, stream: "Stream | None" = None) -> None:
+    def wait(self, stream: Stream | None = None) -> None:
         """Make `stream` (default: current) wait for this event."""
         (stream or self.device.current_stream()).wait_event(self)
 
@@ -64,14 +57,14 @@ class Event(ABC):
 class Stream(ABC):
     """An in-order queue of device work."""
 
-    device: "Device"
+    device: Device
     name: str
 
     @abstractmethod
     def wait_event(self, event: Event) -> None:
         """Later work on this stream waits for `event`'s recorded work."""
 
-    def wait_stream(self, other: "Stream") -> None:
+    def wait_stream(self, other: Stream) -> None:
         """Later work on this stream waits for everything issued on `other` so far."""
         self.wait_event(other.record_event())
 
@@ -139,7 +132,7 @@ class Device(ABC):
         """Entered around the work of one thread (`ubatch_id` None for a serial run)."""
         yield
 
-    def on_handoff(self) -> None:
+    def on_handoff(self) -> None:  # noqa: B027 - an optional hook, a no-op for most devices
         """One baton pass between ubatch threads happened."""
 
     @contextmanager
@@ -151,7 +144,7 @@ class Device(ABC):
         mode: str = "ht",
         ep_size: int = 1,
         link: str | None = None,
-    ) -> Iterator["CommHandle"]:
+    ) -> Iterator[CommHandle]:
         """Mark the block as one communication op (dispatch, combine, all-to-all, ...).
 
         The block does the real data movement with ordinary torch ops (or torch.distributed);
@@ -177,7 +170,7 @@ class Device(ABC):
             self._ubatch_streams = pair
         return pair
 
-    def graph(self) -> "GraphCapture":
+    def graph(self) -> GraphCapture:
         """A capture of device work: enter it, issue work, exit; then `replay()` it."""
         raise NotImplementedError(f"{type(self).__name__} cannot capture graphs")
 
@@ -198,7 +191,7 @@ class Device(ABC):
 
 
 class _CudaEvent(Event):
-    def __init__(self, device: "CudaDevice") -> None:
+    def __init__(self, device: CudaDevice) -> None:
         self.device = device
         self.raw = torch.cuda.Event()
 
@@ -214,7 +207,7 @@ class _CudaEvent(Event):
 
 
 class _CudaStream(Stream):
-    def __init__(self, device: "CudaDevice", raw: "torch.cuda.Stream", name: str) -> None:
+    def __init__(self, device: CudaDevice, raw: torch.cuda.Stream, name: str) -> None:
         self.device = device
         self.raw = raw
         self.name = name
@@ -247,7 +240,7 @@ class CudaDevice(Device):
         self._wrappers: dict[int, _CudaStream] = {}
         self._lock = threading.Lock()
 
-    def _wrap(self, raw: "torch.cuda.Stream", name: str = "") -> _CudaStream:
+    def _wrap(self, raw: torch.cuda.Stream, name: str = "") -> _CudaStream:
         key = raw.cuda_stream
         with self._lock:
             wrapper = self._wrappers.get(key)
@@ -274,7 +267,7 @@ class CudaDevice(Device):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
 
-    def graph(self) -> "GraphCapture":
+    def graph(self) -> GraphCapture:
         return _CudaGraphCapture(self)
 
 
@@ -288,7 +281,7 @@ class GraphCapture(ABC):
     capture_stream: Stream | None = None
 
     @abstractmethod
-    def __enter__(self) -> "GraphCapture": ...
+    def __enter__(self) -> GraphCapture: ...
 
     @abstractmethod
     def __exit__(self, *exc: Any) -> None: ...
@@ -303,7 +296,7 @@ class _CudaGraphCapture(GraphCapture):
         self.graph = torch.cuda.CUDAGraph()
         self._ctx: Any = None
 
-    def __enter__(self) -> "GraphCapture":
+    def __enter__(self) -> GraphCapture:
         stream = self.capture_stream or self.device.current_stream()
         self._ctx = torch.cuda.graph(self.graph, stream=stream.raw)  # type: ignore[attr-defined]
         self._ctx.__enter__()
@@ -317,54 +310,7 @@ class _CudaGraphCapture(GraphCapture):
 
 
 # --------------------------------------------------------------------------------------------
-# Which device a thread uses
-
-_DEFAULT_DEVICE: Device | None = None
-_DEFAULT_LOCK = threading.Lock()
-_THREAD_DEVICE = threading.local()
-
-
-def set_default_device(device: Device | None) -> None:
-    """Set the process-wide device used by threads outside `use_device` (None: choose again)."""
-    global _DEFAULT_DEVICE
-    if device is not None and not isinstance(device, Device):
-        raise TypeError(f"expected a dbo.streams.Device or None, got {type(device).__name__}")
-    _DEFAULT_DEVICE = device
-
-
-def get_default_device() -> Device:
-    """The process default: set by `set_default_device`, else the simulated H200."""
-    global _DEFAULT_DEVICE
-    with _DEFAULT_LOCK:
-        if _DEFAULT_DEVICE is None:
-            from dbo.sim import SimDevice
-
-            _DEFAULT_DEVICE = SimDevice()
-        return _DEFAULT_DEVICE
-
-
-def current_device() -> Device:
-    """The calling thread's device (`use_device`), else the process default."""
-    device = getattr(_THREAD_DEVICE, "device", None)
-    return device if device is not None else get_default_device()
-
-
-@contextmanager
-def use_device(device: Device) -> Iterator[Device]:
-    """Make `device` the calling thread's device for the duration of the block."""
-    if not isinstance(device, Device):
-        raise TypeError(f"expected a dbo.streams.Device, got {type(device).__name__}")
-    previous = getattr(_THREAD_DEVICE, "device", None)
-    _THREAD_DEVICE.device = device
-    try:
-        yield device
-    finally:
-        _THREAD_DEVICE.device = previous
-
-
-def current_stream() -> Stream:
-    """The calling thread's current stream on its device."""
-    return current_device().current_stream()
+# The current stream
 
 
 @contextmanager
@@ -377,30 +323,3 @@ def stream_context(stream: Stream) -> Iterator[Stream]:
         yield stream
     finally:
         device.set_stream(previous)
-
-
-def resolve_device(device: "Device | str | None", **sim_options: Any) -> Device:
-    """Turn a user's device argument into a Device.
-
-    None -> the calling thread's device; "sim" -> a new simulated device (sim_options go to it);
-    "cuda" / "cuda:N" -> a CudaDevice; a Device passes through.
-    """
-    if device is None:
-        return current_device()
-    if isinstance(device, Device):
-        return device
-    if isinstance(device, str):
-        if device == "sim":
-            from dbo.sim import SimDevice
-
-            return SimDevice(**sim_options)
-        if device == "cuda" or device.startswith("cuda:"):
-            suffix = device.split(":", 1)[1] if ":" in device else None
-            if suffix is not None and not suffix.isdigit():
-                raise ValueError(f"device {device!r}: the GPU index after 'cuda:' must be a "
-                                 f"non-negative integer")
-            return CudaDevice(None if suffix is None else int(suffix))
-    raise ValueError(
-        f"device must be 'sim', 'cuda', 'cuda:N' or a dbo.streams.Device, got {device!r}"
-    )
-

@@ -9,7 +9,6 @@ yield-and-switch helpers to order the two streams for that ubatch.
 Documented registries (the only module state):
 - `_THREAD_ID_TO_CONTEXT`: thread ident -> ubatch id, for the threads of the running step;
 - `_CURRENT_CONTEXTS`: ubatch id -> its `UBatchContext` while it runs, else None;
-- `_NUM_UBATCHES`: the ubatch count of the current step;
 - `_forward_context`: the forward context of threads that are not ubatches (serial steps,
   set by `set_forward_context`); a ubatch thread reads its own context's instead, so its
   forward context is restored on every resume and never leaks into the launcher.
@@ -26,12 +25,14 @@ answer for the calling thread, and a second step started while one runs is refus
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+from dbo._checks import as_int
 from dbo.errors import UBatchError, YieldMismatchError, _describe, _StepAborted
 from dbo.streams import Device, Event, Stream, stream_context
 
@@ -58,7 +59,6 @@ __all__ = [
 
 _THREAD_ID_TO_CONTEXT: dict[int, int] = {}
 _CURRENT_CONTEXTS: list["UBatchContext | None"] = []
-_NUM_UBATCHES: int = 0
 _forward_context: Any = None
 # Guards registration and step close. Readers (dbo_current_ubatch_id, the helpers) take no
 # lock: a single dict/list read is atomic, and a thread only ever reads its own entry.
@@ -74,20 +74,23 @@ _get_ident = threading.get_ident
 class CpuSignal:
     """A one-shot wake-up for one parked thread: the baton primitive of the ring.
 
-    A bare `threading.Lock` used as a binary semaphore (held = not signalled). Chosen by
-    measurement against vLLM's `threading.Event` ring (`python -m scenarios bench`, figures
-    baton.*): an Event wait builds a fresh lock and condition per call, a Lock acquire does
-    not. One pass of `dbo_yield` between two ubatch threads costs 6.6 us against 12.2 us for
-    the Event ring and 5.7 us for a bare lock ping-pong, medians of the same `--quick` run on
-    the 2-core CPU build machine (torch 2.13, Python 3.11). Any thread may `set` it; only its
-    owner `wait`s.
+    A bare `threading.Lock` used as a binary semaphore (held = not signalled), instead of
+    vLLM's `threading.Event`: an Event wait builds a fresh lock and condition per call, a Lock
+    acquire does not (the bench's baton figures compare the two, and a bare lock ping-pong,
+    in one run). Any thread may `set` it; only its owner `wait`s.
+
+    `release` and `acquire` are the lock's own bound methods, for the yield path: between
+    waking the peer and parking itself, the yielding thread still holds the GIL, and every
+    Python call in that window is one the woken peer may wake up into and wait out.
     """
 
-    __slots__ = ("_lock",)
+    __slots__ = ("_lock", "release", "acquire")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
+        self.release = self._lock.release  # raises RuntimeError when already signalled
+        self.acquire = self._lock.acquire
 
     def set(self) -> None:
         try:
@@ -167,7 +170,7 @@ class UBatchStep:
                 ctx._unregister_locked()
 
     def describe(self) -> str:
-        frames = sys._current_frames()
+        frames = _current_frames()
         lines = []
         for i, state in enumerate(self.states):
             where = ""
@@ -207,6 +210,20 @@ class UBatchStep:
             wrapped = UBatchError(f"ubatch {ubatch_id} failed", ubatch_id=ubatch_id)
             wrapped.__cause__ = error
         self.abort(wrapped)
+
+
+def _current_frames() -> dict[int, Any]:
+    """`sys._current_frames()` with the collector off: CPython builds the frame objects under
+    its thread-list lock, and a collection run there may finalize an object whose destructor
+    needs that lock (a thread state made or dropped, e.g. by a process group's C++ thread),
+    which hangs the process with the GIL held."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _frame_site(frame: Any) -> str:
@@ -277,6 +294,10 @@ class UBatchContext:
         self._registered_ident: int | None = None
         self._state = step.states[id]
         self._next_state = step.states[(id + 1) % step.num_ubatches]
+        # The hand-off's calls, bound once: see CpuSignal.
+        self._on_handoff = self.device.on_handoff
+        self._signal_next = cpu_signal_event.release
+        self._wait_own = cpu_wait_event.acquire
 
     # -- enter / exit ------------------------------------------------------------------------
 
@@ -389,9 +410,14 @@ class UBatchContext:
         if self._next_state.status in (FINISHED, FAILED):
             raise step._mismatch(f"ubatch {self.id} yielded to a finished ubatch")
         state.status = PARKED
-        self.device.on_handoff()
-        self.cpu_signal_event.set()
-        self._wait_for_baton()
+        self._on_handoff()
+        try:
+            self._signal_next()
+        except RuntimeError:
+            pass  # already signalled: only an abort sets a signal twice, and it is seen below
+        self._wait_own()
+        if step.aborted:
+            raise _StepAborted()
         state.status = RUNNING
 
     # -- streams -----------------------------------------------------------------------------
@@ -509,9 +535,7 @@ def make_ubatch_contexts(
     """Build the ring of N contexts (vLLM's signature). The launcher then calls
     `contexts[0].step.release_first()` (or `contexts[0].cpu_wait_event.set()`) after the
     barrier to let ubatch 0 run."""
-    global _NUM_UBATCHES
-    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int):
-        raise TypeError(f"num_micro_batches must be an int, got {num_micro_batches!r}")
+    num_micro_batches = as_int("num_micro_batches", num_micro_batches)
     if num_micro_batches < 2:
         raise ValueError(
             f"num_micro_batches must be >= 2 for DBO, got {num_micro_batches}; run the step "
@@ -539,7 +563,6 @@ def make_ubatch_contexts(
                 "another ubatched step is still running in this process; DBO runs one step "
                 "at a time (the registries are process-wide)"
             )
-        _NUM_UBATCHES = num_micro_batches
         if len(_CURRENT_CONTEXTS) < num_micro_batches:
             _CURRENT_CONTEXTS.extend([None] * (num_micro_batches - len(_CURRENT_CONTEXTS)))
     step = UBatchStep(num_micro_batches, ready_barrier)
@@ -611,7 +634,15 @@ def _ubatch_helper(method: Callable[[UBatchContext], None]) -> Callable[[], None
     return helper
 
 
-dbo_yield = _ubatch_helper(UBatchContext.yield_)
+def dbo_yield() -> None:
+    """`UBatchContext.yield_` for the calling ubatch; no-op elsewhere."""
+    # Written out rather than made by _ubatch_helper: it is the hot path, and two fewer
+    # Python frames per pass show in the bench's baton figures.
+    ubatch_id = _THREAD_ID_TO_CONTEXT.get(_get_ident())
+    if ubatch_id is not None:
+        ctx = _CURRENT_CONTEXTS[ubatch_id]
+        if ctx is not None:
+            ctx._cpu_yield()
 dbo_yield_and_switch_from_compute_to_comm = _ubatch_helper(
     UBatchContext.yield_and_switch_from_compute_to_comm
 )

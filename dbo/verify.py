@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import workspace
+from dbo.devices import resolve_device, use_device
 from dbo.errors import YieldMismatchError
 from dbo.runner import merge_outputs, run_ubatches
 from dbo.sim.device import SimDevice
@@ -36,7 +37,7 @@ from dbo.sim.records import HANDOFF, EventWait, HostRange, OpRecord, RaceReport
 from dbo.sim.report import plot_runs, summarize, write_chrome_trace_runs
 from dbo.sim.trace import TraceRun, Window
 from dbo.split import ubatch_cut_points
-from dbo.streams import Device, resolve_device, use_device
+from dbo.streams import Device
 
 __all__ = ["VerifyError", "VerifyReport", "split_inputs", "verify"]
 

@@ -7,18 +7,16 @@ caught with the right error, promptly, with nothing left registered.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 import dbo
 from dbo import ubatching
-from dbo.sim import SimDevice
-from dbo.split import split_batch
+from dbo.sim import GraphReplayError, SimDevice
+from scenarios.distributed import run_local_ranks
 from scenarios.harness import (
     Comparison,
     RunOptions,
@@ -29,6 +27,8 @@ from scenarios.harness import (
     write_artifacts,
 )
 from scenarios.model import Batch, MoEModel, preset
+from scenarios.registry import SCENARIOS, Scenario, ScenarioResult, scenario
+from scenarios.steps import ubatched_step
 from workspace.testing import record_allocations
 from workspace import (
     WorkspaceLockedError,
@@ -39,66 +39,26 @@ from workspace import (
     unlock_workspace,
 )
 
-__all__ = ["ScenarioResult", "Scenario", "SCENARIOS", "DEFAULT_SCENARIOS", "run_scenario"]
-
-
-@dataclass
-class ScenarioResult:
-    """One scenario's verdict; `to_dict()` is the `--json` schema (see README)."""
-
-    scenario: str
-    passed: bool
-    negative: bool = False
-    outputs_match: bool | None = None
-    max_abs_diff: float | None = None
-    races: int = 0
-    error: str | None = None
-    step_us_serial: float | None = None
-    step_us_dbo: float | None = None
-    speedup: float | None = None
-    overlap_fraction: float | None = None
-    exposed_comm_us: float | None = None
-    workspace_peak_bytes: int | None = None
-    trace: str | None = None
-    timeline_png: str | None = None
-    wall_s: float = 0.0
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        def clean(v: Any) -> Any:
-            return None if isinstance(v, float) and not math.isfinite(v) else v
-
-        return {k: clean(v) for k, v in self.__dict__.items()}
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    summary: str
-    run: Callable[[RunOptions], ScenarioResult]
-    negative: bool = False
-    default: bool = True
-    cuda: bool = False  # also meaningful on real CUDA streams (the rest need the simulator)
-
-
-SCENARIOS: dict[str, Scenario] = {}
-
-
-def scenario(name: str, summary: str, *, negative: bool = False, default: bool = True, cuda: bool = False):
-    def register(fn: Callable[[RunOptions], ScenarioResult]) -> Callable[[RunOptions], ScenarioResult]:
-        SCENARIOS[name] = Scenario(name, summary, fn, negative, default, cuda)
-        return fn
-
-    return register
+__all__ = [
+    "ScenarioResult",
+    "Scenario",
+    "SCENARIOS",
+    "DEFAULT_SCENARIOS",
+    "run_scenario",
+    "scenario",
+]
 
 
 def run_scenario(name: str, opts: RunOptions) -> ScenarioResult:
     """Run one scenario; an unexpected exception is a failed verdict, never a crash."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; `python -m scenarios list` shows them")
+    run = SCENARIOS[name].run
+    if run is None:
+        raise ValueError(f"scenario {name!r} runs only across ranks; pass --ranks N")
     start = time.monotonic()
     try:
-        result = SCENARIOS[name].run(opts)
+        result = run(opts)
     except Exception as error:  # noqa: BLE001 - reported as the verdict
         result = ScenarioResult(
             name, passed=False, negative=SCENARIOS[name].negative, error=f"{type(error).__name__}: {error}"
@@ -478,8 +438,6 @@ def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
     "recaptured one replays",
 )
 def _elastic_ep(opts: RunOptions) -> ScenarioResult:
-    from dbo.sim import GraphReplayError
-
     device, manager = _fresh(opts, watch_pointers=True)
     old_graph, *_ = _graph_step(opts, device, width=16)
     lock_workspace()
@@ -639,13 +597,13 @@ def _locked_growth(opts: RunOptions) -> ScenarioResult:
     )
     # run_step left the workspace warmed for 64 tokens and locked; now 128 tokens arrive.
     big = MoEModel(preset("tiny"), Batch.decode(128, 16))
-    slices = split_batch(big.batch.query_start_loc, big.batch.num_tokens, opts.num_ubatches)
-    x = big.inputs()
+    step = ubatched_step(
+        big, big.inputs(), device, mode="ll", num_ubatches=opts.num_ubatches,
+        timeout_s=opts.timeout_s,
+    )
     caught: BaseException | None = None
     try:
-        dbo.run_ubatches(
-            lambda s: big.forward(x[s.token_slice], s, mode="ll"), slices, device=device, timeout=opts.timeout_s
-        )
+        step()
     except dbo.UBatchError as error:
         caught = error.__cause__
     message = str(caught)
@@ -672,9 +630,7 @@ def _locked_growth(opts: RunOptions) -> ScenarioResult:
     negative=True,
 )
 def _dp_disagreement(opts: RunOptions) -> ScenarioResult:
-    from scenarios.distributed import run_local_ranks
-
     return run_local_ranks(["dp-disagreement"], opts, ranks=2)[0]
 
 
-DEFAULT_SCENARIOS = [name for name, s in SCENARIOS.items() if s.default]
+DEFAULT_SCENARIOS = [name for name, s in SCENARIOS.items() if s.default and s.run is not None]

@@ -236,7 +236,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     names = args.names or [
         n
         for n in DEFAULT_SCENARIOS
-        if (not across_ranks or n in distributed.RANK_SCENARIOS) and (args.device == "sim" or SCENARIOS[n].cuda)
+        if (not across_ranks or SCENARIOS[n].rank is not None) and (args.device == "sim" or SCENARIOS[n].cuda)
     ]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -277,7 +277,7 @@ def _run_across_ranks(args: argparse.Namespace, names: Sequence[str], distribute
     if single:
         raise UsageError(
             f"scenario(s) {', '.join(single)} run in one process; across ranks choose from "
-            f"{', '.join(distributed.RANK_SCENARIOS)}"
+            f"{', '.join(distributed.across_ranks())}"
         )
     torchrun = distributed.launched_by_torchrun()
     if torchrun and args.ranks > 1:

@@ -34,16 +34,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-import dbo
 from dbo.comm import EPGroup, EPStepMismatchError, use_ep_group
 from dbo.sim import SimDevice
 from dbo.sim.records import OpRecord, RaceReport
@@ -52,17 +52,13 @@ from dbo.split import UBatchSlice, UBatchThresholds, coordinate_ubatching, shoul
 from dbo.streams import CudaDevice, Device
 from scenarios.harness import RunOptions, StepRun, _count_allocations, run_step
 from scenarios.model import Batch, MoEModel, ModelConfig, preset
-from workspace import (
-    current_workspace_manager,
-    init_workspace_manager,
-    lock_workspace,
-    reset_workspace_manager,
-)
+from scenarios.registry import SCENARIOS, RankHalf, ScenarioResult, across_ranks, rank_scenario
+from scenarios.steps import prepare, serial_step, ubatched_step
+from workspace import current_workspace_manager, reset_workspace_manager
 
 __all__ = [
     "RankEnv",
     "RankOutcome",
-    "RANK_SCENARIOS",
     "launched_by_torchrun",
     "init_rank",
     "run_rank_scenarios",
@@ -83,6 +79,9 @@ _ORPHANED_EXIT = 4
 _WATCH_POLL_S = 0.1
 # After a rank ends abnormally, how long its peers have to report before they are killed.
 _PEER_GRACE_S = 2.0
+# A child imports this module by name rather than running it as __main__: its outcomes then
+# pickle under `scenarios.distributed`, and its scenarios register once.
+_CHILD_ENTRY = "from scenarios.distributed import child_main; raise SystemExit(child_main())"
 _TOLERANCE = 1e-9
 # The tiny workload is far below the production thresholds (512 prefill tokens); these let it
 # split while still refusing a split that would leave a ubatch empty.
@@ -128,7 +127,6 @@ class RankOutcome:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-RankScenario = Callable[[RankEnv, RunOptions], RankOutcome]
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,23 +236,16 @@ def run_rank_step(
 ) -> StepRun:
     """`harness.run_step` for one rank of several: warm up, lock the workspace, measure; each
     step opened by the EP handshake (`ep.step`), ubatched over `slices` (None: serially)."""
-    num = 1 if slices is None else len(slices)
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, num)
+    if slices is None:
+        run = serial_step(model, x, device, mode=mode)
+    else:
+        run = ubatched_step(model, x, device, mode=mode, slices=slices, timeout_s=timeout_s)
 
     def step() -> torch.Tensor:
-        with ep.step(num):
-            if slices is None:
-                with dbo.use_device(device), device.thread_scope(None):
-                    return model.forward(x, None, mode=mode)
-            outs = dbo.run_ubatches(
-                lambda s: model.forward(x[s.token_slice], s, mode=mode), slices, device=device, timeout=timeout_s
-            )
-            return torch.cat(outs)
+        with ep.step(run.num_ubatches):
+            return run.output()
 
-    for _ in range(warmups):
-        step()
-    lock_workspace()
+    prepare(device.torch_device, run.num_ubatches, [step], rounds=warmups)
     device.synchronize()
     if isinstance(device, SimDevice):
         device.reset()
@@ -377,6 +368,7 @@ def disagreement_checks(
     }
 
 
+@rank_scenario("dp-disagreement", negative=True)
 def _dp_disagreement_rank(env: RankEnv, opts: RunOptions) -> RankOutcome:
     start = time.monotonic()
     if env.world < 2:
@@ -445,14 +437,9 @@ def _dp_disagreement_rank(env: RankEnv, opts: RunOptions) -> RankOutcome:
     )
 
 
-RANK_SCENARIOS: dict[str, RankScenario] = {
-    "moe-prefill-ht": partial(_moe_rank, decode=False, mode="ht"),
-    "moe-decode-ll": partial(_moe_rank, decode=True, mode="ll"),
-    "three-ubatches": partial(_moe_rank, decode=False, mode="ht", num_ubatches=3),
-    "dp-disagreement": _dp_disagreement_rank,
-}
-# Negative scenarios: they pass when the fault is caught.
-_NEGATIVE = frozenset({"dp-disagreement"})
+rank_scenario("moe-prefill-ht")(partial(_moe_rank, decode=False, mode="ht"))
+rank_scenario("moe-decode-ll")(partial(_moe_rank, decode=True, mode="ll"))
+rank_scenario("three-ubatches")(partial(_moe_rank, decode=False, mode="ht", num_ubatches=3))
 
 
 def run_rank_scenarios(env: RankEnv, names: Sequence[str], opts: RunOptions) -> list[RankOutcome]:
@@ -470,7 +457,7 @@ def run_rank_scenarios(env: RankEnv, names: Sequence[str], opts: RunOptions) -> 
             outcome = RankOutcome(env.rank, passed=False, error=f"not run: {broken}")
         else:
             try:
-                outcome = RANK_SCENARIOS[name](env, opts)
+                outcome = _rank_half(name)(env, opts)
             except Exception as error:  # noqa: BLE001 - reported as the verdict
                 outcome = RankOutcome(env.rank, passed=False, error=f"rank {env.rank}: {type(error).__name__}: {error}")
                 if not isinstance(error, (ValueError, TypeError)):
@@ -488,12 +475,16 @@ def run_rank_scenarios(env: RankEnv, names: Sequence[str], opts: RunOptions) -> 
 # Merging the ranks' outcomes
 
 
+def _rank_half(name: str) -> RankHalf:
+    half = SCENARIOS[name].rank
+    assert half is not None, f"{name} has no rank half; check_names lets only those through"
+    return half
+
+
 def merge_outcomes(
     name: str, outcomes: Sequence[RankOutcome | None], opts: RunOptions, *, missing: str = ""
-) -> Any:
+) -> ScenarioResult:
     """One `ScenarioResult` from every rank's outcome (None: the rank reported nothing)."""
-    from scenarios.catalog import ScenarioResult
-
     present = [o for o in outcomes if o is not None]
     absent = [r for r, o in enumerate(outcomes) if o is None]
     errors = [o.error for o in present if o.error]
@@ -511,7 +502,7 @@ def merge_outcomes(
     result = ScenarioResult(
         scenario=name,
         passed=passed,
-        negative=name in _NEGATIVE,
+        negative=SCENARIOS[name].negative,
         outputs_match=(all(matches) and not absent) if matches else None,
         max_abs_diff=max(diffs) if diffs else None,
         races=len(races),
@@ -576,7 +567,7 @@ def _opts_to_json(opts: RunOptions) -> dict[str, Any]:
 
 def check_names(names: Sequence[str]) -> list[str]:
     """The names that cannot run across ranks (empty when all can)."""
-    return [n for n in names if n not in RANK_SCENARIOS]
+    return [n for n in names if n not in across_ranks()]
 
 
 def check_world_size(world: int) -> str | None:
@@ -594,7 +585,7 @@ def check_world_size(world: int) -> str | None:
 
 def run_local_ranks(
     names: Sequence[str], opts: RunOptions, ranks: int, *, deadline_s: float | None = None
-) -> list[Any]:
+) -> list[ScenarioResult]:
     """Start `ranks` processes on this machine, run `names` on each, merge, and return one
     `ScenarioResult` per name. Every process is ended by the deadline; none is left behind.
 
@@ -607,7 +598,7 @@ def run_local_ranks(
     (see `_wait_for_ranks`)."""
     unknown = check_names(names)
     if unknown:
-        raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(RANK_SCENARIOS)}")
+        raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(across_ranks())}")
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     bad_world = check_world_size(ranks)
@@ -639,7 +630,7 @@ def run_local_ranks(
                 with open(logs[rank], "wb") as log:
                     procs.append(
                         _spawn_rank(
-                            [sys.executable, "-m", "scenarios.distributed"],
+                            [sys.executable, "-c", _CHILD_ENTRY],
                             {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                             log,
                         )
@@ -783,12 +774,12 @@ def _tail(path: Path, limit: int = 1500) -> str:
     return "\n".join(lines)[-limit:] or "(no output)"
 
 
-def run_as_torchrun_rank(names: Sequence[str], opts: RunOptions) -> list[Any] | None:
+def run_as_torchrun_rank(names: Sequence[str], opts: RunOptions) -> list[ScenarioResult] | None:
     """This process's part of a torchrun launch: run every rank's half; rank 0 then waits for
     the others' outcomes and returns the merged results, the other ranks return None."""
     unknown = check_names(names)
     if unknown:
-        raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(RANK_SCENARIOS)}")
+        raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(across_ranks())}")
     bad_world = check_world_size(_env_int("WORLD_SIZE"))
     if bad_world:
         raise RankSetupError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: {bad_world}")
@@ -823,8 +814,3 @@ def child_main() -> int:
     # threads, and destroying the group would wait for it. The outcomes are in the store.
     os._exit(0)
 
-
-if __name__ == "__main__":
-    from scenarios.distributed import child_main as _entry  # outcomes pickle under this module
-
-    raise SystemExit(_entry())

@@ -1,35 +1,31 @@
 """Run one workload serially and with DBO on a fresh device, and compare the two runs.
 
-Every measured run follows an inference engine's life cycle: init the
+Every measured run follows an inference engine's life cycle (`scenarios.steps.prepare`): init the
 workspace, warm up eagerly (the workspace grows to its largest need), lock it, then run the
 measured step, which must allocate nothing. The serial run is the same model code with every
 dbo_* call a no-op; the DBO run splits the batch with `dbo.split` and runs the ubatch threads
-with `dbo.run_ubatches`.
+with `dbo.run_ubatches` (both are `scenarios.steps.Step`s).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-import dbo
+from dbo.devices import resolve_device
 from dbo.sim import SimDevice
 from dbo.sim.records import OpRecord, RaceReport
 from dbo.sim.report import StepSummary, plot_timeline, summarize, write_chrome_trace
-from dbo.split import split_batch
-from dbo.streams import Device, resolve_device
-from scenarios.model import Batch, MoEModel, ModelConfig
+from dbo.streams import Device
+from scenarios.model import Batch, ModelConfig, MoEModel
+from scenarios.steps import prepare, serial_step, ubatched_step
+from workspace import current_workspace_manager
 from workspace.testing import record_allocations
-from workspace import (
-    current_workspace_manager,
-    init_workspace_manager,
-    lock_workspace,
-    reset_workspace_manager,
-)
 
 __all__ = [
     "RunOptions",
@@ -37,6 +33,7 @@ __all__ = [
     "Comparison",
     "new_device",
     "run_step",
+    "measure",
     "compare_serial_dbo",
     "write_artifacts",
 ]
@@ -111,29 +108,19 @@ def run_step(
     warmups: int = 1,
 ) -> StepRun:
     """Warm up, lock the workspace, and measure one step (serial when num_ubatches is None)."""
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, num_ubatches or 1)
     if num_ubatches is None:
-
-        def step() -> torch.Tensor:
-            with dbo.use_device(device), device.thread_scope(None):
-                return model.forward(x, None, mode=mode)
-
+        step = serial_step(model, x, device, mode=mode)
     else:
-        slices = split_batch(model.batch.query_start_loc, model.batch.num_tokens, num_ubatches)
+        step = ubatched_step(
+            model, x, device, mode=mode, num_ubatches=num_ubatches, timeout_s=timeout_s
+        )
+    prepare(device.torch_device, step.num_ubatches, [step.output], rounds=warmups)
+    return measure(step.output, device)
 
-        def step() -> torch.Tensor:
-            outs = dbo.run_ubatches(
-                lambda s: model.forward(x[s.token_slice], s, mode=mode),
-                slices,
-                device=device,
-                timeout=timeout_s,
-            )
-            return torch.cat(outs)
 
-    for _ in range(warmups):
-        step()
-    lock_workspace()
+def measure(step: Callable[[], torch.Tensor], device: Device) -> StepRun:
+    """One measured run of a prepared `step`: its allocations, its output, and its time (the
+    simulated timeline, or CUDA events around it on a real GPU)."""
     if isinstance(device, SimDevice):
         device.synchronize()
         device.reset()
@@ -174,8 +161,8 @@ def compare_serial_dbo(
     )
     model = MoEModel(config, batch)  # a fresh KV cache, so both runs start from the same state
     ubatched = run_step(
-        model, x, device=new_device(opts, config.tensor_device), num_ubatches=opts.num_ubatches, mode=mode,
-        timeout_s=opts.timeout_s,
+        model, x, device=new_device(opts, config.tensor_device),
+        num_ubatches=opts.num_ubatches, mode=mode, timeout_s=opts.timeout_s,
     )
     if config.tensor_device == "meta":
         match, diff = True, 0.0  # shapes only: there are no values to compare

@@ -31,6 +31,7 @@ projection (`torch._grouped_mm`), as engines run them.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -160,8 +161,6 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
             if _GROUPED_MM_OK.get(kind) or a.is_meta:  # meta has no group sizes to read
                 raise
             _GROUPED_MM_OK[kind] = False
-            import sys
-
             print(
                 f"scenarios.model: torch._grouped_mm unavailable for {kind[1]} on {kind[0]} "
                 f"({error}); one mm per expert",
@@ -209,6 +208,126 @@ class Batch:
         )
 
 
+class _Weights:
+    """Where and how a model's tensors are made: random values on CPU or GPU (a fixed seed, in
+    a fixed draw order), empty ones on `meta`, FP8 weights only in shapes-only runs."""
+
+    def __init__(self, config: ModelConfig, seed: int) -> None:
+        self.dev, self.dt = config.tensor_device, config.dtype
+        self.meta = self.dev == "meta"
+        self.on_gpu = self.dev.startswith("cuda")
+        self.gen = torch.Generator().manual_seed(seed)
+        self.cuda_gen = torch.Generator(device=self.dev).manual_seed(seed) if self.on_gpu else None
+        # FP8 weights exist only in shapes-only runs (there is no FP8 GEMM on the CPU).
+        fp8 = config.weight_dtype is not None and self.meta
+        self.wdt = config.weight_dtype if fp8 else self.dt
+
+    @property
+    def fp8(self) -> bool:
+        return self.wdt != self.dt
+
+    def weight(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dt
+        if self.meta:
+            return torch.empty(shape, device="meta", dtype=dtype)
+        if self.cuda_gen is not None:  # made on the GPU: a CPU randn of GBs of weights is slow
+            w = torch.randn(
+                shape, generator=self.cuda_gen, device=self.dev, dtype=torch.float32
+            )
+            return (w / math.sqrt(shape[-1] if len(shape) > 2 else shape[0])).to(dtype)
+        w = torch.randn(shape, generator=self.gen, dtype=torch.float64)
+        return (w / math.sqrt(shape[0])).to(dtype)
+
+    def linear(self, n_in: int, n_out: int) -> torch.Tensor:
+        if self.fp8:  # stored (out, in), used transposed, as an FP8 GEMM wants it
+            return torch.empty(n_out, n_in, device="meta", dtype=self.wdt).t()
+        return self.weight(n_in, n_out)
+
+    def cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A KV cache's prior context: random values (zeros on meta)."""
+        if self.meta:
+            return torch.zeros(shape, device=self.dev, dtype=self.dt)
+        if self.on_gpu:
+            w = torch.randn(shape, generator=self.cuda_gen, device=self.dev, dtype=torch.float32)
+            return w.to(self.dt)
+        return torch.randn(shape, generator=self.gen, dtype=torch.float64).to(self.dt)
+
+
+def _mla_weights(c: ModelConfig, make: _Weights) -> dict[str, torch.Tensor]:
+    h, dq = c.num_heads, c.qk_nope_dim + c.qk_rope_dim
+    q_in = c.q_lora_rank or c.hidden
+    layer = {
+        "wq_b": make.linear(q_in, h * dq),
+        "wkv_a": make.linear(c.hidden, c.kv_lora_rank + c.qk_rope_dim),
+        "wkv_b": make.linear(c.kv_lora_rank, h * (c.qk_nope_dim + c.v_head_dim)),
+        # wkv_b split per head for the absorbed (decode) form, in the activations' dtype as
+        # engines keep them (BF16 batched GEMMs); views of wkv_b below when the weights hold
+        # values
+        "w_uk": make.weight(h, c.qk_nope_dim, c.kv_lora_rank),
+        "w_uv": make.weight(h, c.kv_lora_rank, c.v_head_dim),
+        "wo": make.linear(h * c.v_head_dim, c.hidden),
+    }
+    if not make.fp8:
+        # Real values: W_UK and W_UV are W_KV_B's own slices, so the absorbed (decode) and
+        # expanded (prefill) forms compute the same attention.
+        kv_b = layer["wkv_b"].view(c.kv_lora_rank, h, c.qk_nope_dim + c.v_head_dim)
+        layer["w_uk"] = kv_b[:, :, : c.qk_nope_dim].permute(1, 2, 0)
+        layer["w_uv"] = kv_b[:, :, c.qk_nope_dim :].transpose(0, 1)
+    if c.q_lora_rank:
+        layer["wq_a"] = make.linear(c.hidden, c.q_lora_rank)
+    return layer
+
+
+def _attention_weights(c: ModelConfig, make: _Weights) -> dict[str, torch.Tensor]:
+    if c.attention == "mla":
+        return _mla_weights(c, make)
+    qkv = c.num_heads * c.head_dim
+    return {"wqkv": make.weight(c.hidden, 3 * qkv), "wo": make.weight(qkv, c.hidden)}
+
+
+def _moe_weights(c: ModelConfig, make: _Weights) -> dict[str, torch.Tensor]:
+    layer = {"router": make.weight(c.hidden, c.num_experts)}
+    if c.num_shared_experts:
+        shared = c.num_shared_experts * c.moe_inter
+        layer["ws_gate_up"] = make.linear(c.hidden, 2 * shared)
+        layer["ws_down"] = make.linear(shared, c.hidden)
+    if make.meta:
+        # One grouped GEMM per projection over one EP rank's experts.
+        layer["w1"] = make.weight(c.local_experts, c.hidden, 2 * c.moe_inter, dtype=make.wdt)
+        layer["w2"] = make.weight(c.local_experts, c.moe_inter, c.hidden, dtype=make.wdt)
+    elif make.on_gpu:
+        # Every expert in this process; (experts, in, out) views of (experts, out, in)
+        # storage, the column-major operand grouped GEMM kernels take.
+        layer["w1"] = make.weight(c.num_experts, 2 * c.moe_inter, c.hidden).transpose(1, 2)
+        layer["w2"] = make.weight(c.num_experts, c.hidden, c.moe_inter).transpose(1, 2)
+    else:
+        experts = range(c.num_experts)
+        layer["w1"] = torch.stack([make.weight(c.hidden, 2 * c.moe_inter) for _ in experts])
+        layer["w2"] = torch.stack([make.weight(c.moe_inter, c.hidden) for _ in experts])
+    return layer
+
+
+def _layer_weights(c: ModelConfig, make: _Weights, index: int) -> dict[str, torch.Tensor]:
+    """Layer `index`: attention, then a dense MLP (the first num_dense_layers) or the MoE."""
+    layer = _attention_weights(c, make)
+    if index < c.num_dense_layers:
+        layer["w_gate_up"] = make.linear(c.hidden, 2 * c.dense_inter)
+        layer["w_down"] = make.linear(c.dense_inter, c.hidden)
+    else:
+        layer.update(_moe_weights(c, make))
+    return layer
+
+
+def _context_offsets(batch: Batch) -> tuple[list[int], int]:
+    """Where each request's KV rows start (its context, then this step's tokens), and the
+    cache length."""
+    offsets, off = [], 0
+    for r in range(len(batch.context_lens)):
+        offsets.append(off)
+        off += batch.context_lens[r] + batch.query_start_loc[r + 1] - batch.query_start_loc[r]
+    return offsets, off
+
+
 class MoEModel:
     """Weights, a KV cache for one step, and `forward` for any token range of the batch."""
 
@@ -216,88 +335,15 @@ class MoEModel:
         self.config = config
         self.batch = batch
         c = config
-        dev, dt = c.tensor_device, c.dtype
-        gen = torch.Generator().manual_seed(seed)
-
-        on_gpu = dev.startswith("cuda")
-        cuda_gen = torch.Generator(device=dev).manual_seed(seed) if on_gpu else None
-        # FP8 weights exist only in shapes-only runs (there is no FP8 GEMM on the CPU).
-        wdt = c.weight_dtype if (c.weight_dtype is not None and dev == "meta") else dt
-
-        def weight(*shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-            if dev == "meta":
-                return torch.empty(shape, device="meta", dtype=dtype or dt)
-            if cuda_gen is not None:  # made on the GPU: a CPU randn of GBs of weights is slow
-                w = torch.randn(shape, generator=cuda_gen, device=dev, dtype=torch.float32)
-                return (w / math.sqrt(shape[-1] if len(shape) > 2 else shape[0])).to(dtype or dt)
-            return (torch.randn(shape, generator=gen, dtype=torch.float64) / math.sqrt(shape[0])).to(dtype or dt)
-
-        def linear(n_in: int, n_out: int) -> torch.Tensor:
-            if wdt != dt:  # FP8: stored (out, in), used transposed, as an FP8 GEMM wants it
-                return torch.empty(n_out, n_in, device="meta", dtype=wdt).t()
-            return weight(n_in, n_out)
-
-        qkv = c.num_heads * c.head_dim
-        self.layers = []
-        for index in range(c.num_layers):
-            if c.attention == "mla":
-                h, dq = c.num_heads, c.qk_nope_dim + c.qk_rope_dim
-                q_in = c.q_lora_rank or c.hidden
-                layer = {
-                    "wq_b": linear(q_in, h * dq),
-                    "wkv_a": linear(c.hidden, c.kv_lora_rank + c.qk_rope_dim),
-                    "wkv_b": linear(c.kv_lora_rank, h * (c.qk_nope_dim + c.v_head_dim)),
-                    # wkv_b split per head for the absorbed (decode) form, in the activations'
-                    # dtype as engines keep them (BF16 batched GEMMs); views of wkv_b below
-                    # when the weights hold values
-                    "w_uk": weight(h, c.qk_nope_dim, c.kv_lora_rank),
-                    "w_uv": weight(h, c.kv_lora_rank, c.v_head_dim),
-                    "wo": linear(h * c.v_head_dim, c.hidden),
-                }
-                if wdt == dt:
-                    # Real values: W_UK and W_UV are W_KV_B's own slices, so the absorbed
-                    # (decode) and expanded (prefill) forms compute the same attention.
-                    kv_b = layer["wkv_b"].view(c.kv_lora_rank, h, c.qk_nope_dim + c.v_head_dim)
-                    layer["w_uk"] = kv_b[:, :, : c.qk_nope_dim].permute(1, 2, 0)
-                    layer["w_uv"] = kv_b[:, :, c.qk_nope_dim :].transpose(0, 1)
-                if c.q_lora_rank:
-                    layer["wq_a"] = linear(c.hidden, c.q_lora_rank)
-            else:
-                layer = {"wqkv": weight(c.hidden, 3 * qkv), "wo": weight(qkv, c.hidden)}
-            if index < c.num_dense_layers:
-                layer["w_gate_up"] = linear(c.hidden, 2 * c.dense_inter)
-                layer["w_down"] = linear(c.dense_inter, c.hidden)
-                self.layers.append(layer)
-                continue
-            layer["router"] = weight(c.hidden, c.num_experts)
-            if c.num_shared_experts:
-                shared = c.num_shared_experts * c.moe_inter
-                layer["ws_gate_up"] = linear(c.hidden, 2 * shared)
-                layer["ws_down"] = linear(shared, c.hidden)
-            if dev == "meta":
-                # One grouped GEMM per projection over one EP rank's experts.
-                layer["w1"] = weight(c.local_experts, c.hidden, 2 * c.moe_inter, dtype=wdt)
-                layer["w2"] = weight(c.local_experts, c.moe_inter, c.hidden, dtype=wdt)
-            elif on_gpu:
-                # Every expert in this process; (experts, in, out) views of (experts, out, in)
-                # storage, the column-major operand grouped GEMM kernels take.
-                layer["w1"] = weight(c.num_experts, 2 * c.moe_inter, c.hidden).transpose(1, 2)
-                layer["w2"] = weight(c.num_experts, c.hidden, c.moe_inter).transpose(1, 2)
-            else:
-                layer["w1"] = torch.stack([weight(c.hidden, 2 * c.moe_inter) for _ in range(c.num_experts)])
-                layer["w2"] = torch.stack([weight(c.moe_inter, c.hidden) for _ in range(c.num_experts)])
-            self.layers.append(layer)
+        make = _Weights(config, seed)
+        self.layers = [_layer_weights(c, make, index) for index in range(c.num_layers)]
+        dev = c.tensor_device
         self._unit_scale = torch.ones((), device=dev, dtype=torch.float32)  # FP8 GEMM scales
         self._expert_ids = torch.arange(c.num_experts, device=dev)
         # KV cache per layer: the context of every request, then this step's tokens. Ubatch k
         # writes its tokens' K/V before ubatch k+1 attends in the same layer (ring order), so a
         # request cut by a ubatch boundary sees the same keys as in the serial run.
-        self.context_offset = []
-        off = 0
-        for r in range(len(batch.context_lens)):
-            self.context_offset.append(off)
-            off += batch.context_lens[r] + batch.query_start_loc[r + 1] - batch.query_start_loc[r]
-        self.kv_len = off
+        self.context_offset, self.kv_len = _context_offsets(batch)
         # MHA caches K and V per head; MLA caches one latent (kv_lora_rank) plus one rope key
         # per token, shared by every head.
         kv_shape = (
@@ -305,14 +351,7 @@ class MoEModel:
             if c.attention == "mla"
             else (2, self.kv_len, c.num_heads, c.head_dim)
         )
-        self.kv = [
-            torch.zeros(kv_shape, device=dev, dtype=dt)
-            if dev == "meta"
-            else torch.randn(kv_shape, generator=cuda_gen, device=dev, dtype=torch.float32).to(dt)
-            if on_gpu
-            else torch.randn(kv_shape, generator=gen, dtype=torch.float64).to(dt)
-            for _ in range(c.num_layers)
-        ]
+        self.kv = [make.cache(kv_shape) for _ in range(c.num_layers)]
         # token -> request, for the attention masks (host-side metadata, as an engine has)
         q = batch.query_start_loc
         self.token_request = [r for r in range(len(q) - 1) for _ in range(q[r + 1] - q[r])]

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from scenarios.tools.bench import BENCHMARKS
 from scenarios.cli import main
+from scenarios.tools.bench import BENCHMARKS, Figure, Stats
 
 # Figures that carry the project's targets; a quick run must report each of them.
 TARGETED = (
@@ -35,7 +35,9 @@ def test_bench_quick_writes_every_benchmark(tmp_path, capsys):
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
 
     doc = json.loads((tmp_path / "bench.json").read_text(), parse_constant=_no_constants)
-    assert {"schema", "date", "quick", "machine", "plan", "seconds", "benchmarks", "figures", "summary"} <= set(doc)
+    assert {
+        "schema", "date", "quick", "machine", "plan", "seconds", "benchmarks", "figures", "summary"
+    } <= set(doc)
     assert doc["quick"] is True
     assert {"platform", "cpu_count", "python", "torch"} <= set(doc["machine"])
 
@@ -63,14 +65,15 @@ def test_bench_quick_writes_every_benchmark(tmp_path, capsys):
 
 
 def test_seed_baseline_lays_out_the_same_views_as_the_workspace_manager():
-    from scenarios.tools.bench import SeedWorkspace, _request
+    from scenarios.tools.bench.baselines import SeedWorkspace, _request
     from workspace import WorkspaceManager
 
     request = _request(8)
     ours = WorkspaceManager("cpu", 2).get_simultaneous(*request)
     seed = SeedWorkspace("cpu", 2).get_simultaneous(*request)
     assert [(v.shape, v.dtype) for v in ours] == [(v.shape, v.dtype) for v in seed]
-    assert [v.data_ptr() - ours[0].data_ptr() for v in ours] == [v.data_ptr() - seed[0].data_ptr() for v in seed]
+    offsets = [v.data_ptr() - ours[0].data_ptr() for v in ours]
+    assert offsets == [v.data_ptr() - seed[0].data_ptr() for v in seed]
 
 
 def test_seed_baseline_grows_every_slot_and_refuses_growth_when_locked():
@@ -87,7 +90,7 @@ def test_seed_baseline_grows_every_slot_and_refuses_growth_when_locked():
 
 def test_the_storage_allocation_counter_sees_an_allocation():
     # The zero-allocation figure means something only if the counter can count.
-    from scenarios.tools.bench import _storage_allocations
+    from scenarios.tools.bench.workspace import _storage_allocations
 
     assert _storage_allocations(lambda: torch.empty(1 << 16)) >= 1
     x = torch.zeros(16)
@@ -110,3 +113,59 @@ def test_a_paired_ratio_is_the_median_of_per_repetition_ratios():
     )
     assert not speedup.paired and speedup.ratio == 5.0 and speedup.met is True
     assert Figure(bench="x", name="z", what="z", unit="count", ours=Stats.exact(0)).met is None
+
+
+def test_a_benchmark_name_registered_twice_is_refused():
+    from scenarios.tools.bench.registry import benchmark
+
+    with pytest.raises(ValueError, match="registered twice"):
+        benchmark("baton")(lambda plan: [])
+
+
+def test_a_benchmark_returning_a_figure_of_another_name_is_refused():
+    from scenarios.tools.bench import QUICK
+    from scenarios.tools.bench.registry import Benchmark
+
+    stray = Figure(bench="elsewhere", name="x", what="x", unit="count", ours=Stats.exact(0))
+    with pytest.raises(RuntimeError, match="elsewhere"):
+        Benchmark("mine", ("mine",), lambda plan: [stray])(QUICK)
+
+
+def test_every_benchmark_is_registered_once_in_run_order():
+    from scenarios.tools.bench.registry import registered
+
+    assert [n for b in registered() for n in b.names] == list(BENCHMARKS)
+    assert BENCHMARKS[0].startswith("workspace.") and BENCHMARKS[-1].startswith("scaling.")
+
+
+_AFFINITY = pytest.mark.skipif(
+    not hasattr(__import__("os"), "sched_setaffinity"), reason="no thread affinity here"
+)
+
+
+@_AFFINITY
+@pytest.mark.timeout(30)
+def test_pinning_runs_the_calling_thread_on_one_cpu_and_gives_its_cpus_back():
+    import os
+
+    from scenarios.tools.bench.baton import _one_core_cpu, _pinned
+
+    everywhere = os.sched_getaffinity(0)
+    with _pinned(_one_core_cpu()):
+        inside = os.sched_getaffinity(0)
+    assert inside == {min(everywhere)}
+    assert os.sched_getaffinity(0) == everywhere
+
+
+@_AFFINITY
+@pytest.mark.timeout(30)
+def test_a_one_core_baton_sample_leaves_the_pooled_ubatch_threads_unpinned():
+    import os
+
+    import dbo
+    from scenarios.tools.bench.baselines import _NullDevice
+    from scenarios.tools.bench.baton import _dbo_pingpong, _one_core_cpu
+
+    assert _dbo_pingpong(_NullDevice(), 3, _one_core_cpu())() > 0
+    after = dbo.run_ubatches(lambda _: os.sched_getaffinity(0), [None, None], device=_NullDevice())
+    assert after == [os.sched_getaffinity(0)] * 2

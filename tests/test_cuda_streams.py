@@ -13,7 +13,8 @@ import torch
 
 import dbo
 from dbo.sim import SimDevice
-from dbo.streams import CudaDevice, resolve_device
+from dbo.devices import resolve_device
+from dbo.streams import CudaDevice
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -99,7 +99,8 @@ def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
     import torch.distributed as dist
 
     from dbo.comm import EPGroup, use_ep_group
-    from scenarios.distributed import RANK_SCENARIOS, run_rank_step
+    from scenarios.distributed import run_rank_step
+    from scenarios.registry import SCENARIOS
     from scenarios.model import Batch, MoEModel, preset
 
     rank = env.rank
@@ -114,9 +115,9 @@ def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
 
     ep = EPGroup(env.group, num_experts=E, store=env.store, timeout_s=30)
     out["comm"] = _comm_round_trip(ep, rank, lambda r: 13 + 5 * r)
-    out["moe-prefill-ht"] = RANK_SCENARIOS["moe-prefill-ht"](env, opts)
-    out["moe-decode-ll"] = RANK_SCENARIOS["moe-decode-ll"](env, opts)
-    out["dp-disagreement"] = RANK_SCENARIOS["dp-disagreement"](env, opts)
+    out["moe-prefill-ht"] = SCENARIOS["moe-prefill-ht"].rank(env, opts)
+    out["moe-decode-ll"] = SCENARIOS["moe-decode-ll"].rank(env, opts)
+    out["dp-disagreement"] = SCENARIOS["dp-disagreement"].rank(env, opts)
     out["ep_size 3 of 2"] = _attempt(lambda: EPGroup(env.group, num_experts=6, ep_size=3))
 
     # Bad routing on rank 1: every rank raises, and the group still works afterwards.
@@ -162,11 +163,11 @@ def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
 
 def _worker_four(env: Any, opts: RunOptions) -> dict[str, Any]:
     from dbo.comm import EPGroup
-    from scenarios.distributed import RANK_SCENARIOS
+    from scenarios.registry import SCENARIOS
 
     out: dict[str, Any] = {}
-    out["moe-prefill-ht"] = RANK_SCENARIOS["moe-prefill-ht"](env, opts)
-    out["dp-disagreement"] = RANK_SCENARIOS["dp-disagreement"](env, opts)
+    out["moe-prefill-ht"] = SCENARIOS["moe-prefill-ht"].rank(env, opts)
+    out["dp-disagreement"] = SCENARIOS["dp-disagreement"].rank(env, opts)
     # DP 2 x EP 2: ranks {0, 1} and {2, 3} each form an EP group of their own.
     ep = EPGroup(env.group, num_experts=E, ep_size=2, store=env.store, timeout_s=30)
     out["ep2 members"] = ep.global_ranks

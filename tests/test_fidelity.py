@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dbo.sim import H800, SimDevice
-from dbo.sim.cost import aliased_input_bytes, comm_time_us, flop_formula, node_dedup_share
+from dbo.sim.cost import aliased_input_bytes, flop_formula, node_dedup_share
 from scenarios.tools import fidelity, gpu_check
 from scenarios.catalog import TINY_DECODE, TINY_PREFILL
 from scenarios.cli import main as cli_main

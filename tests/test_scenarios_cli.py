@@ -281,7 +281,7 @@ def test_a_positive_scenario_fails_if_its_measured_step_allocates(capsys, monkey
 
 
 def test_locked_growth_scenario_fails_if_lock_does_not_hold(capsys, monkeypatch):
-    monkeypatch.setattr("scenarios.harness.lock_workspace", lambda: None)
+    monkeypatch.setattr("scenarios.steps.lock_workspace", lambda: None)
     code, (report,) = _run_json(capsys, "locked-growth", "--no-artifacts")
     assert code == 1 and report["passed"] is False
 

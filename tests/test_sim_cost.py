@@ -284,7 +284,7 @@ def test_deepseek_v3_model_step_on_meta_allocates_no_tensor_memory() -> None:
     """The model's own forward (MLA, dense and MoE layers, FP8 linears, LL dispatch/combine)
     on the simulated device with meta tensors: gigabytes of placed traffic, and no CPU
     allocation larger than the 8-byte scalars torch wraps Python numbers in."""
-    from dbo.streams import use_device
+    from dbo.devices import use_device
     from scenarios.model import Batch, MoEModel, preset
     from workspace import init_workspace_manager, reset_workspace_manager
 

@@ -23,7 +23,7 @@ def test_default_device_is_sim_h200() -> None:
     device = SimDevice()
     assert device.kind == "sim" and device.profile is H200
     assert device.torch_device == torch.device("cpu")
-    assert isinstance(dbo.streams.resolve_device("sim"), SimDevice)
+    assert isinstance(dbo.devices.resolve_device("sim"), SimDevice)
 
 
 def test_two_streams_overlap_without_wait() -> None:

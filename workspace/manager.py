@@ -77,6 +77,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 
+from dbo._checks import as_int
 from dbo.ubatching import dbo_current_ubatch_id as _current_ubatch_id
 
 from .buffers import BufferLedger, storage_ref
@@ -124,18 +125,7 @@ def _resolve_device(device: Any) -> torch.device:
 def _check_num_ubatches(num_ubatches: Any) -> int:
     if num_ubatches is None:
         return 1
-    if isinstance(num_ubatches, bool):
-        raise TypeError(f"num_ubatches must be an int >= 1 or None, got bool {num_ubatches!r}")
-    try:
-        value = operator.index(num_ubatches)
-    except TypeError:
-        raise TypeError(
-            f"num_ubatches must be an int >= 1 or None, got "
-            f"{type(num_ubatches).__name__} {num_ubatches!r}"
-        ) from None
-    if value < 1:
-        raise ValueError(f"num_ubatches must be >= 1, got {value}")
-    return value
+    return as_int("num_ubatches (or None)", num_ubatches, minimum=1)
 
 
 def _check_num_lanes(num_lanes: Any) -> int:

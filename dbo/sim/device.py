@@ -55,6 +55,7 @@ from dbo.sim.cost import (
 )
 from dbo.sim.hardware import HardwareProfile, profile_from_name
 from dbo.sim.races import RaceChecker, RaceReport, user_stack
+from dbo.sim.ranges import device_scope
 from dbo.sim.records import (
     COMM,
     COMPUTE,
@@ -350,6 +351,7 @@ class SimDevice(Device):
                 from dbo.sim.intercept import enter_modes
 
                 tls.modes = ExitStack()
+                tls.modes.enter_context(device_scope(self))
                 enter_modes(self, tls.modes)
             yield
         finally:

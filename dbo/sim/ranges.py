@@ -13,13 +13,14 @@ range instead of calling NVTX (a CPU build has none); every other thread calls t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dbo.sim.records import HostRange
-from dbo.streams import current_device
 
 if TYPE_CHECKING:
     from dbo.sim.device import SimDevice
@@ -74,12 +75,23 @@ def close_range(device: SimDevice) -> None:
         device.host_ranges.append(HostRange(device.rank, ubatch, name, start, end, source))
 
 
+# The simulated device whose scope (`SimDevice.thread_scope`) the calling thread is in.
+_IN_SCOPE = threading.local()
+
+
+@contextmanager
+def device_scope(device: SimDevice) -> Iterator[None]:
+    """Mark the calling thread as working inside `device`'s scope (NVTX calls record ranges)."""
+    previous = getattr(_IN_SCOPE, "device", None)
+    _IN_SCOPE.device = device
+    try:
+        yield
+    finally:
+        _IN_SCOPE.device = previous
+
+
 def _sim_device_in_scope() -> SimDevice | None:
-    from_thread = current_device()
-    state = getattr(from_thread, "_state", None)
-    if state is None or getattr(state(), "modes", None) is None:
-        return None  # not a simulated device, or this thread is outside its scope
-    return from_thread  # type: ignore[return-value]
+    return getattr(_IN_SCOPE, "device", None)
 
 
 def _wrap_push(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 import dbo
-from dbo.streams import Device, resolve_device
+from dbo.devices import resolve_device
+from dbo.streams import Device
 
 NO_GPU_MESSAGE = "no CUDA GPU present: nothing to measure (`--device sim` measures the handoff alone)"
 

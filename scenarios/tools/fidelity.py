@@ -38,14 +38,14 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-import dbo
+from dbo._json import json_safe
 from dbo.sim import SimDevice
 from dbo.sim.cost import GEMM_OPS, comm_time_us, node_dedup_share
-from dbo.sim.hardware import H100, H200, H800, HardwareProfile, profile_from_name
+from dbo.sim.hardware import H100, H200, H800, HardwareProfile
 from dbo.sim.records import COMM, COMPUTE, OpRecord
 from dbo.sim.report import summarize
-from dbo.split import split_batch
 from scenarios.model import Batch, ModelConfig, MoEModel, preset
+from scenarios.steps import serial_step, ubatched_step
 from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
 
 __all__ = [
@@ -136,10 +136,7 @@ class FidelityRow:
         return self.met and not self.calibration
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k, v in d.items():
-            if isinstance(v, float) and not math.isfinite(v):
-                d[k] = None
+        d = json_safe(asdict(self))
         d["hit"] = self.hit
         return d
 
@@ -344,30 +341,17 @@ def simulate_step(
     init_workspace_manager(device.torch_device, num_ubatches or 1)
     try:
         if num_ubatches is None:
-
-            def step(capture: Any = None) -> None:
-                with dbo.use_device(device), device.thread_scope(None):
-                    model.forward(x, None, mode=mode)
-
+            step = serial_step(model, x, device, mode=mode)
         else:
-            slices = split_batch(batch.query_start_loc, batch.num_tokens, num_ubatches)
-
-            def step(capture: Any = None) -> None:
-                dbo.run_ubatches(
-                    lambda s: model.forward(x[s.token_slice], s, mode=mode),
-                    slices, device=device, timeout=timeout_s, graph=capture,
-                )  # fmt: skip
-
+            step = ubatched_step(
+                model, x, device, mode=mode, num_ubatches=num_ubatches, timeout_s=timeout_s
+            )
         step()  # warm-up: the workspace grows to its largest need
         lock_workspace()
         device.synchronize()
         if graph:
             g = device.graph()
-            if num_ubatches is None:
-                with g:
-                    step()
-            else:
-                step(g)
+            step.capture(g)
             device.synchronize()
             device.reset()
             g.replay()

@@ -56,9 +56,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 import dbo
-from dbo.split import split_batch
 from scenarios.tools.fidelity import simulate_step
 from scenarios.model import Batch, ModelConfig, MoEModel
+from scenarios.steps import serial_step, ubatched_step
 from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
 
 __all__ = ["CheckCase", "Timing", "CaseResult", "cases", "simulate_case", "measure_case", "virtual_timer", "format_case", "main"]
@@ -244,17 +244,11 @@ def measure_case(case: CheckCase, *, reps: int, warmup: int, device: Any = None,
     timer = _time_us if timer is None else timer
     model = MoEModel(case.config, case.batch)
     x = model.inputs()
-    slices = split_batch(case.batch.query_start_loc, case.batch.num_tokens, 2)
+    serial = serial_step(model, x, device, mode=case.mode)
+    ubatched = ubatched_step(model, x, device, mode=case.mode, num_ubatches=2)
     reset_workspace_manager()
     init_workspace_manager(device.torch_device, 2)
     timings = {v: Timing() for v in VARIANTS}
-
-    def serial() -> None:
-        with dbo.use_device(device), device.thread_scope(None):
-            model.forward(x, None, mode=case.mode)
-
-    def ubatched(graph: Any = None) -> None:
-        dbo.run_ubatches(lambda s: model.forward(x[s.token_slice], s, mode=case.mode), slices, device=device, graph=graph)
 
     try:
         for _ in range(max(warmup, 1)):

@@ -1,8 +1,8 @@
 """Concurrent slot access: many ubatch threads hammer the workspace while another locks and unlocks.
 
-Threads register themselves as ubatches directly in `dbo.ubatching._THREAD_ID_TO_CONTEXT` and
-call the workspace without the runtime's baton, which is harsher than DBO (where one thread
-runs at a time). The checks are invariants, not "no exception":
+Threads act as ubatches (`workspace.testing.as_ubatch`) and call the workspace without the
+runtime's baton, which is harsher than DBO (where one thread runs at a time). The checks are
+invariants, not "no exception":
 - every view lies wholly inside the buffer that was its own thread's slot when it was returned;
 - no returned view overlaps a buffer that belonged to another slot;
 - after every growth all slots have equal capacity;
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dbo import ubatching
 from workspace import WorkspaceLockedError, WorkspaceManager
+from workspace.testing import as_ubatch, watch_allocations
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.uint8, torch.int64, torch.float64)
 _STOP_JOIN_S = 5.0  # a stopped worker ends within one iteration; longer than this is a hang
@@ -69,105 +69,139 @@ def run_stress(
     done (every 50, and at the end)."""
     if threads < 1 or iterations < 1:
         raise ValueError(f"threads and iterations must be >= 1, got {threads} and {iterations}")
-    manager = WorkspaceManager("cpu", num_ubatches=threads)
-    report = StressReport(threads, iterations)
-    record_lock = threading.Lock()
-    locked_window = threading.Event()  # set while the locker holds the manager locked
-    allocations_while_locked = [0]
-    original_allocate = manager._allocate
+    run = _StressRun(threads, iterations, seed, on_progress)
+    with watch_allocations(run.manager, run.on_allocate):
+        run.start_and_join(deadline_s)
+    run.check_final_state()
+    return run.report
 
-    def allocate(nbytes: int) -> torch.Tensor:
-        if manager.is_locked():
-            allocations_while_locked[0] += 1
-        buffer = original_allocate(nbytes)
-        with record_lock:
-            report.growths += 1
-        return buffer
 
-    manager._allocate = allocate  # type: ignore[method-assign]
-    stop = threading.Event()
-    done = [0]
-    finished = [0] * threads  # iterations each worker completed
+class _StressRun:
+    """One stress run's shared state: the manager, the report, and the threads' signals."""
 
-    def worker(slot: int) -> None:
-        ubatching._THREAD_ID_TO_CONTEXT[threading.get_ident()] = slot
-        rng = random.Random(seed * 1000 + slot)
-        try:
-            for i in range(iterations):
-                finished[slot] = i
-                if stop.is_set():
-                    return
-                pairs = [
-                    (tuple(rng.randint(0, 24) for _ in range(rng.randint(1, 3))), rng.choice(_DTYPES))
-                    for _ in range(rng.randint(1, 4))
-                ]
-                if rng.random() < 0.02:  # now and then a request large enough to force growth
-                    pairs.append(((rng.randint(1, 64) * 1024,), torch.uint8))
-                try:
-                    views = manager.get_simultaneous(*pairs)
-                except WorkspaceLockedError:
-                    with record_lock:
-                        report.locked_refusals += 1
-                    continue
-                _check_views(manager, slot, pairs, views, report, record_lock)
-                with record_lock:
-                    report.requests += 1
-                if on_progress is not None and slot == 0 and ((i + 1) % 50 == 0 or i + 1 == iterations):
-                    on_progress(i + 1)  # iterations slot 0 has completed
-            finished[slot] = iterations
-        finally:
-            ubatching._THREAD_ID_TO_CONTEXT.pop(threading.get_ident(), None)
-            with record_lock:
-                done[0] += 1
+    def __init__(
+        self,
+        threads: int,
+        iterations: int,
+        seed: int,
+        on_progress: Callable[[int], None] | None,
+    ) -> None:
+        self.threads, self.iterations, self.seed = threads, iterations, seed
+        self.on_progress = on_progress
+        self.manager = WorkspaceManager("cpu", num_ubatches=threads)
+        self.report = StressReport(threads, iterations)
+        self.record_lock = threading.Lock()
+        self.stop = threading.Event()
+        self.done = 0
+        self.finished = [0] * threads  # iterations each worker completed
+        self.allocations_while_locked = 0
 
-    def locker() -> None:
-        rng = random.Random(seed)
-        while not stop.is_set() and done[0] < threads:
-            manager.lock()
-            locked_window.set()
-            time.sleep(rng.uniform(0.0005, 0.002))
-            locked_window.clear()
-            manager.unlock()
-            report.lock_cycles += 1
-            time.sleep(rng.uniform(0.0005, 0.002))
+    def on_allocate(self, nbytes: int) -> None:
+        with self.record_lock:
+            self.allocations_while_locked += self.manager.is_locked()
+            self.report.growths += 1
 
-    start = time.monotonic()
-    workers = [
-        threading.Thread(target=worker, args=(k,), daemon=True, name=f"stress-{k}") for k in range(threads)
-    ]
-    lock_thread = threading.Thread(target=locker, daemon=True, name="stress-locker")
-    for t in workers:
-        t.start()
-    lock_thread.start()
-    try:
+    # -- the threads -------------------------------------------------------------------------
+
+    def start_and_join(self, deadline_s: float) -> None:
+        start = time.monotonic()
+        workers = [
+            threading.Thread(target=self.worker, args=(k,), daemon=True, name=f"stress-{k}")
+            for k in range(self.threads)
+        ]
+        lock_thread = threading.Thread(target=self.locker, daemon=True, name="stress-locker")
         for t in workers:
-            # Short joins: an interrupt is noticed at once, whichever thread took the signal.
-            while t.is_alive() and time.monotonic() - start < deadline_s:
-                t.join(min(0.1, max(deadline_s - (time.monotonic() - start), 0.0)))
-        report.cut_short = any(t.is_alive() for t in workers)
-    finally:
-        # Also on Ctrl-C: every worker stops at its next iteration and is joined, so none is
-        # inside torch when the interpreter exits (a daemon thread there aborts the process).
-        stop.set()
-        for t in [*workers, lock_thread]:
-            t.join(_STOP_JOIN_S)
-    report.hung_threads = sum(t.is_alive() for t in workers) + int(lock_thread.is_alive())
-    report.iterations_done = sum(finished)
-    report.seconds = time.monotonic() - start
-    manager.unlock()
-    if allocations_while_locked[0]:
-        report.violations.append(f"{allocations_while_locked[0]} slot allocation(s) while locked")
-    caps = manager.slot_capacities()
-    report.final_capacities = caps
-    if len(set(caps)) != 1:
-        report.violations.append(f"slots unequal at the end: {caps}")
-    for growth in manager.growth_history():
-        if growth.num_slots != threads:
+            t.start()
+        lock_thread.start()
+        try:
+            for t in workers:
+                # Short joins: an interrupt is noticed at once, whichever thread took the signal.
+                while t.is_alive() and time.monotonic() - start < deadline_s:
+                    t.join(min(0.1, max(deadline_s - (time.monotonic() - start), 0.0)))
+            self.report.cut_short = any(t.is_alive() for t in workers)
+        finally:
+            # Also on Ctrl-C: every worker stops at its next iteration and is joined, so none is
+            # inside torch when the interpreter exits (a daemon thread there aborts the process).
+            self.stop.set()
+            for t in [*workers, lock_thread]:
+                t.join(_STOP_JOIN_S)
+        alive = sum(t.is_alive() for t in workers) + int(lock_thread.is_alive())
+        self.report.hung_threads = alive
+        self.report.iterations_done = sum(self.finished)
+        self.report.seconds = time.monotonic() - start
+        self.manager.unlock()
+
+    def worker(self, slot: int) -> None:
+        rng = random.Random(self.seed * 1000 + slot)
+        try:
+            with as_ubatch(slot):
+                for i in range(self.iterations):
+                    self.finished[slot] = i
+                    if self.stop.is_set():
+                        return
+                    self._one_request(slot, rng)
+                    if slot == 0:
+                        self._progress(i + 1)
+                self.finished[slot] = self.iterations
+        finally:
+            with self.record_lock:
+                self.done += 1
+
+    def _one_request(self, slot: int, rng: random.Random) -> None:
+        pairs = _random_request(rng)
+        try:
+            views = self.manager.get_simultaneous(*pairs)
+        except WorkspaceLockedError:
+            with self.record_lock:
+                self.report.locked_refusals += 1
+            return
+        _check_views(self.manager, slot, pairs, views, self.report, self.record_lock)
+        with self.record_lock:
+            self.report.requests += 1
+
+    def _progress(self, completed: int) -> None:
+        if self.on_progress is not None and (completed % 50 == 0 or completed == self.iterations):
+            self.on_progress(completed)  # iterations slot 0 has completed
+
+    def locker(self) -> None:
+        rng = random.Random(self.seed)
+        while not self.stop.is_set() and self.done < self.threads:
+            self.manager.lock()
+            time.sleep(rng.uniform(0.0005, 0.002))
+            self.manager.unlock()
+            self.report.lock_cycles += 1
+            time.sleep(rng.uniform(0.0005, 0.002))
+
+    # -- the verdict -------------------------------------------------------------------------
+
+    def check_final_state(self) -> None:
+        report, manager = self.report, self.manager
+        if self.allocations_while_locked:
             report.violations.append(
-                f"a growth from {growth.caller} resized {growth.num_slots} of {threads} slots"
+                f"{self.allocations_while_locked} slot allocation(s) while locked"
             )
-    report.orphaned_bytes_after = manager.orphaned_bytes()
-    return report
+        caps = manager.slot_capacities()
+        report.final_capacities = caps
+        if len(set(caps)) != 1:
+            report.violations.append(f"slots unequal at the end: {caps}")
+        for growth in manager.growth_history():
+            if growth.num_slots != self.threads:
+                report.violations.append(
+                    f"a growth from {growth.caller} resized {growth.num_slots} of "
+                    f"{self.threads} slots"
+                )
+        report.orphaned_bytes_after = manager.orphaned_bytes()
+
+
+def _random_request(rng: random.Random) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """1-4 small random tensors; now and then one large enough to force a growth."""
+    pairs = [
+        (tuple(rng.randint(0, 24) for _ in range(rng.randint(1, 3))), rng.choice(_DTYPES))
+        for _ in range(rng.randint(1, 4))
+    ]
+    if rng.random() < 0.02:
+        pairs.append(((rng.randint(1, 64) * 1024,), torch.uint8))
+    return pairs
 
 
 def _check_views(
@@ -177,16 +211,19 @@ def _check_views(
     # in a former buffer of this slot (an orphan), which `describe_buffer` still identifies.
     others = [b for b in manager.slot_buffers() if b is not None and b.slot != slot]
     problems = []
-    for (shape, dtype), view in zip(pairs, views):
+    for (shape, dtype), view in zip(pairs, views, strict=True):
         if tuple(view.shape) != shape or view.dtype != dtype:
-            problems.append(f"slot {slot}: got {tuple(view.shape)}/{view.dtype} for {shape}/{dtype}")
+            got = f"{tuple(view.shape)}/{view.dtype}"
+            problems.append(f"slot {slot}: got {got} for {shape}/{dtype}")
         if view.numel() == 0:
             continue
         lo = view.data_ptr()
         hi = lo + view.numel() * view.element_size()
         info = manager.describe_buffer(lo)
         if info is None or info.slot != slot:
-            problems.append(f"slot {slot}: view at {lo:#x} is not in a buffer of slot {slot} ({info})")
+            problems.append(
+                f"slot {slot}: view at {lo:#x} is not in a buffer of slot {slot} ({info})"
+            )
         elif hi > info.data_ptr + info.nbytes:
             problems.append(f"slot {slot}: view [{lo:#x}, {hi:#x}) runs past its buffer")
         for other in others:

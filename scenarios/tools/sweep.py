@@ -19,12 +19,12 @@ points it computed.
 from __future__ import annotations
 
 import csv
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO
 
+from dbo._json import finite_or_none
 from scenarios.harness import RunOptions, compare_serial_dbo
 from scenarios.model import Batch, ModelConfig, preset
 
@@ -55,7 +55,7 @@ class SweepPoint:
     def to_dict(self) -> dict[str, float | int | str]:
         """One CSV row (and one `sweep --json` line): the fields and the comm/compute ratio."""
         ratio = self.comm_compute_ratio
-        return {**asdict(self), "comm_compute_ratio": ratio if math.isfinite(ratio) else None}
+        return {**asdict(self), "comm_compute_ratio": finite_or_none(ratio)}
 
 
 def pays_from(points: Sequence[SweepPoint]) -> int | None:

@@ -1,0 +1,78 @@
+"""The one step runner: serial and ubatched steps of the same model agree, a captured step
+replays, and `prepare` leaves a warmed, locked workspace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dbo.sim import SimDevice
+from dbo.split import split_batch
+from scenarios.model import Batch, MoEModel, preset
+from scenarios.steps import prepare, serial_step, ubatched_step
+from workspace import current_workspace_manager, reset_workspace_manager
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_workspace():
+    yield
+    reset_workspace_manager()
+
+
+def _model() -> MoEModel:
+    return MoEModel(preset("tiny"), Batch.decode(16, 8))
+
+
+def test_serial_and_ubatched_steps_give_the_same_output():
+    model = _model()
+    x = model.inputs()
+    serial = serial_step(model, x, SimDevice(), mode="ll")
+    prepare("cpu", 1, [serial])
+    expected = serial.output()
+    model = _model()  # a fresh KV cache
+    ubatched = ubatched_step(model, x, SimDevice(), mode="ll", num_ubatches=2)
+    prepare("cpu", 2, [ubatched])
+    assert ubatched.num_ubatches == 2 and serial.num_ubatches == 1
+    torch.testing.assert_close(ubatched.output(), expected, rtol=0, atol=1e-9)
+
+
+def test_a_step_along_given_slices_runs_one_ubatch_per_slice():
+    model = _model()
+    slices = split_batch(model.batch.query_start_loc, model.batch.num_tokens, 3)
+    step = ubatched_step(model, model.inputs(), SimDevice(), mode="ll", slices=slices)
+    prepare("cpu", 3, [step])
+    outs = step()
+    assert [o.shape[0] for o in outs] == [s.num_tokens for s in slices]
+
+
+@pytest.mark.parametrize("ubatches", [None, 2])
+def test_a_captured_step_replays_its_ops(ubatches):
+    model = _model()
+    device = SimDevice()
+    if ubatches is None:
+        step = serial_step(model, model.inputs(), device, mode="ll")
+    else:
+        step = ubatched_step(model, model.inputs(), device, mode="ll", num_ubatches=ubatches)
+    prepare("cpu", step.num_ubatches, [step])
+    graph = device.graph()
+    step.capture(graph)
+    device.synchronize()
+    device.reset()
+    graph.replay()
+    device.synchronize()
+    assert len(device.timeline) > 0
+
+
+def test_prepare_warms_every_step_then_locks_the_workspace():
+    calls: list[str] = []
+    prepare("cpu", 2, [lambda: calls.append("a"), lambda: calls.append("b")], rounds=2)
+    assert calls == ["a", "b", "a", "b"]
+    assert current_workspace_manager().is_locked()
+
+
+def test_ubatched_step_needs_exactly_one_way_to_split():
+    model = _model()
+    with pytest.raises(ValueError, match="exactly one"):
+        ubatched_step(model, model.inputs(), SimDevice(), mode="ll")
