@@ -64,28 +64,28 @@ def test_bench_quick_writes_every_benchmark(tmp_path, capsys):
 # The measuring instruments themselves (no timing)
 
 
-def test_seed_baseline_lays_out_the_same_views_as_the_workspace_manager():
-    from scenarios.tools.bench.baselines import SeedWorkspace, _request
+def test_per_call_baseline_lays_out_the_same_views_as_the_workspace_manager():
+    from scenarios.tools.bench.baselines import PerCallWorkspace, _request
     from workspace import WorkspaceManager
 
     request = _request(8)
     ours = WorkspaceManager("cpu", 2).get_simultaneous(*request)
-    seed = SeedWorkspace("cpu", 2).get_simultaneous(*request)
-    assert [(v.shape, v.dtype) for v in ours] == [(v.shape, v.dtype) for v in seed]
+    plain = PerCallWorkspace("cpu", 2).get_simultaneous(*request)
+    assert [(v.shape, v.dtype) for v in ours] == [(v.shape, v.dtype) for v in plain]
     offsets = [v.data_ptr() - ours[0].data_ptr() for v in ours]
-    assert offsets == [v.data_ptr() - seed[0].data_ptr() for v in seed]
+    assert offsets == [v.data_ptr() - plain[0].data_ptr() for v in plain]
 
 
-def test_seed_baseline_grows_every_slot_and_refuses_growth_when_locked():
-    from scenarios.tools.bench import SeedWorkspace
+def test_per_call_baseline_grows_every_slot_and_refuses_growth_when_locked():
+    from scenarios.tools.bench import PerCallWorkspace
 
-    seed = SeedWorkspace("cpu", 3)
-    seed.get_simultaneous(((1000,), torch.uint8))
-    assert [s.numel() for s in seed.slots] == [1024, 1024, 1024]
-    seed.locked = True
-    seed.get_simultaneous(((1024,), torch.uint8))  # fits
+    plain = PerCallWorkspace("cpu", 3)
+    plain.get_simultaneous(((1000,), torch.uint8))
+    assert [s.numel() for s in plain.slots] == [1024, 1024, 1024]
+    plain.locked = True
+    plain.get_simultaneous(((1024,), torch.uint8))  # fits
     with pytest.raises(AssertionError, match="locked"):
-        seed.get_simultaneous(((1025,), torch.uint8))
+        plain.get_simultaneous(((1025,), torch.uint8))
 
 
 def test_the_storage_allocation_counter_sees_an_allocation():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scenarios.tools.bench_races import bench_races, main
+from scenarios.tools.bench.races import bench_races, main
 
 
 @pytest.mark.parametrize("list_op", [False, True])

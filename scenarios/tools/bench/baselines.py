@@ -1,4 +1,4 @@
-"""What our code is measured against: the seed's workspace algorithm, the request shapes both
+"""What our code is measured against: the plain per-call workspace algorithm, the request shapes both
 serve, and a device whose streams and events do nothing (the runtime with no simulator)."""
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from dbo.streams import Device, Event, Stream
 from dbo.ubatching import dbo_current_ubatch_id
 
 
-def _seed_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+def _plain_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _seed_round_up(nbytes: int, alignment: int = 256) -> int:
+def _plain_round_up(nbytes: int, alignment: int = 256) -> int:
     return (nbytes + alignment - 1) // alignment * alignment
 
 
-class SeedWorkspace:
-    """The seed's workspace algorithm, as the baseline for get_simultaneous.
+class PerCallWorkspace:
+    """The plain per-call workspace algorithm, as the baseline for get_simultaneous.
 
     Per call: each tensor's byte size (numel x itemsize), each rounded up to 256, their sum,
     the running offsets; the caller's slot by `dbo_current_ubatch_id()`, grown (every slot,
@@ -39,8 +39,8 @@ class SeedWorkspace:
     def get_simultaneous(
         self, *shapes_and_dtypes: tuple[tuple[int, ...], torch.dtype]
     ) -> list[torch.Tensor]:
-        actual = [_seed_nbytes(shape, dtype) for shape, dtype in shapes_and_dtypes]
-        aligned = [_seed_round_up(n) for n in actual]
+        actual = [_plain_nbytes(shape, dtype) for shape, dtype in shapes_and_dtypes]
+        aligned = [_plain_round_up(n) for n in actual]
         offsets = list(accumulate([0] + aligned[:-1]))
         buffer = self._ensure_size(sum(aligned))
         return [
@@ -53,7 +53,7 @@ class SeedWorkspace:
         buffer = self.slots[slot]
         if buffer is None or buffer.numel() < required:
             if self.locked:
-                raise AssertionError(f"seed workspace is locked; {required} bytes requested")
+                raise AssertionError(f"per-call workspace is locked; {required} bytes requested")
             for k, old in enumerate(self.slots):
                 if old is None or old.numel() < required:
                     self.slots[k] = None
@@ -78,7 +78,7 @@ def _request(n: int) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
 
 
 def _request_bytes(request: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    return sum(_seed_round_up(_seed_nbytes(s, d)) for s, d in request)
+    return sum(_plain_round_up(_plain_nbytes(s, d)) for s, d in request)
 
 
 class _NullEvent(Event):

@@ -36,8 +36,8 @@ def bench_scaling_get_simultaneous(plan: Plan) -> list[Figure]:
                 what=f"one locked fitting get_simultaneous call with {n} tensor(s)",
                 unit="ns",
                 ours=stats,
-                baseline=Stats.of(samples["seed"]),
-                baseline_what="SeedWorkspace.get_simultaneous",
+                baseline=Stats.of(samples["per_call"]),
+                baseline_what="PerCallWorkspace.get_simultaneous",
                 ratio_def="baseline/ours",
                 extra={"ours_ns_per_tensor": stats.median / n},
             )

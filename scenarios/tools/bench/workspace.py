@@ -1,4 +1,4 @@
-"""Benchmarks of the WorkspaceManager's hot path against the seed's algorithm: a fitting
+"""Benchmarks of the WorkspaceManager's hot path against the plain per-call algorithm: a fitting
 get_simultaneous, the allocations a locked call makes (none), and growth."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from scenarios.tools.bench.baselines import SeedWorkspace, _request
+from scenarios.tools.bench.baselines import PerCallWorkspace, _request
 from scenarios.tools.bench.figures import Figure, Stats, Target
 from scenarios.tools.bench.registry import Plan, benchmark
 from scenarios.tools.bench.timing import _interleave, _per_call_sampler
@@ -62,19 +62,19 @@ def _get_simultaneous_samples(
     reps: int,
 ) -> dict[str, list[float]]:
     """ns per fitting get_simultaneous(*request) call on a fresh 2-slot CPU WorkspaceManager
-    ("ours") and on SeedWorkspace ("seed"), both warmed up (grown; ours has cached the
+    ("ours") and on PerCallWorkspace ("per_call"), both warmed up (grown; ours has cached the
     request's layout) and optionally locked, sampled interleaved `reps` times."""
     ours = WorkspaceManager("cpu", 2)
-    seed = SeedWorkspace("cpu", 2)
+    plain = PerCallWorkspace("cpu", 2)
     ours.get_simultaneous(*request)  # warm-up: grow, and cache the signature
-    seed.get_simultaneous(*request)
+    plain.get_simultaneous(*request)
     if locked:
         ours.lock()
-        seed.locked = True
+        plain.locked = True
     return _interleave(
         {
             "ours": _per_call_sampler(ours.get_simultaneous, request, sample_ns),
-            "seed": _per_call_sampler(seed.get_simultaneous, request, sample_ns),
+            "per_call": _per_call_sampler(plain.get_simultaneous, request, sample_ns),
         },
         reps,
     )
@@ -96,8 +96,8 @@ def bench_get_simultaneous(plan: Plan) -> list[Figure]:
                 f"non-ubatch thread (slot 0), on CPU",
                 unit="ns",
                 ours=Stats.of(samples["ours"]),
-                baseline=Stats.of(samples["seed"]),
-                baseline_what="SeedWorkspace.get_simultaneous (the seed's algorithm)",
+                baseline=Stats.of(samples["per_call"]),
+                baseline_what="PerCallWorkspace.get_simultaneous (the plain per-call algorithm)",
                 ratio_def="baseline/ours",
                 targets=[Target("ratio", ">=", 5.0, "speedup >= 5x")] if locked else [],
             )
@@ -110,12 +110,12 @@ def bench_allocations(plan: Plan) -> list[Figure]:
     """Locked, fitting calls of 1, 3 and 8 tensors: no slot and no storage allocation."""
     requests = [_request(n) for n in (1, 3, 8)]
     ours = WorkspaceManager("cpu", 2)
-    seed = SeedWorkspace("cpu", 2)
+    plain = PerCallWorkspace("cpu", 2)
     for request in requests:
         ours.get_simultaneous(*request)
-        seed.get_simultaneous(*request)
+        plain.get_simultaneous(*request)
     ours.lock()
-    seed.locked = True
+    plain.locked = True
     calls = 200 if plan.quick else 2000
 
     def run(target: Any) -> Callable[[], None]:
@@ -140,7 +140,7 @@ def bench_allocations(plan: Plan) -> list[Figure]:
         )
     ]
     try:
-        mine, theirs = _storage_allocations(run(ours)), _storage_allocations(run(seed))
+        mine, theirs = _storage_allocations(run(ours)), _storage_allocations(run(plain))
         figures.append(
             Figure(
                 bench="workspace.allocations",
@@ -150,7 +150,7 @@ def bench_allocations(plan: Plan) -> list[Figure]:
                 unit="count",
                 ours=Stats.exact(mine),
                 baseline=Stats.exact(theirs),
-                baseline_what="the same calls on SeedWorkspace",
+                baseline_what="the same calls on PerCallWorkspace",
                 targets=[Target("ours", "==", 0, "== 0")],
             )
         )
@@ -187,15 +187,15 @@ def bench_growth(plan: Plan) -> list[Figure]:
         allocations.append(len(count))
         return elapsed / len(sizes)
 
-    def seed_sample() -> float:
-        seed = SeedWorkspace("cpu", 2)
-        seed.get_simultaneous(((step,), torch.uint8))
+    def plain_sample() -> float:
+        plain = PerCallWorkspace("cpu", 2)
+        plain.get_simultaneous(((step,), torch.uint8))
         start = time.perf_counter_ns()
         for shape in sizes:
-            seed.get_simultaneous(shape)
+            plain.get_simultaneous(shape)
         return (time.perf_counter_ns() - start) / len(sizes)
 
-    samples = _interleave({"ours": ours_sample, "seed": seed_sample}, plan.reps)
+    samples = _interleave({"ours": ours_sample, "per_call": plain_sample}, plan.reps)
     per_growth = allocations[-1] / len(sizes)
     return [
         Figure(
@@ -206,8 +206,8 @@ def bench_growth(plan: Plan) -> list[Figure]:
             f"{sizes[-1][0][0] // 1024} KiB)",
             unit="ns",
             ours=Stats.of(samples["ours"]),
-            baseline=Stats.of(samples["seed"]),
-            baseline_what="the same chain on SeedWorkspace",
+            baseline=Stats.of(samples["per_call"]),
+            baseline_what="the same chain on PerCallWorkspace",
             extra={"slot_allocations_per_growth": per_growth},
             note="ours also validates the request, names the caller (a stack walk), keeps a "
             "weak reference per replaced buffer (orphan counting) and records the growth",

@@ -1,4 +1,5 @@
-"""Benchmark: the race checker's cost per intercepted op, with and without the checker.
+"""Benchmark `sim.race_checker`: the race checker's cost per intercepted op, with and without
+the checker.
 
 The same op mix runs under `thread_scope` of a `SimDevice(check_races=False)` and of a
 `SimDevice(check_races=True)`, interleaved sample by sample so that machine noise hits both
@@ -6,7 +7,8 @@ alike; plain torch (no interception) is the floor. The mix is what a DBO step is
 elementwise ops on two streams joined by events, a strided view, an in-place list op. The
 figure to watch is the checker's own share, checked minus unchecked, per op; `main()` prints
 it with the ratio checked / unchecked. The benchmark uses only the public device interface,
-so the same file measures any commit (run it against an older tree to compare).
+so the same file measures any commit (run it against an older tree to compare):
+`python -m scenarios.tools.bench.races [ROUNDS REPS] [--list-op]`.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from dbo.sim import SimDevice
+from scenarios.tools.bench.figures import Figure, Stats, Target
+from scenarios.tools.bench.registry import Plan, benchmark
 
-__all__ = ["RaceBench", "bench_races", "main"]
+__all__ = ["RaceBench", "bench_races", "bench_race_checker", "main"]
 
 OPS_PER_ROUND = 5  # ops each round of `_mix` issues, plus one with `list_op` (counted once)
 
@@ -113,10 +117,8 @@ def _sampler(device: SimDevice | None, rounds: int, list_op: bool) -> Callable[[
     return sample
 
 
-def bench_races(rounds: int = 200, reps: int = 15, *, list_op: bool = False) -> RaceBench:
-    """Median ns per op of the mix: plain, unchecked, checked (interleaved samples). Without
-    `list_op` the mix holds only ops that every version of the checker sees (comparable
-    across commits); with it, one in-place list op per round too."""
+def _samples(rounds: int, reps: int, list_op: bool) -> dict[str, list[float]]:
+    """ns per op of the mix, interleaved: plain, unchecked, checked."""
     if rounds < 1 or reps < 1:
         raise ValueError(f"rounds and reps must be positive, got {rounds} and {reps}")
     checked = SimDevice(check_races=True)
@@ -133,6 +135,14 @@ def bench_races(rounds: int = 200, reps: int = 15, *, list_op: bool = False) -> 
             samples[key].append(sample())
     if checked.races:
         raise RuntimeError(f"the benchmark's schedule must be race-free: {checked.races[0]}")
+    return samples
+
+
+def bench_races(rounds: int = 200, reps: int = 15, *, list_op: bool = False) -> RaceBench:
+    """Median ns per op of the mix: plain, unchecked, checked (interleaved samples). Without
+    `list_op` the mix holds only ops that every version of the checker sees (comparable
+    across commits); with it, one in-place list op per round too."""
+    samples = _samples(rounds, reps, list_op)
     med = {k: statistics.median(v) for k, v in samples.items()}
     best = {k: min(v) for k, v in samples.items()}
     return RaceBench(
@@ -145,6 +155,41 @@ def bench_races(rounds: int = 200, reps: int = 15, *, list_op: bool = False) -> 
         best_unchecked_ns=best["unchecked"],
         best_checked_ns=best["checked"],
     )
+
+
+# The checker may cost at most 1.5x what it cost before it learned memory blocks, strided
+# footprints, list ops and allocator reuse: checked/unchecked was about 1.9x then (commit
+# 2ea4498, this same mix), so the bound on the ratio is 1.5 x 1.9.
+_MAX_CHECKED_OVER_UNCHECKED = 2.85
+
+
+@benchmark("sim.race_checker", "sim.race_checker")
+def bench_race_checker(plan: Plan) -> list[Figure]:
+    rounds = 50 if plan.quick else 200
+    samples = _samples(rounds, plan.reps, list_op=False)
+    checked, unchecked = Stats.of(samples["checked"]), Stats.of(samples["unchecked"])
+    return [
+        Figure(
+            bench="sim.race_checker",
+            name="sim.race_checker",
+            what=f"one intercepted op of a race-free two-stream DBO mix ({OPS_PER_ROUND} ops a "
+            f"round: elementwise, in place, a strided column, a reduction; {rounds} rounds) "
+            f"on SimDevice(check_races=True)",
+            unit="ns",
+            ours=checked,
+            baseline=unchecked,
+            baseline_what="the same mix on SimDevice(check_races=False)",
+            targets=[
+                Target(
+                    "ratio", "<=", _MAX_CHECKED_OVER_UNCHECKED, "<= 1.5x the checker's old cost"
+                )
+            ],
+            extra={
+                "checker_ns_per_op": checked.median - unchecked.median,
+                "plain_ns_per_op": statistics.median(samples["plain"]),
+            },
+        )
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
