@@ -35,6 +35,7 @@ from dbo.runner import merge_outputs, run_ubatches
 from dbo.sim.device import SimDevice
 from dbo.sim.records import HANDOFF, EventWait, HostRange, OpRecord, RaceReport
 from dbo.sim.report import plot_runs, summarize, write_chrome_trace_runs
+from dbo.sim.summary import fallback_fraction
 from dbo.sim.trace import TraceRun, Window
 from dbo.split import ubatch_cut_points
 from dbo.streams import Device
@@ -67,6 +68,9 @@ class VerifyReport:
     atol: float = 0.0
     rtol: float = 0.0
     mismatch: str | None = None  # why the outputs differ (structure, shape, values)
+    # Share of the ubatched run's device-op time no measured kernel covered (the roofline
+    # priced it); None on a real GPU.
+    roofline_fraction: float | None = None
     trace: str | None = None
     timeline_png: str | None = None
     records: dict[str, list[OpRecord]] = field(default_factory=dict, repr=False)
@@ -103,6 +107,11 @@ class VerifyReport:
                 f"  step time        serial {self.step_us_serial:.1f} us, DBO "
                 f"{self.step_us_dbo:.1f} us, speedup {self.speedup:.2f}x"
             )
+            if self.roofline_fraction is not None:
+                lines.append(
+                    f"  roofline-priced  {100.0 * self.roofline_fraction:.0f}% of device time "
+                    f"(no measured kernel covered it)"
+                )
         else:
             lines.append(f"  step time        serial {self.step_us_serial:.1f} us, DBO step "
                          f"failed")
@@ -150,6 +159,7 @@ class VerifyReport:
             "step_us_serial": self.step_us_serial,
             "step_us_dbo": self.step_us_dbo,
             "speedup": None if math.isnan(self.speedup) else self.speedup,
+            "roofline_fraction": self.roofline_fraction,
             "num_ubatches": self.num_ubatches,
             "device": self.device,
             "trace": self.trace,
@@ -523,6 +533,7 @@ def _report(serial: _Run, ubatched: _Run, num_ubatches: int, device: Device, ato
         atol=float(atol),
         rtol=float(rtol),
         mismatch=why,
+        roofline_fraction=fallback_fraction(ubatched.records) if ubatched.records else None,
         records={"serial": serial.records, "ubatched": ubatched.records},
         runs=[
             TraceRun("serial", serial.records, serial.races, serial.waits, serial.ranges),

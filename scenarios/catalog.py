@@ -85,6 +85,7 @@ def _from_comparison(name: str, c: Comparison, **details: Any) -> ScenarioResult
         speedup=c.speedup,
         overlap_fraction=summary.overlap_fraction if summary else None,
         exposed_comm_us=summary.exposed_comm_us if summary else None,
+        roofline_fraction=summary.fallback_fraction if summary else None,
         workspace_peak_bytes=c.dbo.workspace_peak_bytes,
         trace=c.trace,
         timeline_png=c.timeline_png,

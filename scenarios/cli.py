@@ -22,12 +22,11 @@ from typing import Any, NoReturn
 
 import torch
 
+from dbo.sim import profile_from_name
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
-from scenarios.tools import calibrate_host, gpu_check
-from scenarios.tools import race_check
+from scenarios.tools import calibrate_host, gpu_check, race_check, trace_window, verify_cli
 from scenarios.tools.progress import Progress
-from scenarios.tools import trace_window, verify_cli
 from scenarios.tools.sweep import DECODE_CONTEXT
 
 # The scenarios' smallest batches split into at most this many ubatches with a real token each.
@@ -134,7 +133,6 @@ def _options(args: argparse.Namespace) -> RunOptions:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda needs a CUDA GPU, and none is present here; use --device sim")
-    from dbo.sim import profile_from_name
 
     try:
         profile_from_name(args.profile)  # a clear error for an unknown profile, before any work
@@ -181,11 +179,26 @@ def _fmt_bytes(nbytes: int | None) -> str:
 
 
 _HEADER = (
-    "scenario", "verdict", "match", "races", "serial us", "dbo us", "speedup", "overlap", "ws peak"
-)
+    "scenario", "verdict", "match", "races", "serial us", "dbo us", "speedup", "overlap",
+    "roofline", "ws peak",
+)  # fmt: skip
 # Widths fixed up front so that rows print as their scenarios finish; a wider cell just
 # pushes its row's later cells right.
-_WIDTHS = (0, len("PASS (fault caught)"), 5, 5, 9, 9, 7, 7, 10)
+_WIDTHS = (0, len("PASS (fault caught)"), 5, 5, 9, 9, 7, 7, 8, 10)
+
+
+def _clock_line(profile_name: str) -> str:
+    """What the step times rest on: measured kernels, or the roofline alone."""
+    profile = profile_from_name(profile_name)
+    if profile.calibrated:
+        return (
+            f"simulated {profile.name}: calibrated (measured kernel table; the 'roofline' column "
+            f"is the share of device time no measured kernel covered)"
+        )
+    return (
+        f"simulated {profile.name}: UNCALIBRATED (no measured kernels: every op priced by the "
+        f"roofline, step times are estimates)"
+    )
 
 
 class _Table:
@@ -212,6 +225,7 @@ class _Table:
                 _fmt(r.step_us_dbo, ".1f"),
                 _fmt(r.speedup, ".2f", suffix="x"),
                 _fmt(r.overlap_fraction, ".0f", 100, "%"),
+                _fmt(r.roofline_fraction, ".0f", 100, "%"),
                 _fmt_bytes(r.workspace_peak_bytes),
             )
         )
@@ -252,6 +266,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = _options(args)
     table = _Table(names)
     if not args.json:
+        print(_clock_line(args.profile), flush=True)
         print(table.header(), flush=True)
     results: list[ScenarioResult] = []
     try:

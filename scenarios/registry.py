@@ -48,6 +48,8 @@ class ScenarioResult:
     speedup: float | None = None
     overlap_fraction: float | None = None
     exposed_comm_us: float | None = None
+    # Share of the DBO run's device-op time no measured kernel covered (priced by the roofline).
+    roofline_fraction: float | None = None
     workspace_peak_bytes: int | None = None
     trace: str | None = None
     timeline_png: str | None = None

@@ -35,6 +35,7 @@ JSON_FIELDS = {
     "speedup": (float, type(None)),
     "overlap_fraction": (float, type(None)),
     "exposed_comm_us": (float, type(None)),
+    "roofline_fraction": (float, type(None)),
     "workspace_peak_bytes": (int, type(None)),
     "trace": (str, type(None)),
     "timeline_png": (str, type(None)),
@@ -136,9 +137,20 @@ def test_negative_scenarios_write_a_trace_and_timeline_of_what_ran(capsys, tmp_p
 
 def test_table_shows_every_column_the_issue_asks_for(capsys):
     assert main(["run", "dcp-attention", "--no-artifacts"]) == 0
-    header = capsys.readouterr().out.splitlines()[0].split()
-    for column in ("scenario", "verdict", "match", "races", "serial", "dbo", "speedup", "overlap", "peak"):
+    header = capsys.readouterr().out.splitlines()[1].split()
+    for column in ("scenario", "verdict", "match", "races", "serial", "dbo", "speedup", "overlap", "roofline", "peak"):
         assert column in header
+
+
+@pytest.mark.parametrize(("profile", "word"), [("h200", "calibrated"), ("h100", "UNCALIBRATED")])
+def test_run_says_first_whether_its_clock_is_calibrated(capsys, profile, word):
+    assert main(["run", "dcp-attention", "--no-artifacts", "--profile", profile]) == 0
+    assert word in capsys.readouterr().out.splitlines()[0].split()
+
+
+def test_json_report_gives_the_roofline_share_of_the_dbo_run(capsys):
+    code, (report,) = _run_json(capsys, "moe-decode-ll", "--profile", "h100", "--no-artifacts")
+    assert code == 0 and 0.0 < report["roofline_fraction"] <= 1.0
 
 
 def test_run_without_names_runs_every_default_scenario(capsys, monkeypatch):

@@ -97,6 +97,15 @@ def test_correct_forward_is_ok_from_one_call():
 
 
 @pytest.mark.timeout(30)
+def test_report_says_how_much_of_the_step_the_roofline_priced():
+    # float32 matmuls on the CPU are not in the H200 kernel table: the roofline prices them.
+    report = dbo.verify(ToyMoE().forward, inputs())
+    assert report.roofline_fraction is not None and 0.0 < report.roofline_fraction <= 1.0
+    assert "roofline-priced" in report.describe()
+    assert report.to_dict()["roofline_fraction"] == report.roofline_fraction
+
+
+@pytest.mark.timeout(30)
 def test_switch_to_comm_without_waiting_is_a_race():
     report = dbo.verify(ToyMoE("no_wait").forward, inputs())
     assert not report.ok
