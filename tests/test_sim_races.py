@@ -669,3 +669,55 @@ def test_low_latency_staging_freed_after_the_send_is_not_an_allocator_hazard() -
         recv.sum()
         del y
     assert d.races == []
+
+
+def _storage_at_dead_key(d: SimDevice, compute: object, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A new tensor (allocated unplaced) whose storage object likely takes the address, and
+    so the key, of a tiny temporary the checker saw and that just died, not yet reaped.
+    Returns the tensor and whether the key was in fact reused."""
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        tiny = x.sum()  # seen by the checker as the sum's output
+    key = tiny.untyped_storage()._cdata
+    del tiny  # dead: its record waits on the dead list
+    z = torch.empty(1024)  # outside the scope: no placement, no reap in between
+    return z, z.untyped_storage()._cdata == key
+
+
+def test_a_new_storage_at_a_dead_storages_key_is_checked_as_new() -> None:
+    reused = 0
+    for _ in range(5):
+        d, compute, comm = setup()
+        x = torch.randn(1024)
+        z, hit = _storage_at_dead_key(d, compute, x)
+        reused += hit
+        with d.thread_scope(0):
+            d.set_stream(comm)
+            z.fill_(1.0)  # comm writes z...
+            d.set_stream(compute)
+            z.fill_(2.0)  # ...and compute too, unordered: a race however z was registered
+        assert len(d.races) == 1, f"race missed (storage key reused: {hit})"
+    assert reused, "the allocator never reused the dead key: the test proves nothing here"
+
+
+def test_a_new_allocation_at_a_dead_storages_key_takes_the_freed_blocks_hazard() -> None:
+    reused = 0
+    for _ in range(5):
+        d, compute, comm = setup()
+        x = torch.randn(1024)
+        with d.thread_scope(0):
+            d.set_stream(compute)
+            y = x * 2
+            comm.wait_event(compute.record_event())
+            d.set_stream(comm)
+            y.add_(1.0)  # comm writes y; nothing orders compute after it
+            d.set_stream(compute)
+        del y  # the allocator hands y's block on with comm's write pending
+        z, hit = _storage_at_dead_key(d, compute, x)
+        reused += hit
+        d.note_allocation(z)  # allocated on compute: gets y's block
+        with d.thread_scope(0):
+            z.fill_(2.0)
+        assert len(d.races) == 1, f"allocator hazard missed (storage key reused: {hit})"
+        assert d.races[0].first.op == "aten::add_"
+    assert reused, "the allocator never reused the dead key: the test proves nothing here"
