@@ -31,6 +31,7 @@ __all__ = [
     "CudaDevice",
     "current_device",
     "current_stream",
+    "record_stream",
     "set_default_device",
     "get_default_device",
     "use_device",
@@ -181,6 +182,12 @@ class Device(ABC):
         """A capture of device work: enter it, issue work, exit; then `replay()` it."""
         raise NotImplementedError(f"{type(self).__name__} cannot capture graphs")
 
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """`tensor` is used on `stream`: when it is freed, the caching allocator must not hand
+        its memory on before the work issued on `stream` by then is done. The default does
+        nothing: a device without a caching allocator frees nothing early."""
+        self.check_stream(stream)
+
     def check_stream(self, stream: Stream, what: str = "stream") -> Stream:
         if not isinstance(stream, Stream) or stream.device is not self:
             raise TypeError(
@@ -274,6 +281,9 @@ class CudaDevice(Device):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
 
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        tensor.record_stream(self.check_stream(stream).raw)  # type: ignore[attr-defined]
+
     def graph(self) -> "GraphCapture":
         return _CudaGraphCapture(self)
 
@@ -365,6 +375,21 @@ def use_device(device: Device) -> Iterator[Device]:
 def current_stream() -> Stream:
     """The calling thread's current stream on its device."""
     return current_device().current_stream()
+
+
+def record_stream(tensor: torch.Tensor, stream: Stream | None = None) -> None:
+    """`Tensor.record_stream` for any device: `stream` (default: the calling thread's current
+    stream) uses `tensor`, so its memory is not reused before that stream's work at the free.
+    The stream's own device applies it, so the same line serves CUDA and the simulator."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"record_stream takes a torch.Tensor, got {type(tensor).__name__}")
+    if stream is None:
+        stream = current_stream()
+    elif not isinstance(stream, Stream):
+        raise TypeError(
+            f"record_stream takes a dbo Stream (device.Stream()), got {type(stream).__name__}"
+        )
+    stream.device.record_stream(tensor, stream)
 
 
 @contextmanager
