@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import dbo
+from dbo import runner
 from dbo.sim import RaceError, SimDevice
+from dbo.sim.races import user_stack
 from workspace import current_workspace_manager, init_workspace_manager, reset_workspace_manager
 
 
@@ -721,3 +723,36 @@ def test_a_new_allocation_at_a_dead_storages_key_takes_the_freed_blocks_hazard()
         assert len(d.races) == 1, f"allocator hazard missed (storage key reused: {hit})"
         assert d.races[0].first.op == "aten::add_"
     assert reused, "the allocator never reused the dead key: the test proves nothing here"
+
+
+@pytest.mark.timeout(30)
+def test_a_race_reports_user_stacks_without_the_ubatch_runtimes_frames() -> None:
+    d = SimDevice("h200")
+    bufs = [torch.zeros(64), torch.zeros(64)]
+
+    def step(u: int) -> None:
+        bufs[u].add_(1.0)
+        dbo.dbo_switch_to_comm()  # bug: no wait for the compute above
+        with dbo.current_device().comm_region("dispatch", nbytes=256, ep_size=8):
+            bufs[u].clone()
+        dbo.dbo_switch_to_compute_sync()
+
+    dbo.run_ubatches(step, [0, 1], device=d)
+    assert d.races
+    for race in d.races:
+        for site in (race.first, race.second):
+            assert site.stack and site.stack[-1].endswith(":step")
+            assert not any(f.startswith(("dbo/runner.py", "dbo/ubatching.py")) for f in site.stack)
+
+
+@pytest.mark.timeout(30)
+def test_a_user_stack_with_only_runtime_frames_keeps_the_innermost_one() -> None:
+    # A frame of the runtime's own file, on a thread with no user code below it.
+    namespace: dict = {"user_stack": user_stack}
+    source = "def runtime_issue(out):\n    out.append(user_stack(skip=1))\n"
+    exec(compile(source, runner.__file__, "exec"), namespace)  # noqa: S102 -- a fixed source
+    got: list = []
+    t = threading.Thread(target=namespace["runtime_issue"], args=(got,))
+    t.start()
+    t.join()
+    assert got == [((runner.__file__, 2, "runtime_issue"),)]

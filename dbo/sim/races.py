@@ -63,6 +63,10 @@ MEET_BUDGET = 512
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SKIP_FILES = ("threading.py", "contextlib.py", "weakref.py")
+# The runtime's own frames (ubatch threads' loops, the yield and switch calls): they are the
+# same in every report, so a user stack shows them only when nothing of the user's is there.
+_DBO_DIR = os.path.dirname(_SIM_DIR.rstrip(os.sep)) + os.sep
+_RUNTIME_FILES = frozenset(_DBO_DIR + name for name in ("runner.py", "ubatching.py"))
 
 Dims = tuple[tuple[int, int], ...]  # (count, byte stride), largest stride first
 
@@ -76,16 +80,23 @@ class RaceError(RuntimeError):
 
 
 def user_stack(depth: int = 4, skip: int = 1) -> tuple[tuple[str, int, str], ...]:
-    """The innermost `depth` frames outside torch, dbo.sim and stdlib context plumbing, as raw
-    (file, line, function) tuples, innermost last. Raw so that capturing stays cheap; format
-    only when a race is reported."""
+    """The innermost `depth` frames of the user's code (outside torch, dbo.sim, the ubatch
+    runtime and stdlib context plumbing), as raw (file, line, function) tuples, innermost
+    last; the innermost runtime frame alone when no user frame is on the stack. Raw so that
+    capturing stays cheap; format only when a race is reported."""
     frames: list[tuple[str, int, str]] = []
+    runtime: tuple[str, int, str] | None = None
     f = sys._getframe(skip)
     while f is not None and len(frames) < depth:
         filename = f.f_code.co_filename
-        if not (filename.startswith((_TORCH_DIR, _SIM_DIR)) or filename.endswith(_SKIP_FILES)):
+        if filename in _RUNTIME_FILES:
+            if runtime is None:
+                runtime = (filename, f.f_lineno, f.f_code.co_name)
+        elif not (filename.startswith((_TORCH_DIR, _SIM_DIR)) or filename.endswith(_SKIP_FILES)):
             frames.append((filename, f.f_lineno, f.f_code.co_name))
         f = f.f_back
+    if not frames and runtime is not None:
+        return (runtime,)
     frames.reverse()
     return tuple(frames)
 
