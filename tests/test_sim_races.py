@@ -756,3 +756,18 @@ def test_a_user_stack_with_only_runtime_frames_keeps_the_innermost_one() -> None
     t.start()
     t.join()
     assert got == [((runner.__file__, 2, "runtime_issue"),)]
+
+
+def test_a_storage_resized_to_new_memory_is_tracked_at_that_memory() -> None:
+    d, compute, _ = setup()
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        y = torch.zeros(256) + 1
+        old = y.data_ptr()
+        y.resize_(1 << 16)  # reallocates the same storage object elsewhere
+        assert y.data_ptr() != old
+        y.fill_(1.0)
+    checker = d.race_checker
+    assert checker.ops_at(y.data_ptr()) == ["aten::fill_"]
+    assert checker.ops_at(old) == []  # the old memory went back to the allocator
+    assert checker.num_blocks == 1
