@@ -314,10 +314,10 @@ def _refuse_replay(graph: Any, failure: BaseException) -> None:
 class _UBatchWorker:
     """One long-lived ubatch thread: it runs one ubatch per step, then waits for the next.
 
-    Measured on an H200 (torch 2.11): the first step a thread runs costs ~40 ms more host time
-    than later ones (per-thread CUDA and cuBLAS set-up inside torch), so a fresh thread per
-    ubatch per step made every eager DBO step ~10x slower on the host than serial. Reusing the
-    threads pays that once.
+    The first step a thread runs costs much more host time than later ones (per-thread CUDA
+    and cuBLAS set-up inside torch), so a fresh thread per ubatch per step made every eager DBO
+    step far slower on the host than serial (the README gives the GPU figures). Reusing the
+    threads pays that set-up once.
     """
 
     def __init__(self, index: int) -> None:
