@@ -354,7 +354,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(
             f"DeepSeek-V3 ({layers}), {args.ubatches} ubatches; decode: one-token requests over a "
             f"{args.context}-token context each (--context); prefill: "
-            f"{sweep.PREFILL_PROMPT}-token prompts"
+            f"{sweep.describe_prefill(prefill)}"
         )
         print(
             f"{'phase':8} {'tokens':>7} {'serial us':>10} {'dbo us':>10} {'gain':>7} "
