@@ -62,7 +62,7 @@ growth never moves them; once locked, a key not created during warmup is refused
 `WorkspaceLockedError`. `try_get_simultaneous` answers None where `get_simultaneous` would
 raise the locked error; `reserve` grows the lane's slots without handing out views;
 `available_bytes()` is what the caller's slot can serve without growing. Deliberate
-difference: vLLM's current manager grows only the requesting slot (see "Known tension").
+difference: vLLM's V1 manager grows only the requesting slot (see "Known tension").
 
 Pointer checks. `describe_buffer(ptr)` names the slot buffer (current or former, with its
 generation) a device pointer falls in, for the simulator's graph-replay check; it needs a
