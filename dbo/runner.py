@@ -20,6 +20,7 @@ captured part of a step.
 from __future__ import annotations
 
 import math
+import numbers
 import queue
 import sys
 import threading
@@ -142,10 +143,12 @@ def _indexed(name: str, values: Any) -> list[Any]:
 
 
 def _check_timeout(timeout: Any) -> float:
-    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-    if ok and isinstance(timeout, int) and timeout > 1e300:
+    # Any real number (numpy scalars included); bools are Integral but never a duration.
+    ok = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+    if ok and isinstance(timeout, numbers.Integral) and int(timeout) > 1e300:
         return math.inf  # beyond a float: no timeout, as math.inf
-    if not ok or math.isnan(timeout) or timeout <= 0:
+    seconds = float(timeout) if ok else math.nan
+    if math.isnan(seconds) or seconds <= 0:
         try:
             shown = repr(timeout)[:80]
         except Exception:  # noqa: BLE001 - the message must not fail on odd input
@@ -153,7 +156,7 @@ def _check_timeout(timeout: Any) -> float:
         raise ValueError(
             f"timeout must be a positive number of seconds (math.inf for none), got {shown}"
         )
-    return float(timeout)
+    return seconds
 
 
 def _barrier_timeout(deadline: float) -> float | None:
@@ -347,10 +350,10 @@ def _refuse_replay(graph: Any, failure: BaseException) -> None:
 class _UBatchWorker:
     """One long-lived ubatch thread: it runs one ubatch per step, then waits for the next.
 
-    Measured on an H200 (torch 2.11): the first step a thread runs costs ~40 ms more host time
-    than later ones (per-thread CUDA and cuBLAS set-up inside torch), so a fresh thread per
-    ubatch per step made every eager DBO step ~10x slower on the host than serial. Reusing the
-    threads pays that once.
+    The first step a thread runs costs much more host time than later ones (per-thread CUDA
+    and cuBLAS set-up inside torch), so a fresh thread per ubatch per step made every eager DBO
+    step far slower on the host than serial (the README gives the GPU figures). Reusing the
+    threads pays that set-up once.
     """
 
     def __init__(self, index: int) -> None:

@@ -38,6 +38,7 @@ from scenarios.tools.progress import Progress
 MAX_UBATCHES = 8
 MAX_TIMEOUT_S = 86400.0  # a day: larger values overflow the thread waits further down
 MAX_STRESS_THREADS = 1024
+MAX_STRESS_LANES = 64  # slots are threads x lanes; vLLM's engines use a handful of lanes
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 
@@ -355,7 +356,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(
             f"DeepSeek-V3 ({layers}), {args.ubatches} ubatches; decode: one-token requests over a "
             f"{args.context}-token context each (--context); prefill: "
-            f"{sweep_tool.PREFILL_PROMPT}-token prompts"
+            f"{sweep_tool.describe_prefill(prefill)}"
         )
         print(
             f"{'phase':8} {'tokens':>7} {'serial us':>10} {'dbo us':>10} {'gain':>7} "
@@ -410,6 +411,7 @@ def cmd_stress(args: argparse.Namespace) -> int:
         report = stress_tool.run_stress(
             args.threads,
             args.iterations,
+            lanes=args.lanes,
             seed=args.seed,
             deadline_s=args.timeout,
             on_progress=on_progress,
@@ -420,12 +422,15 @@ def cmd_stress(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict()))
     else:
         print(
-            f"{report.threads} threads x {report.iterations} iterations in {report.seconds:.2f} s: "
-            f"{report.requests} requests, {report.growths} slot allocations, {report.lock_cycles} lock cycles, "
-            f"{report.locked_refusals} locked refusals, {report.orphaned_bytes_after} orphaned bytes at the end"
+            f"{report.threads} threads x {report.iterations} iterations x {report.lanes} lane(s) in "
+            f"{report.seconds:.2f} s: {report.requests} requests, {report.growths} slot allocations, "
+            f"{report.lock_cycles} lock cycles, {report.locked_refusals} locked refusals, "
+            f"{report.persistent_requests} persistent requests ({report.persistent_refusals} refused "
+            f"while locked), {report.orphaned_bytes_kept} orphaned bytes held by kept views"
         )
-        print("invariants: views inside own slot, no cross-slot overlap, slots equal after growth, "
-              "no allocation while locked, no hang")
+        print("invariants: views inside own slot, no cross-slot overlap, a lane's slots equal after "
+              "growth, no allocation while locked, persistent tensors fixed, orphans counted "
+              "exactly, no hang")
         problems = list(report.violations[:20])
         if report.cut_short:
             problems.insert(
@@ -509,6 +514,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=_int_in(1, MAX_STRESS_THREADS), default=8, help="ubatch threads (default 8)"
     )
     stress.add_argument("--iterations", type=_positive_int, default=2000, help="requests per thread")
+    stress.add_argument(
+        "--lanes", type=_int_in(1, MAX_STRESS_LANES), default=1,
+        help="workspace lanes each thread spreads its requests over (default 1)",
+    )
     stress.add_argument("--seed", type=int, default=0)
     stress.add_argument(
         "--timeout", type=_timeout, default=120.0,

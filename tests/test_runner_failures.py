@@ -11,6 +11,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 
 import dbo
@@ -580,7 +581,15 @@ def test_an_unbounded_or_huge_timeout_runs_the_step(device, timeout):
                             timeout=timeout) == [0, 1]
 
 
-@pytest.mark.parametrize("timeout", [math.nan, -1, 0, True, "5", None])
+@pytest.mark.parametrize("timeout", [np.int64(5), np.float32(2.0), np.float64(2.0), 2],
+                         ids=["np-int64", "np-float32", "np-float64", "int"])
+def test_a_timeout_of_any_real_number_type_runs_the_step(device, timeout):
+    assert dbo.run_ubatches(lambda i: dbo.dbo_yield() or i, [0, 1], device=device,
+                            timeout=timeout) == [0, 1]
+
+
+@pytest.mark.parametrize("timeout", [math.nan, -1, 0, True, "5", None, np.bool_(True),
+                                     np.float32("nan"), np.int64(0), np.float32(-1.0)])
 def test_a_timeout_that_is_not_a_positive_number_is_refused(device, timeout):
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
         dbo.run_ubatches(lambda i: i, [0, 1], device=device, timeout=timeout)

@@ -619,14 +619,18 @@ def test_a_cached_signature_does_not_admit_an_equal_non_int_dim(dim):
         m.get_simultaneous(((dim, 3), F32))
 
 
-def test_a_request_too_large_to_allocate_raises_allocation_error_chaining_torch():
+def test_an_allocation_torch_refuses_raises_allocation_error_chaining_torch(monkeypatch):
+    # A refusal the device bound cannot foresee (a real OOM): torch's own error, chained.
     m = WorkspaceManager("cpu", num_ubatches=2)
     m.get_simultaneous(((1024,), U8))
+    monkeypatch.setattr(m, "_allocate",  # torch refuses every size above the old one
+                        lambda n: torch.empty((2**62 if n > 1024 else n,), dtype=U8))
     with pytest.raises(WorkspaceAllocationError) as info:
-        m.get_simultaneous(((2**62,), U8))
+        m.get_simultaneous(((4096,), U8))
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, MemoryError)
     assert isinstance(info.value.__cause__, RuntimeError)
-    assert "4611686018427387904 bytes" in str(info.value)
+    assert "(4096 bytes)" in str(info.value)
+    monkeypatch.undo()
     assert m.slot_capacities() == [1024, 1024]
     assert m.stats().failed_growths == 1
     (v,) = m.get_simultaneous(((1024,), U8))

@@ -5,6 +5,7 @@ dims that are not integers."""
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import contextmanager
 
@@ -14,6 +15,7 @@ import torch
 
 import dbo.ubatching
 from workspace import (
+    WorkspaceAllocationError,
     WorkspaceLockedError,
     WorkspaceManager,
     WorkspaceNotInitializedError,
@@ -26,7 +28,7 @@ from workspace import (
     reset_workspace_manager,
     use_workspace_lane,
 )
-from workspace.testing import record_allocations
+from workspace.testing import failing_allocations, record_allocations
 
 F32 = torch.float32
 U8 = torch.uint8
@@ -442,6 +444,70 @@ def test_a_total_beyond_int64_is_refused_by_reserve_and_try_get_alike():
     with pytest.raises(ValueError, match="beyond int64"):
         m.try_get_simultaneous(*huge)
     assert m.stats().allocations == 0
+
+
+def physical_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_a_growth_beyond_the_devices_memory_is_refused_before_the_callers_slot_is_released():
+    m = WorkspaceManager("cpu", num_ubatches=2)
+    (held,) = m.get_simultaneous(((100,), U8))
+    before = unchanged_state(m)
+    with record_allocations(m) as sizes, pytest.raises(ValueError) as info:
+        m.get_simultaneous(((1 << 62,), U8))
+    message = str(info.value)
+    assert "get_simultaneous" in message and "((4611686018427387904,), torch.uint8)" in message
+    assert f"{2 << 62} bytes" in message and f"{physical_ram()} bytes" in message
+    assert sizes == [] and unchanged_state(m) == before
+    assert m.orphaned_bytes() == 0 and m.describe_buffer(held.data_ptr()).live
+    held.fill_(7)  # still the caller's live slot
+    (again,) = m.get_simultaneous(((100,), U8))
+    assert again.data_ptr() == held.data_ptr() and int(again[99]) == 7
+
+
+def test_the_device_bound_counts_every_slot_the_growth_would_resize():
+    # Each slot alone fits in RAM; the lane's two slots together do not.
+    per_slot = physical_ram() // 2 + (1 << 20)
+    m = WorkspaceManager("cpu", num_ubatches=2)
+    with record_allocations(m) as sizes, pytest.raises(ValueError, match="2 slot"):
+        m.reserve(((per_slot,), U8))
+    assert sizes == [] and m.slot_capacities() == [0, 0]
+
+
+def test_the_device_bound_is_checked_by_try_get_simultaneous_too():
+    m = WorkspaceManager("cpu")
+    with pytest.raises(ValueError, match="try_get_simultaneous"):
+        m.try_get_simultaneous(((1 << 62,), U8))
+    assert m.stats().allocations == 0
+
+
+def test_a_cuda_growth_is_bounded_by_the_devices_total_memory(monkeypatch):
+    # Up to the allocation, the check needs only torch.cuda's report of the device's total.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 4 << 30))
+    m = WorkspaceManager("cuda:0", num_ubatches=2)
+    with record_allocations(m) as sizes, pytest.raises(ValueError) as info:
+        m.get_simultaneous(((3 << 30,), U8))
+    assert f"{6 << 30} bytes" in str(info.value) and f"{4 << 30} bytes" in str(info.value)
+    assert sizes == [] and m.slot_capacities() == [0, 0]
+
+
+def test_a_meta_workspace_has_no_memory_bound():
+    m = WorkspaceManager("meta", num_ubatches=2)
+    (v,) = m.get_simultaneous(((1 << 62,), U8))
+    assert v.shape == (1 << 62,) and m.slot_capacities() == [1 << 62] * 2
+
+
+def test_an_allocation_failure_below_the_bound_orphans_the_callers_held_views_and_counts_them():
+    m = WorkspaceManager("cpu", num_ubatches=2)
+    (held,) = m.get_simultaneous(((4096,), U8))
+    with failing_allocations(m, 2), pytest.raises(WorkspaceAllocationError):
+        m.get_simultaneous(((8192,), U8))
+    assert m.slot_capacities() == [4096, 4096]  # rolled back
+    assert m.orphaned_bytes() == 4096 and m.orphaning_growths == 1
+    assert not m.describe_buffer(held.data_ptr()).live
+    del held
+    assert m.orphaned_bytes() == 0
 
 
 @pytest.mark.parametrize("shape", [(0, 1 << 62, 4), (1 << 40, 1 << 40, 0)],

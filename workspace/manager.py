@@ -22,10 +22,14 @@ the templates (scratch bytes are never part of an autograd graph).
 
 Growth. When the caller's slot is too small, every slot is grown to the requested total,
 slot by slot, each old buffer released before its replacement is allocated (peak per slot
-= new, not old + new). All allocation goes through `_allocate(nbytes)`. A failed allocation
-rolls every slot back to the previous capacity (or, if even that fails, to empty), so slots
-stay valid and equal. While `lock()`ed, a request that does not fit raises
-`WorkspaceLockedError` naming the caller; one that fits is served and allocates nothing.
+= new, not old + new). All allocation goes through `_allocate(nbytes)`. Feasibility is
+decided before anything is released: a total beyond int64 (`plan_layout`), or a growth whose
+resized slots together would need more than the device has in all (CPU: physical RAM; CUDA:
+the device's total; meta: no bound), is refused with ValueError and changes nothing. A
+failed allocation below that bound (a real out-of-memory) rolls every slot back to the
+previous capacity (or, if even that fails, to empty), so slots stay valid and equal. While
+`lock()`ed, a request that does not fit raises `WorkspaceLockedError` naming the caller; one
+that fits is served and allocates nothing.
 
 Threads. The slow path runs under one re-entrant lock and re-checks the fit under it, so
 slot owners calling at once outside the runtime's baton grow correctly; `lock()` takes the
@@ -39,14 +43,13 @@ attribute, a result not yet consumed). That memory stays allocated until the vie
 hidden peak of old + new for that slot, and on a GPU a hazard if queued kernels still write
 it. Growing only the requesting slot avoids replacing the others but leaves them undersized
 at lock time, so the first locked request from another ubatch fails (what later vLLM versions
-had to patch). Measured in tests/test_workspace.py (test_synchronous_growth_*): a DBO warmup
+had to patch). Shown in tests/test_workspace.py (test_synchronous_growth_*): a DBO warmup
 in which only ubatch 0 sees the largest shape leaves per-slot growth with a slot that fails
 under lock, while synchronous growth serves it. The cost of synchronous growth is exactly the
-held views' old buffers, measured on an H200 (torch 2.11, 2 slots): growing 1 -> 2 GiB with
-no views held peaks at 4.0 GiB, the new total; growing 2 -> 3 GiB while one view into slot
-0 is held peaks at 8.0 GiB = 6 new + 2 orphaned, and memory falls to 6 GiB when the view
-dies -- the same numbers `peak_bytes` and `orphaned_bytes()` reported. So we count orphans
-instead of hiding them: `orphaned_bytes()`, `stats().orphaning_growths`, `peak_bytes`
+held views' old buffers: with no views held the peak is the new total; each held view keeps
+its old buffer alive on top of it until the view dies (the README gives the figures measured
+on a GPU, which matched what `peak_bytes` and `orphaned_bytes()` reported). So we count
+orphans instead of hiding them: `orphaned_bytes()`, `stats().orphaning_growths`, `peak_bytes`
 (orphans included), the resize debug log, and each `GrowthRecord.orphaned_bytes`.
 
 Lanes and persistent resources (vLLM's names and semantics). A manager has `num_lanes`
@@ -59,7 +62,7 @@ growth never moves them; once locked, a key not created during warmup is refused
 `WorkspaceLockedError`. `try_get_simultaneous` answers None where `get_simultaneous` would
 raise the locked error; `reserve` grows the lane's slots without handing out views;
 `available_bytes()` is what the caller's slot can serve without growing. Deliberate
-difference: vLLM's current manager grows only the requesting slot (see "Known tension").
+difference: vLLM's V1 manager grows only the requesting slot (see "Known tension").
 
 Pointer checks. `describe_buffer(ptr)` names the slot buffer (current or former, with its
 generation) a device pointer falls in, for the simulator's graph-replay check; it needs a
@@ -68,6 +71,7 @@ real device: on `meta` every data_ptr is 0, so it returns None there.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -100,6 +104,29 @@ BUFFER_HISTORY = 256
 
 def _nbytes(buffer: torch.Tensor | None) -> int:
     return 0 if buffer is None else buffer.numel()
+
+
+def _device_total_bytes(device: torch.device) -> int | None:
+    """All the memory `device` has: no growth can ever need more. None where unknown.
+
+    CPU: physical RAM (None where the OS does not report it); CUDA: the device's total as the
+    driver reports it; meta and other devices: None, so no bound (meta allocates nothing).
+    """
+    try:
+        if device.type == "cpu":
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        elif device.type == "cuda":
+            total = int(torch.cuda.mem_get_info(device)[1])
+        else:
+            return None
+    except (AttributeError, ValueError, OSError, RuntimeError, AssertionError):
+        return None  # not reported (or no CUDA): the allocator decides, rollback as ever
+    return total if total > 0 else None
+
+
+def _describe_request(key: Any) -> str:
+    text = ", ".join(f"({dims}, {dtype})" for dims, dtype in key)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(key)} tensors)"
 
 
 def _resolve_device(device: Any) -> torch.device:
@@ -141,7 +168,16 @@ def _check_alloc_context(alloc_context: Any) -> Callable[[], AbstractContextMana
 
 
 class WorkspaceManager:
-    """Per-ubatch scratch slots on one device (see the module docstring for the contract)."""
+    """Per-ubatch scratch slots on one device (see the module docstring for the contract).
+
+    Failure modes of a growth. A request no slot or device could hold (beyond int64, or
+    beyond the device's total memory over the slots it would resize) raises ValueError with
+    nothing released: held views stay live, generations and capacities are unchanged. An
+    allocation that fails below that bound (a real out-of-memory) happens after the lane's
+    old buffers were released, so the rollback re-makes them: views the lane's owners held
+    into the old buffers are then orphaned, and counted as any orphan is
+    (`orphaned_bytes()`, `orphaning_growths`), before `WorkspaceAllocationError` is raised.
+    """
 
     def __init__(
         self,
@@ -173,6 +209,7 @@ class WorkspaceManager:
         self._failed_growths = 0
         self._allocations = 0
         self._peak_bytes = 0
+        self._device_total: int | None | bool = False  # False: not read yet
 
     # ---------------------------------------------------------------- hot path
 
@@ -224,6 +261,7 @@ class WorkspaceManager:
                 caller = caller_info()
                 if self._locked:
                     raise self._locked_error(caller, layout.total_bytes, have)
+                self._check_fits_device(lane, layout, "reserve", caller)
                 self._grow(lane, layout.total_bytes, caller)
 
     def available_bytes(self) -> int:
@@ -330,6 +368,8 @@ class WorkspaceManager:
                         if soft:
                             return None
                         raise self._locked_error(caller, layout.total_bytes, have)
+                    who = "try_get_simultaneous" if soft else "get_simultaneous"
+                    self._check_fits_device(lane, layout, who, caller)
                     self._grow(lane, layout.total_bytes, caller)
                 views = self._make_views(self._slots[wid], layout)
                 cache = self._views[lane][ubatch]
@@ -408,11 +448,37 @@ class WorkspaceManager:
         """The one place slot memory is allocated (wrap it to count or fail allocations)."""
         return torch.empty((nbytes,), dtype=torch.uint8, device=self._device)
 
+    def _check_fits_device(self, lane: int, layout: Layout, who: str, caller: str) -> None:
+        """Refuse, before anything is released, a growth the device could never hold.
+
+        The lane's slots smaller than the request are each released and re-made at the new
+        size, so together they need new size x their count, whatever they held before. A
+        ValueError, like the int64 refusal in `plan_layout`: the request can never be served
+        on this device, so it is a bad argument and not an allocator failure to retry (that
+        is `WorkspaceAllocationError`, raised after a rollback).
+        """
+        if self._device_total is False:
+            self._device_total = _device_total_bytes(self._device)
+        total = self._device_total
+        new_bytes = layout.total_bytes
+        resized = sum(1 for w in self._lane_slots(lane) if _nbytes(self._slots[w]) < new_bytes)
+        need = new_bytes * resized
+        if total is None or need <= total:
+            return
+        raise ValueError(
+            f"{who}: the request [{_describe_request(layout.key)}] from '{caller}' needs "
+            f"{mb(new_bytes)} ({new_bytes} bytes) per slot; growing {resized} slot(s) of lane "
+            f"{lane} to it needs {need} bytes, more than {self._device} has in all "
+            f"({total} bytes). Nothing was released; ask for less per ubatch, or use fewer "
+            f"ubatches"
+        )
+
     def _grow(self, lane: int, new_bytes: int, caller: str) -> None:
         """Grow every ubatch's slot of `lane` to new_bytes; on failure roll them all back.
 
-        The caller holds the mutex and has validated the request (so new_bytes fits int64:
-        nothing is released for a request that could never be allocated).
+        The caller holds the mutex and has validated the request (so new_bytes fits int64)
+        and checked it against the device's memory (`_check_fits_device`): nothing is
+        released for a request that could never be allocated.
         """
         slots = self._lane_slots(lane)
         old_bytes = self._lane_capacity(lane)

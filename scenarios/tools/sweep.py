@@ -12,7 +12,8 @@ panel per phase) and against the comm/compute ratio.
 Decode points are one-token requests over a `context_len`-token KV cache each, by default the
 same context as the `dsv3-decode-ll` scenario, so the sweep's 256-token point is that
 scenario's step; prefill points are 4096-token prompts (the last one shorter when the count is
-not a multiple). `CsvSink` writes each point as it finishes, so an interrupted sweep keeps the
+not a multiple; a count below 4096 is one prompt), and `describe_prefill` says which for the
+points a sweep runs. `CsvSink` writes each point as it finishes, so an interrupted sweep keeps the
 points it computed.
 """
 
@@ -85,12 +86,40 @@ def check_points(
     return None
 
 
-def _batch(phase: str, tokens: int, context_len: int) -> Batch:
-    if phase == "decode":
-        return Batch.decode(num_requests=tokens, context_len=context_len)
+def prefill_prompts(tokens: int) -> list[int]:
+    """Prompt lengths of a `tokens`-token prefill point: PREFILL_PROMPT-token prompts, the
+    remainder as one shorter prompt."""
     lens = [PREFILL_PROMPT] * (tokens // PREFILL_PROMPT)
     if tokens % PREFILL_PROMPT:
         lens.append(tokens % PREFILL_PROMPT)
+    return lens
+
+
+def describe_prefill(prefill_tokens: Iterable[int]) -> str:
+    """What the prefill points hold, in words true for exactly these token counts."""
+    counts = sorted(set(prefill_tokens))
+    single = [t for t in counts if len(prefill_prompts(t)) == 1]
+    split = [t for t in counts if len(prefill_prompts(t)) > 1]
+    parts = []
+    if len(single) == 1:
+        parts.append(f"one {single[0]}-token prompt")
+    elif single:
+        parts.append(f"one prompt per point at {_listed(single)}")
+    if split:
+        ragged = any(t % PREFILL_PROMPT for t in split)
+        tail = " (the last one shorter where the count is not a multiple)" if ragged else ""
+        parts.append(f"{PREFILL_PROMPT}-token prompts{tail} at {_listed(split)}")
+    return "; ".join(parts) if parts else "no points"
+
+
+def _listed(counts: Sequence[int]) -> str:
+    return f"{', '.join(map(str, counts))} tokens"
+
+
+def _batch(phase: str, tokens: int, context_len: int) -> Batch:
+    if phase == "decode":
+        return Batch.decode(num_requests=tokens, context_len=context_len)
+    lens = prefill_prompts(tokens)
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
