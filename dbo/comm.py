@@ -60,16 +60,17 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dbo._checks import as_int
-from dbo.split import UBatchAgreementError
 from dbo.devices import current_device
+from dbo.split import UBatchAgreementError
 from dbo.streams import Event
 from dbo.ubatching import dbo_current_ubatch_id
 
@@ -122,7 +123,9 @@ class EPStepMismatchError(UBatchAgreementError):
     every rank with the same message, before any of the step's data moves; the group stays
     usable. `ubatch_counts` and `steps` are keyed by global rank."""
 
-    def __init__(self, message: str, *, ubatch_counts: dict[int, int], steps: dict[int, int]) -> None:
+    def __init__(
+        self, message: str, *, ubatch_counts: dict[int, int], steps: dict[int, int]
+    ) -> None:
         super().__init__(message)
         self.ubatch_counts = ubatch_counts
         self.steps = steps
@@ -264,7 +267,9 @@ class EPGroup:
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if not (isinstance(abort_poll_s, (int, float)) and abort_poll_s > 0):
-            raise ValueError(f"abort_poll_s must be a positive number of seconds, got {abort_poll_s!r}")
+            raise ValueError(
+                f"abort_poll_s must be a positive number of seconds, got {abort_poll_s!r}"
+            )
         self.timeout_s = float(timeout_s)
         self.abort_poll_s = float(abort_poll_s)
         self._store = store
@@ -444,7 +449,9 @@ class EPGroup:
                 f"{type(topk_weights).__name__}"
             )
         if topk_ids.dim() != 2:
-            raise ValueError(f"topk_ids must be 2-D (tokens, top_k), got shape {tuple(topk_ids.shape)}")
+            raise ValueError(
+                f"topk_ids must be 2-D (tokens, top_k), got shape {tuple(topk_ids.shape)}"
+            )
         if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
             raise TypeError(f"topk_ids must hold integer expert ids, got dtype {topk_ids.dtype}")
         if topk_weights.shape != topk_ids.shape:
@@ -472,7 +479,9 @@ class EPGroup:
             t, k, order, token_of_row, row_expert, row_weight, send, recv, sum(recv)
         )
 
-    def _exchange_counts(self, flat: torch.Tensor, mode: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _exchange_counts(
+        self, flat: torch.Tensor, mode: str
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         w = self.ep_size
         bad = (flat < 0) | (flat >= self.num_experts)
         dest = flat.clamp(0, self.num_experts - 1) // self.experts_per_rank
@@ -524,7 +533,9 @@ class EPGroup:
         if plan is None:
             plan = self.prepare(topk_ids, topk_weights, dtype=x.dtype, mode=mode)
         elif not isinstance(plan, DispatchPlan):
-            raise TypeError(f"plan must be a DispatchPlan from prepare(), got {type(plan).__name__}")
+            raise TypeError(
+                f"plan must be a DispatchPlan from prepare(), got {type(plan).__name__}"
+            )
         elif tuple(topk_ids.shape) != (plan.num_tokens, plan.top_k):
             raise ValueError(
                 f"topk_ids has shape {tuple(topk_ids.shape)} but the plan was prepared for "
@@ -543,19 +554,28 @@ class EPGroup:
         device = current_device()
         if self._pg is None:
             nbytes = int(plan.num_rows * hidden * bpe * self._remote_share)
-            with device.comm_region("dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size) as sent:
+            with device.comm_region(
+                "dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size
+            ) as sent:
                 torch.index_select(x, 0, plan.token_of_row, out=out)
             recv_ids = plan.row_expert
         else:
             nbytes = int((plan.num_rows - plan.send_counts[self.rank]) * hidden * bpe)
-            arrived_ids = torch.empty(plan.num_recv_rows, dtype=plan.row_expert.dtype, device=x.device)
+            arrived_ids = torch.empty(
+                plan.num_recv_rows, dtype=plan.row_expert.dtype, device=x.device
+            )
             arrived = torch.empty(plan.num_recv_rows, hidden, dtype=x.dtype, device=x.device)
-            with device.comm_region("dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size) as sent:
+            with device.comm_region(
+                "dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size
+            ) as sent:
                 rows = x.index_select(0, plan.token_of_row)
                 splits = (plan.recv_counts, plan.send_counts)  # (output, input) rows per rank
                 self._all_to_all(arrived_ids, plan.row_expert, *splits, "dispatch expert ids")
                 self._all_to_all(
-                    _as_bytes(arrived, "receive buffer"), _as_bytes(rows, "x rows"), *splits, "dispatch"
+                    _as_bytes(arrived, "receive buffer"),
+                    _as_bytes(rows, "x rows"),
+                    *splits,
+                    "dispatch",
                 )
                 handle.recv_order = arrived_ids.argsort(stable=True)
                 recv_ids = arrived_ids[handle.recv_order]
@@ -577,34 +597,47 @@ class EPGroup:
         tokens x hidden). Returns `out`; `handle.combine_event` marks its arrival."""
         _check_mode(mode)
         if not isinstance(handle, EPHandle):
-            raise TypeError(f"handle must be the EPHandle of a dispatch, got {type(handle).__name__}")
+            raise TypeError(
+                f"handle must be the EPHandle of a dispatch, got {type(handle).__name__}"
+            )
         plan = handle.plan
         _check_rows("expert_out", expert_out, plan.num_recv_rows)
         hidden = expert_out.shape[1]
         if out is None:
-            out = torch.zeros(plan.num_tokens, hidden, dtype=expert_out.dtype, device=expert_out.device)
+            out = torch.zeros(
+                plan.num_tokens, hidden, dtype=expert_out.dtype, device=expert_out.device
+            )
         else:
             _check_rows("out", out, plan.num_tokens, hidden)
         bpe = expert_out.element_size() if bytes_per_elem is None else bytes_per_elem
         device = current_device()
         if self._pg is None:
             nbytes = int(plan.num_rows * hidden * bpe * self._remote_share)
-            with device.comm_region("combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size) as sent:
+            with device.comm_region(
+                "combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size
+            ) as sent:
                 out.index_add_(0, plan.token_of_row, expert_out * plan.row_weight)
         else:
             nbytes = int((plan.num_recv_rows - plan.recv_counts[self.rank]) * hidden * bpe)
             if handle.recv_order is None:
                 raise ValueError("handle comes from an in-process dispatch, not from this group's")
             staged = torch.empty_like(expert_out, memory_format=torch.contiguous_format)
-            back = torch.empty(plan.num_rows, hidden, dtype=expert_out.dtype, device=expert_out.device)
-            with device.comm_region("combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size) as sent:
+            back = torch.empty(
+                plan.num_rows, hidden, dtype=expert_out.dtype, device=expert_out.device
+            )
+            with device.comm_region(
+                "combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size
+            ) as sent:
                 # Back to arrival order, so each source rank gets its rows in the order it sent
                 # them: its expert-major send order, and the scatter-add below is then the
                 # in-process one, row for row.
                 staged.index_copy_(0, handle.recv_order, expert_out)
                 self._all_to_all(
-                    _as_bytes(back, "combine buffer"), _as_bytes(staged, "expert_out"),
-                    plan.send_counts, plan.recv_counts, "combine",
+                    _as_bytes(back, "combine buffer"),
+                    _as_bytes(staged, "expert_out"),
+                    plan.send_counts,
+                    plan.recv_counts,
+                    "combine",
                 )
                 out.index_add_(0, plan.token_of_row, back * plan.row_weight)
         handle.combine_event = sent.event

@@ -92,8 +92,9 @@ def resolve_device(device: Device | str | None, **sim_options: Any) -> Device:
         if device == "cuda" or device.startswith("cuda:"):
             suffix = device.split(":", 1)[1] if ":" in device else None
             if suffix is not None and not suffix.isdigit():
-                raise ValueError(f"device {device!r}: the GPU index after 'cuda:' must be a "
-                                 f"non-negative integer")
+                raise ValueError(
+                    f"device {device!r}: the GPU index after 'cuda:' must be a non-negative integer"
+                )
             return CudaDevice(None if suffix is None else int(suffix))
     raise ValueError(
         f"device must be 'sim', 'cuda', 'cuda:N' or a dbo.streams.Device, got {device!r}"

@@ -26,10 +26,10 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -104,8 +104,15 @@ def run_ubatches(
     try:
         return _run_step(
             _StepRequest(
-                fn, inputs, device, timeout, forward_contexts, compute_stream, comm_stream,
-                schedule, graph,
+                fn,
+                inputs,
+                device,
+                timeout,
+                forward_contexts,
+                compute_stream,
+                comm_stream,
+                schedule,
+                graph,
             )
         )
     finally:

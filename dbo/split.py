@@ -538,9 +538,10 @@ def split_batch(
 def slice_query_start_locs(query_start_loc: torch.Tensor, request_slice: slice) -> torch.Tensor:
     """The `query_start_loc` entries of `request_slice`'s requests, rebased to start at 0
     (whole requests; `split_attn_metadata` also trims a request cut by the boundary)."""
-    return query_start_loc[request_slice.start : request_slice.stop + 1] - query_start_loc[
-        request_slice.start
-    ]
+    return (
+        query_start_loc[request_slice.start : request_slice.stop + 1]
+        - query_start_loc[request_slice.start]
+    )
 
 
 def _check_slice_against(ubatch_slice: Any, meta: CommonAttentionMetadata, cu: list[int]) -> None:
@@ -615,8 +616,7 @@ def _make_metadata_with_slice(
         max_query_len=max_query_len or attn_metadata.max_query_len,
         # floored by the whole batch's, as vLLM does: kernels picked for a captured graph
         # by max_seq_len must stay the captured ones
-        max_seq_len=max(int(seq_lens.max()) if seq_lens.numel() else 0,
-                        attn_metadata.max_seq_len),
+        max_seq_len=max(int(seq_lens.max()) if seq_lens.numel() else 0, attn_metadata.max_seq_len),
     )
 
 
@@ -721,8 +721,14 @@ def decide_ubatching(proposals: Sequence[UBatchProposal]) -> UBatchDecision:
     dp_padded = split or mode != 0
     across = tuple(padded if dp_padded else p.num_tokens_padded for p in proposals)
     return UBatchDecision(
-        split=split, num_tokens_padded=padded, num_ubatches=n, per_rank=proposals,
-        reason=reason, cudagraph_mode=mode, num_tokens_across_dp=across, dp_padded=dp_padded,
+        split=split,
+        num_tokens_padded=padded,
+        num_ubatches=n,
+        per_rank=proposals,
+        reason=reason,
+        cudagraph_mode=mode,
+        num_tokens_across_dp=across,
+        dp_padded=dp_padded,
     )
 
 
@@ -776,8 +782,9 @@ def coordinate_ubatching(
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if distributed else 1
     if world <= 1:
-        local = UBatchProposal(0, should_split, real, num_tokens_padded, num_ubatches,
-                               cudagraph_mode)
+        local = UBatchProposal(
+            0, should_split, real, num_tokens_padded, num_ubatches, cudagraph_mode
+        )
         return decide_ubatching([local])
 
     rank = dist.get_rank(group)
@@ -788,10 +795,17 @@ def coordinate_ubatching(
     # Bad arguments still travel (flagged) so no peer is left waiting in the all_gather.
     local_error: Exception | None = None
     try:
-        local = UBatchProposal(rank, should_split, real, num_tokens_padded, num_ubatches,
-                               cudagraph_mode)
-        row = [1, int(local.should_split), local.num_tokens, local.num_tokens_padded,
-               local.num_ubatches, local.cudagraph_mode]
+        local = UBatchProposal(
+            rank, should_split, real, num_tokens_padded, num_ubatches, cudagraph_mode
+        )
+        row = [
+            1,
+            int(local.should_split),
+            local.num_tokens,
+            local.num_tokens_padded,
+            local.num_ubatches,
+            local.cudagraph_mode,
+        ]
     except (TypeError, ValueError) as exc:
         local_error = exc
         row = [0] * _WIRE_FIELDS
@@ -809,9 +823,7 @@ def coordinate_ubatching(
             f"rank(s) {bad} passed invalid arguments to coordinate_ubatching (see the error "
             f"raised there)"
         )
-    proposals = [
-        UBatchProposal(r, bool(v[1]), v[2], v[3], v[4], v[5]) for r, v in enumerate(table)
-    ]
+    proposals = [UBatchProposal(r, bool(v[1]), v[2], v[3], v[4], v[5]) for r, v in enumerate(table)]
     return decide_ubatching(proposals)
 
 
@@ -856,4 +868,3 @@ def coordinate_batch_across_dp(
     )
     across = torch.tensor(decision.num_tokens_across_dp, dtype=torch.int32)
     return decision.split, across, decision.cudagraph_mode
-

@@ -28,9 +28,10 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from dbo._checks import as_int
 from dbo.errors import UBatchError, YieldMismatchError, _describe, _StepAborted
@@ -58,7 +59,7 @@ __all__ = [
 ]
 
 _THREAD_ID_TO_CONTEXT: dict[int, int] = {}
-_CURRENT_CONTEXTS: list["UBatchContext | None"] = []
+_CURRENT_CONTEXTS: list[UBatchContext | None] = []
 _forward_context: Any = None
 # Guards registration and step close. Readers (dbo_current_ubatch_id, the helpers) take no
 # lock: a single dict/list read is atomic, and a thread only ever reads its own entry.
@@ -301,7 +302,7 @@ class UBatchContext:
 
     # -- enter / exit ------------------------------------------------------------------------
 
-    def __enter__(self) -> "UBatchContext":
+    def __enter__(self) -> UBatchContext:
         """Register this thread as the ubatch, wait at the ready barrier with its peers, then
         park until the baton arrives (ubatch 0 gets it from the launcher). Records nothing;
         leaves the thread on the compute stream; hands nothing on."""
@@ -643,6 +644,8 @@ def dbo_yield() -> None:
         ctx = _CURRENT_CONTEXTS[ubatch_id]
         if ctx is not None:
             ctx._cpu_yield()
+
+
 dbo_yield_and_switch_from_compute_to_comm = _ubatch_helper(
     UBatchContext.yield_and_switch_from_compute_to_comm
 )

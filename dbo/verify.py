@@ -113,8 +113,7 @@ class VerifyReport:
                     f"(no measured kernel covered it)"
                 )
         else:
-            lines.append(f"  step time        serial {self.step_us_serial:.1f} us, DBO step "
-                         f"failed")
+            lines.append(f"  step time        serial {self.step_us_serial:.1f} us, DBO step failed")
         if self.trace:
             lines.append(f"  trace            {self.trace}")
         if self.timeline_png:
@@ -135,15 +134,23 @@ class VerifyReport:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         verdict = "ok" if self.ok else "FAILED"
-        self.trace = str(write_chrome_trace_runs(
-            folder / "verify.trace.json", self.runs, metadata={"verify": self.to_dict()},
-            window=window,
-        ))
-        self.timeline_png = str(plot_runs(
-            folder / "verify.png", self.runs, window=window,
-            title=f"verify: {verdict}, serial {self.step_us_serial:.1f} us vs DBO "
-                  f"{self.step_us_dbo:.1f} us",
-        ))
+        self.trace = str(
+            write_chrome_trace_runs(
+                folder / "verify.trace.json",
+                self.runs,
+                metadata={"verify": self.to_dict()},
+                window=window,
+            )
+        )
+        self.timeline_png = str(
+            plot_runs(
+                folder / "verify.png",
+                self.runs,
+                window=window,
+                title=f"verify: {verdict}, serial {self.step_us_serial:.1f} us vs DBO "
+                f"{self.step_us_dbo:.1f} us",
+            )
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON types only: races as their descriptions, the error as its type and text."""
@@ -174,9 +181,7 @@ def _yes_no(flag: bool) -> str:
 def _diff_text(report: VerifyReport) -> str:
     if report.max_abs_diff is None:
         return " (not compared)"
-    return (
-        f" (max abs diff {report.max_abs_diff:.3g}; atol {report.atol:g}, rtol {report.rtol:g})"
-    )
+    return f" (max abs diff {report.max_abs_diff:.3g}; atol {report.atol:g}, rtol {report.rtol:g})"
 
 
 _DETAIL_LINES = 20
@@ -216,36 +221,43 @@ def _check_args(
     artifacts: Any,
 ) -> None:
     if not callable(forward):
-        raise TypeError(f"forward must be callable (forward(batch) -> output), got "
-                        f"{type(forward).__name__}")
+        raise TypeError(
+            f"forward must be callable (forward(batch) -> output), got {type(forward).__name__}"
+        )
     if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int) or num_ubatches < 2:
-        raise ValueError(f"num_ubatches must be an int >= 2 (DBO needs two ubatches or more), "
-                         f"got {num_ubatches!r}")
+        raise ValueError(
+            f"num_ubatches must be an int >= 2 (DBO needs two ubatches or more), "
+            f"got {num_ubatches!r}"
+        )
     for name, fn in (("split", split), ("merge", merge)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0 (steps run before measuring), got "
-                         f"{warmup!r}")
+        raise ValueError(f"warmup must be an int >= 0 (steps run before measuring), got {warmup!r}")
     for name, tol in (("atol", atol), ("rtol", rtol)):
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (
-            math.isfinite(tol) and tol >= 0
+        if (
+            isinstance(tol, bool)
+            or not isinstance(tol, (int, float))
+            or not (math.isfinite(tol) and tol >= 0)
         ):
             raise ValueError(f"{name} must be a finite number >= 0, got {tol!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-        math.isfinite(timeout) and timeout > 0
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not (math.isfinite(timeout) and timeout > 0)
     ):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if artifacts is not None and not isinstance(artifacts, (str, Path)):
-        raise TypeError(f"artifacts must be a folder path or None, got "
-                        f"{type(artifacts).__name__}")
+        raise TypeError(f"artifacts must be a folder path or None, got {type(artifacts).__name__}")
 
 
 def _resolve(device: Any) -> Device:
     wants_cuda = isinstance(device, str) and (device == "cuda" or device.startswith("cuda:"))
     if wants_cuda and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but this machine has no CUDA device; use "
-                             f"device='sim' for the simulated one")
+        raise ValueError(
+            f"device={device!r} but this machine has no CUDA device; use "
+            f"device='sim' for the simulated one"
+        )
     try:
         return resolve_device(device)
     except (TypeError, ValueError) as error:
@@ -279,12 +291,16 @@ def split_inputs(inputs: Any, num_ubatches: int) -> list[Any]:
             f"got {_describe(inputs)}; pass split=fn(inputs, num_ubatches) -> list"
         )
     if len(rows) != 1:
-        raise ValueError(f"the default split needs every input tensor to have the same dim 0, "
-                         f"got sizes {sorted(rows)}; pass split=fn(inputs, num_ubatches)")
+        raise ValueError(
+            f"the default split needs every input tensor to have the same dim 0, "
+            f"got sizes {sorted(rows)}; pass split=fn(inputs, num_ubatches)"
+        )
     (n,) = rows
     if n < num_ubatches:
-        raise ValueError(f"inputs have {n} rows, fewer than num_ubatches={num_ubatches}: some "
-                         f"ubatch would be empty")
+        raise ValueError(
+            f"inputs have {n} rows, fewer than num_ubatches={num_ubatches}: some "
+            f"ubatch would be empty"
+        )
     bounds = [0, *ubatch_cut_points(n, num_ubatches), n]
     pieces = [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
@@ -312,8 +328,9 @@ def _ubatch_inputs(inputs: Any, num_ubatches: int, split: Callable | None) -> li
     pieces = split(inputs, num_ubatches)
     if not isinstance(pieces, (list, tuple)) or len(pieces) != num_ubatches:
         got = len(pieces) if isinstance(pieces, (list, tuple)) else type(pieces).__name__
-        raise ValueError(f"split must return a list of num_ubatches={num_ubatches} ubatch "
-                         f"inputs, got {got}")
+        raise ValueError(
+            f"split must return a list of num_ubatches={num_ubatches} ubatch inputs, got {got}"
+        )
     return list(pieces)
 
 
@@ -321,15 +338,17 @@ def _ubatch_inputs(inputs: Any, num_ubatches: int, split: Callable | None) -> li
 # Comparing outputs
 
 
-def _compare(expected: Any, got: Any, atol: float, rtol: float, where: str = "output"
-             ) -> tuple[float, str | None]:
+def _compare(
+    expected: Any, got: Any, atol: float, rtol: float, where: str = "output"
+) -> tuple[float, str | None]:
     """(max abs diff, why they differ or None)."""
     if isinstance(expected, torch.Tensor):
         if not isinstance(got, torch.Tensor):
             return math.inf, f"{where}: serial gave a tensor, DBO a {type(got).__name__}"
         if expected.shape != got.shape:
-            return math.inf, (f"{where}: shape {tuple(got.shape)} under DBO, "
-                              f"{tuple(expected.shape)} serially")
+            return math.inf, (
+                f"{where}: shape {tuple(got.shape)} under DBO, {tuple(expected.shape)} serially"
+            )
         if expected.device.type == "meta" or expected.numel() == 0:
             return 0.0, None  # shapes only: no values to compare
         a, b = expected.detach().double().cpu(), got.detach().double().cpu()
@@ -351,8 +370,9 @@ def _compare(expected: Any, got: Any, atol: float, rtol: float, where: str = "ou
     if isinstance(expected, Mapping):
         if not isinstance(got, Mapping) or set(got) != set(expected):
             return math.inf, f"{where}: keys differ from the serial output's"
-        return _worst(_compare(expected[k], got[k], atol, rtol, f"{where}[{k!r}]")
-                      for k in expected)
+        return _worst(
+            _compare(expected[k], got[k], atol, rtol, f"{where}[{k!r}]") for k in expected
+        )
     if expected == got:
         return 0.0, None
     return math.inf, f"{where}: {got!r} under DBO, {expected!r} serially"
@@ -395,8 +415,15 @@ def _measure(device: Device, step: Callable[[], Any], catch: tuple[type, ...] = 
         device.synchronize()
         records = list(device.timeline)
         step_us = summarize(records).step_us if records else 0.0
-        return _Run(output, step_us, records, list(device.races), list(device.event_waits),
-                    list(device.host_ranges), error)
+        return _Run(
+            output,
+            step_us,
+            records,
+            list(device.races),
+            list(device.event_waits),
+            list(device.host_ranges),
+            error,
+        )
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     device.synchronize()
     start.record()
@@ -456,8 +483,9 @@ def verify(
     if owns_workspace:
         workspace.init_workspace_manager(dev.torch_device, num_ubatches)
     try:
-        serial, ubatched = _run_both(forward, inputs, pieces, dev, merge, warmup, timeout,
-                                     owns_workspace)
+        serial, ubatched = _run_both(
+            forward, inputs, pieces, dev, merge, warmup, timeout, owns_workspace
+        )
     finally:
         if owns_workspace:
             workspace.reset_workspace_manager()
@@ -482,8 +510,16 @@ def _check_workspace(num_ubatches: int) -> bool:
     return False
 
 
-def _run_both(forward: Callable, inputs: Any, pieces: list[Any], device: Device,
-              merge: Callable, warmup: int, timeout: float, lock: bool) -> tuple[_Run, _Run]:
+def _run_both(
+    forward: Callable,
+    inputs: Any,
+    pieces: list[Any],
+    device: Device,
+    merge: Callable,
+    warmup: int,
+    timeout: float,
+    lock: bool,
+) -> tuple[_Run, _Run]:
     def serial_step() -> Any:
         with use_device(device), device.thread_scope(None):
             return forward(inputs)
@@ -510,8 +546,9 @@ def _run_both(forward: Callable, inputs: Any, pieces: list[Any], device: Device,
     return serial, ubatched
 
 
-def _report(serial: _Run, ubatched: _Run, num_ubatches: int, device: Device, atol: float,
-            rtol: float) -> VerifyReport:
+def _report(
+    serial: _Run, ubatched: _Run, num_ubatches: int, device: Device, atol: float, rtol: float
+) -> VerifyReport:
     if ubatched.error is None:
         diff, why = _compare(serial.output, ubatched.output, atol, rtol)
         match = why is None

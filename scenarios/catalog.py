@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,7 +30,6 @@ from scenarios.harness import (
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.registry import SCENARIOS, Scenario, ScenarioResult, scenario
 from scenarios.steps import ubatched_step
-from workspace.testing import record_allocations
 from workspace import (
     WorkspaceLockedError,
     current_workspace_manager,
@@ -38,6 +38,7 @@ from workspace import (
     reset_workspace_manager,
     unlock_workspace,
 )
+from workspace.testing import record_allocations
 
 __all__ = [
     "ScenarioResult",
@@ -61,7 +62,10 @@ def run_scenario(name: str, opts: RunOptions) -> ScenarioResult:
         result = run(opts)
     except Exception as error:  # noqa: BLE001 - reported as the verdict
         result = ScenarioResult(
-            name, passed=False, negative=SCENARIOS[name].negative, error=f"{type(error).__name__}: {error}"
+            name,
+            passed=False,
+            negative=SCENARIOS[name].negative,
+            error=f"{type(error).__name__}: {error}",
         )
     finally:
         reset_workspace_manager()
@@ -112,7 +116,11 @@ TINY_DECODE = Batch.decode(num_requests=64, context_len=16)
 TINY_PREFILL = Batch(query_start_loc=(0, 40, 70, 128, 160), context_lens=(0, 0, 0, 0))
 
 
-@scenario("moe-decode-ll", "MoE decode, DeepEP low-latency style: recv hooks, 2 yields per layer", cuda=True)
+@scenario(
+    "moe-decode-ll",
+    "MoE decode, DeepEP low-latency style: recv hooks, 2 yields per layer",
+    cuda=True,
+)
 def _moe_decode_ll(opts: RunOptions) -> ScenarioResult:
     c = compare_serial_dbo("moe-decode-ll", preset("tiny"), TINY_DECODE, "ll", opts)
     return _from_comparison("moe-decode-ll", c, mode="ll", tokens=TINY_DECODE.num_tokens)
@@ -120,7 +128,8 @@ def _moe_decode_ll(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "moe-prefill-ht",
-    "MoE prefill, DeepEP high-throughput style: comm stream, 3 yields per layer; a request is cut by "
+    "MoE prefill, DeepEP high-throughput style: comm stream, 3 yields per layer; a request is "
+    "cut by "
     "the ubatch boundary",
     cuda=True,
 )
@@ -143,7 +152,8 @@ DSV3_DECODE = Batch.decode(num_requests=256, context_len=2048)  # 256 tokens per
 
 
 @scenario(
-    "dsv3-prefill-ht", "DeepSeek-V3 size (meta, timing only), prefill 8K tokens per device, high-throughput EP"
+    "dsv3-prefill-ht",
+    "DeepSeek-V3 size (meta, timing only), prefill 8K tokens per device, high-throughput EP",
 )
 def _dsv3_prefill(opts: RunOptions) -> ScenarioResult:
     c = compare_serial_dbo("dsv3-prefill-ht", preset("deepseek-v3"), DSV3_PREFILL, "ht", opts)
@@ -185,7 +195,9 @@ def _fresh(opts: RunOptions, *, watch_pointers: bool = False) -> tuple[Any, Any]
 def _ubatched(opts: RunOptions, fn: Callable[[int], Any]) -> tuple[SimDevice, list[Any]]:
     """Run `fn(ubatch id)` as one ubatched step on a fresh device and workspace."""
     device, _ = _fresh(opts)
-    outs = dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s)
+    outs = dbo.run_ubatches(
+        fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s
+    )
     device.synchronize()
     return device, outs
 
@@ -252,26 +264,32 @@ def _dcp_attention(opts: RunOptions) -> ScenarioResult:
         return torch.empty(n, heads, dim, dtype=torch.float64)
 
     expected = [
-        attend(q[u] * 2, k[u], fresh()) + attend(q[u], k[u], fresh()).sum() for u in range(opts.num_ubatches)
+        attend(q[u] * 2, k[u], fresh()) + attend(q[u], k[u], fresh()).sum()
+        for u in range(opts.num_ubatches)
     ]
     checks = {
         "two calls alias within a ubatch": all(a == b for a, b in ptrs.values()),
         "ubatch slots are distinct": len({a for a, _ in ptrs.values()}) == opts.num_ubatches,
-        "outputs match": all(torch.allclose(o, e, rtol=0, atol=1e-12) for o, e in zip(outs, expected)),
+        "outputs match": all(
+            torch.allclose(o, e, rtol=0, atol=1e-12) for o, e in zip(outs, expected)
+        ),
     }
     return _case_result("dcp-attention", device, checks, opts)
 
 
 @scenario(
     "fused-moe-workspace",
-    "Fused MoE: one call gives a shared region (workspace13 / fused_out views) and an independent workspace2",
+    "Fused MoE: one call gives a shared region (workspace13 / fused_out views) and an "
+    "independent workspace2",
 )
 def _fused_moe(opts: RunOptions) -> ScenarioResult:
     m, hidden, inter = 32, 48, 64
     gen = torch.Generator().manual_seed(1)
     w1 = torch.randn(hidden, inter, generator=gen, dtype=torch.float64)
     w2 = torch.randn(inter, hidden, generator=gen, dtype=torch.float64)
-    xs = [torch.randn(m, hidden, generator=gen, dtype=torch.float64) for _ in range(opts.num_ubatches)]
+    xs = [
+        torch.randn(m, hidden, generator=gen, dtype=torch.float64) for _ in range(opts.num_ubatches)
+    ]
     relations: dict[int, dict[str, bool]] = {}
 
     def fn(u: int) -> torch.Tensor:
@@ -288,7 +306,8 @@ def _fused_moe(opts: RunOptions) -> ScenarioResult:
         torch.mm(workspace2, w2, out=fused_out)  # reuses cache1's memory: cache1 is dead
         relations[u] = {
             "workspace13 and fused_out alias": workspace13.data_ptr() == fused_out.data_ptr(),
-            "workspace2 is independent": workspace2.data_ptr() >= common.data_ptr() + common.numel() * 8,
+            "workspace2 is independent": workspace2.data_ptr()
+            >= common.data_ptr() + common.numel() * 8,
         }
         return fused_out.clone()
 
@@ -303,7 +322,8 @@ def _fused_moe(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "sparse-indexer",
-    "Sparse indexer: a profile call reserves three buffers; prefill and decode calls then allocate nothing",
+    "Sparse indexer: a profile call reserves three buffers; prefill and decode calls then "
+    "allocate nothing",
 )
 def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
     total_seq, head_dim, topk_ws = 96, 32, 4096
@@ -339,7 +359,9 @@ def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
         if phase[0] == "run":
             lock_workspace()
         with record_allocations(manager) as sizes:
-            dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s)
+            dbo.run_ubatches(
+                fn, list(range(opts.num_ubatches)), device=device, timeout=opts.timeout_s
+            )
         allocations[phase[0]] = len(sizes)
     every_ubatch = len(outputs) == len(aliases) == opts.num_ubatches
     checks = {
@@ -347,14 +369,16 @@ def _sparse_indexer(opts: RunOptions) -> ScenarioResult:
         "run allocated nothing": allocations["run"] == 0,
         "each ubatch kept its own scale buffer": every_ubatch
         and all(bool((outputs[u] == u + 2).all()) for u in outputs),
-        "decode topk workspace aliases the prefill key buffer": every_ubatch and all(aliases.values()),
+        "decode topk workspace aliases the prefill key buffer": every_ubatch
+        and all(aliases.values()),
     }
     return _case_result("sparse-indexer", device, checks, opts, allocations=allocations)
 
 
 @scenario(
     "mla-init-reservation",
-    "MLA init: a buffer reserved at init and held as an attribute; later calls alias it and never grow",
+    "MLA init: a buffer reserved at init and held as an attribute; later calls alias it and "
+    "never grow",
 )
 def _mla_init(opts: RunOptions) -> ScenarioResult:
     max_tokens, heads, head_size = 64, 4, 32
@@ -370,7 +394,7 @@ def _mla_init(opts: RunOptions) -> ScenarioResult:
         def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
             buf = self.q_concat_buffer[: q_nope.shape[0]]
             buf[..., : q_nope.shape[-1]].copy_(q_nope)
-            buf[..., q_nope.shape[-1]:].copy_(q_pe)
+            buf[..., q_nope.shape[-1] :].copy_(q_pe)
             return buf.float().sum(dim=(1, 2))
 
     impl = FlashMLASparseLike()
@@ -411,7 +435,9 @@ def _graph_step(
         dbo.dbo_yield()
         torch.mul(scratch, 2.0, out=outs[u])
 
-    dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device)  # warm-up grows the workspace
+    dbo.run_ubatches(
+        fn, list(range(opts.num_ubatches)), device=device
+    )  # warm-up grows the workspace
     graph = device.graph()
     dbo.run_ubatches(fn, list(range(opts.num_ubatches)), device=device, graph=graph)
     return graph, xs, w, outs
@@ -419,7 +445,8 @@ def _graph_step(
 
 @scenario(
     "graph-pointer-stability",
-    "CUDA graphs: warm up, capture, lock; replays reuse the captured workspace pointers and recompute "
+    "CUDA graphs: warm up, capture, lock; replays reuse the captured workspace pointers and "
+    "recompute "
     "from new inputs",
 )
 def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
@@ -431,19 +458,25 @@ def _graph_pointer_stability(opts: RunOptions) -> ScenarioResult:
         for x in xs:
             x.copy_(torch.randn_like(x))
         graph.replay()
-        ok_values &= all(torch.allclose(o, (x @ w) * 2, rtol=0, atol=1e-12) for o, x in zip(outs, xs))
+        ok_values &= all(
+            torch.allclose(o, (x @ w) * 2, rtol=0, atol=1e-12) for o, x in zip(outs, xs)
+        )
     replayed = [r for r in device.timeline if r.replayed]
     checks = {
         "outputs match": ok_values,
-        "replays issue no host launch cost": bool(replayed) and all(r.issue_us <= r.start_us for r in replayed),
-        "workspace never regrew": all(manager.slot_generation(k) == 1 for k in range(opts.num_ubatches)),
+        "replays issue no host launch cost": bool(replayed)
+        and all(r.issue_us <= r.start_us for r in replayed),
+        "workspace never regrew": all(
+            manager.slot_generation(k) == 1 for k in range(opts.num_ubatches)
+        ),
     }
     return _case_result("graph-pointer-stability", device, checks, opts, replayed_ops=len(replayed))
 
 
 @scenario(
     "elastic-ep",
-    "Elastic EP: unlock, re-warm with larger experts (growth), relock; the stale graph is refused and a "
+    "Elastic EP: unlock, re-warm with larger experts (growth), relock; the stale graph is "
+    "refused and a "
     "recaptured one replays",
 )
 def _elastic_ep(opts: RunOptions) -> ScenarioResult:
@@ -466,8 +499,11 @@ def _elastic_ep(opts: RunOptions) -> ScenarioResult:
         "grew while unlocked": manager.capacity > capacity_before,
         "locked again": manager.is_locked(),
         "all slots equal after growth": len(set(manager.slot_capacities())) == 1,
-        "stale graph refused, naming the slot": stale_error is not None and "workspace slot" in stale_error,
-        "outputs match": all(torch.allclose(o, (x @ w) * 2, rtol=0, atol=1e-12) for o, x in zip(outs, xs)),
+        "stale graph refused, naming the slot": stale_error is not None
+        and "workspace slot" in stale_error,
+        "outputs match": all(
+            torch.allclose(o, (x @ w) * 2, rtol=0, atol=1e-12) for o, x in zip(outs, xs)
+        ),
     }
     return _case_result("elastic-ep", device, checks, opts, stale_graph_error=stale_error)
 
@@ -490,7 +526,8 @@ class _NoWaitModel(MoEModel):
 
 @scenario(
     "missing-wait-race",
-    "Negative: dispatch switches to the comm stream without waiting for compute; the race checker must "
+    "Negative: dispatch switches to the comm stream without waiting for compute; the race "
+    "checker must "
     "report it",
     negative=True,
 )
@@ -498,9 +535,18 @@ def _missing_wait(opts: RunOptions) -> ScenarioResult:
     device = new_device(opts)
     model = _NoWaitModel(preset("tiny"), TINY_PREFILL)
     run = run_step(
-        model, model.inputs(), device=device, num_ubatches=opts.num_ubatches, mode="ht", timeout_s=opts.timeout_s
+        model,
+        model.inputs(),
+        device=device,
+        num_ubatches=opts.num_ubatches,
+        mode="ht",
+        timeout_s=opts.timeout_s,
     )
-    caught = [r for r in run.races if r.second.op.endswith("dispatch") and r.second.stream.startswith("comm")]
+    caught = [
+        r
+        for r in run.races
+        if r.second.op.endswith("dispatch") and r.second.stream.startswith("comm")
+    ]
     result = ScenarioResult(
         "missing-wait-race",
         passed=bool(caught),
@@ -541,7 +587,9 @@ def _expect_failure(
         name,
         passed=ok,
         negative=True,
-        error=None if ok else (
+        error=None
+        if ok
+        else (
             f"expected {expected.__name__} within {_PROMPT_S:g} s with empty registries, got {got} "
             f"after {elapsed:.2f} s"
         ),
@@ -556,7 +604,8 @@ def _expect_failure(
 
 @scenario(
     "yield-mismatch",
-    "Negative: one ubatch yields once more than the others; a YieldMismatchError must name every count",
+    "Negative: one ubatch yields once more than the others; a YieldMismatchError must name "
+    "every count",
     negative=True,
     cuda=True,
 )
@@ -573,7 +622,8 @@ def _yield_mismatch(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "exception-in-ubatch",
-    "Negative: the last ubatch raises mid-step; every peer is released and one UBatchError names it",
+    "Negative: the last ubatch raises mid-step; every peer is released and one UBatchError "
+    "names it",
     negative=True,
     cuda=True,
 )
@@ -587,14 +637,17 @@ def _exception_in_ubatch(opts: RunOptions) -> ScenarioResult:
         dbo.dbo_yield()
 
     def names_the_raiser(error: BaseException) -> bool:
-        return getattr(error, "ubatch_id", None) == last and isinstance(error.__cause__, RuntimeError)
+        return getattr(error, "ubatch_id", None) == last and isinstance(
+            error.__cause__, RuntimeError
+        )
 
     return _expect_failure("exception-in-ubatch", opts, fn, dbo.UBatchError, names_the_raiser)
 
 
 @scenario(
     "locked-growth",
-    "Negative: after warm-up and lock, a larger batch needs more workspace; the error names the caller "
+    "Negative: after warm-up and lock, a larger batch needs more workspace; the error names the "
+    "caller "
     "and both sizes",
     negative=True,
 )
@@ -602,12 +655,21 @@ def _locked_growth(opts: RunOptions) -> ScenarioResult:
     device = new_device(opts)
     small = MoEModel(preset("tiny"), Batch.decode(64, 16))
     run_step(
-        small, small.inputs(), device=device, num_ubatches=opts.num_ubatches, mode="ll", timeout_s=opts.timeout_s
+        small,
+        small.inputs(),
+        device=device,
+        num_ubatches=opts.num_ubatches,
+        mode="ll",
+        timeout_s=opts.timeout_s,
     )
     # run_step left the workspace warmed for 64 tokens and locked; now 128 tokens arrive.
     big = MoEModel(preset("tiny"), Batch.decode(128, 16))
     step = ubatched_step(
-        big, big.inputs(), device, mode="ll", num_ubatches=opts.num_ubatches,
+        big,
+        big.inputs(),
+        device,
+        mode="ll",
+        num_ubatches=opts.num_ubatches,
         timeout_s=opts.timeout_s,
     )
     caught: BaseException | None = None
@@ -634,8 +696,10 @@ def _locked_growth(opts: RunOptions) -> ScenarioResult:
 
 @scenario(
     "dp-disagreement",
-    "Negative, 2 processes (or --ranks N): DP ranks decide ubatching alone (2 vs 1 ubatches); the EP step "
-    "handshake must stop every rank with an error naming each rank's count, and the agreed step must then run",
+    "Negative, 2 processes (or --ranks N): DP ranks decide ubatching alone (2 vs 1 ubatches); "
+    "the EP step "
+    "handshake must stop every rank with an error naming each rank's count, and the agreed step "
+    "must then run",
     negative=True,
 )
 def _dp_disagreement(opts: RunOptions) -> ScenarioResult:

@@ -138,7 +138,9 @@ def _options(args: argparse.Namespace) -> RunOptions:
         import torch
 
         if not torch.cuda.is_available():
-            raise UsageError("--device cuda needs a CUDA GPU, and none is present here; use --device sim")
+            raise UsageError(
+                "--device cuda needs a CUDA GPU, and none is present here; use --device sim"
+            )
 
     try:
         profile_from_name(args.profile)  # a clear error for an unknown profile, before any work
@@ -157,19 +159,31 @@ def _options(args: argparse.Namespace) -> RunOptions:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--ubatches", "-n", type=_ubatch_count, default=2,
+        "--ubatches",
+        "-n",
+        type=_ubatch_count,
+        default=2,
         help=f"ubatches per step (2 to {MAX_UBATCHES}; default 2)",
     )
     p.add_argument(
-        "--device", choices=["sim", "cuda"], default="sim", help="simulated GPU (default) or real CUDA streams"
+        "--device",
+        choices=["sim", "cuda"],
+        default="sim",
+        help="simulated GPU (default) or real CUDA streams",
     )
     p.add_argument(
-        "--profile", default="h200", help="hardware profile of the simulated device: h200, h100, h800, b200"
+        "--profile",
+        default="h200",
+        help="hardware profile of the simulated device: h200, h100, h800, b200",
     )
     p.add_argument("--out", default="out", help="folder for traces, timelines, CSV (default: out/)")
     p.add_argument("--no-artifacts", action="store_true", help="write no trace or PNG files")
-    p.add_argument("--timeout", type=_timeout, default=60.0, help="seconds before a stuck step is ended")
-    p.add_argument("--json", action="store_true", help="print one JSON report per line instead of the table")
+    p.add_argument(
+        "--timeout", type=_timeout, default=60.0, help="seconds before a stuck step is ended"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON report per line instead of the table"
+    )
 
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
@@ -220,7 +234,9 @@ class _Table:
         return self._line(_HEADER) + "\n" + "  ".join("-" * w for w in self.widths)
 
     def row(self, r: ScenarioResult) -> str:
-        verdict = ("PASS" if r.passed else "FAIL") + (" (fault caught)" if r.negative and r.passed else "")
+        verdict = ("PASS" if r.passed else "FAIL") + (
+            " (fault caught)" if r.negative and r.passed else ""
+        )
         return self._line(
             (
                 r.scenario,
@@ -254,11 +270,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     names = args.names or [
         n
         for n in DEFAULT_SCENARIOS
-        if (not across_ranks or SCENARIOS[n].rank is not None) and (args.device == "sim" or SCENARIOS[n].cuda)
+        if (not across_ranks or SCENARIOS[n].rank is not None)
+        and (args.device == "sim" or SCENARIOS[n].cuda)
     ]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
-        raise UsageError(f"unknown scenario(s) {', '.join(unknown)}; `python -m scenarios list` shows them")
+        raise UsageError(
+            f"unknown scenario(s) {', '.join(unknown)}; `python -m scenarios list` shows them"
+        )
     sim_only = [n for n in names if args.device != "sim" and not SCENARIOS[n].cuda]
     if sim_only and not across_ranks:
         raise UsageError(
@@ -300,7 +319,10 @@ def _run_across_ranks(args: argparse.Namespace, names: Sequence[str], distribute
         )
     torchrun = distributed.launched_by_torchrun()
     if torchrun and args.ranks > 1:
-        raise UsageError("--ranks starts local processes itself; under torchrun drop it (torchrun sets the ranks)")
+        raise UsageError(
+            "--ranks starts local processes itself; under torchrun drop it (torchrun sets the "
+            "ranks)"
+        )
     if not torchrun:
         bad_world = distributed.check_world_size(args.ranks)
         if bad_world:
@@ -378,8 +400,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     points: list[sweep_tool.SweepPoint] = []
     try:
         points = sweep_tool.run_sweep(
-            opts, decode_tokens=decode, prefill_tokens=prefill, num_layers=args.layers,
-            context_len=args.context, on_point=on_point,
+            opts,
+            decode_tokens=decode,
+            prefill_tokens=prefill,
+            num_layers=args.layers,
+            context_len=args.context,
+            on_point=on_point,
         )
     except KeyboardInterrupt:
         raise Interrupted(f"the sweep points that finished are above and in {sink.path}") from None
@@ -400,7 +426,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_stress(args: argparse.Namespace) -> int:
-    progress = Progress(args.iterations, f"stress x{args.threads}", enabled=False if args.json else None)
+    progress = Progress(
+        args.iterations, f"stress x{args.threads}", enabled=False if args.json else None
+    )
     last = [0]
 
     def on_progress(i: int) -> None:
@@ -422,21 +450,27 @@ def cmd_stress(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict()))
     else:
         print(
-            f"{report.threads} threads x {report.iterations} iterations x {report.lanes} lane(s) in "
-            f"{report.seconds:.2f} s: {report.requests} requests, {report.growths} slot allocations, "
+            f"{report.threads} threads x {report.iterations} iterations x {report.lanes} "
+            "lane(s) in "
+            f"{report.seconds:.2f} s: {report.requests} requests, {report.growths} slot "
+            "allocations, "
             f"{report.lock_cycles} lock cycles, {report.locked_refusals} locked refusals, "
-            f"{report.persistent_requests} persistent requests ({report.persistent_refusals} refused "
+            f"{report.persistent_requests} persistent requests ({report.persistent_refusals} "
+            "refused "
             f"while locked), {report.orphaned_bytes_kept} orphaned bytes held by kept views"
         )
-        print("invariants: views inside own slot, no cross-slot overlap, a lane's slots equal after "
-              "growth, no allocation while locked, persistent tensors fixed, orphans counted "
-              "exactly, no hang")
+        print(
+            "invariants: views inside own slot, no cross-slot overlap, a lane's slots equal after "
+            "growth, no allocation while locked, persistent tensors fixed, orphans counted "
+            "exactly, no hang"
+        )
         problems = list(report.violations[:20])
         if report.cut_short:
             problems.insert(
                 0,
                 f"cut short by the {args.timeout:g} s deadline after {report.iterations_done} of "
-                f"{report.threads * report.iterations} iterations; give a longer --timeout or fewer "
+                f"{report.threads * report.iterations} iterations; give a longer --timeout or "
+                "fewer "
                 f"--iterations",
             )
         print("PASS" if report.passed else "FAIL:\n  " + "\n  ".join(problems))
@@ -477,16 +511,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command")
     listing = sub.add_parser("list", help="list the scenarios")
-    listing.add_argument("--json", action="store_true", help="one JSON object per scenario and line")
+    listing.add_argument(
+        "--json", action="store_true", help="one JSON object per scenario and line"
+    )
     listing.set_defaults(func=cmd_list)
-    run = sub.add_parser("run", help="run scenarios (default: every default scenario on the simulated device)")
+    run = sub.add_parser(
+        "run", help="run scenarios (default: every default scenario on the simulated device)"
+    )
     run.add_argument("names", nargs="*", help="scenario names (see `list`)")
     _add_common(run)
     run.add_argument(
         "--ranks",
         type=_positive_int,
         default=1,
-        help="run across this many local processes (gloo on 127.0.0.1), one rank each; torchrun sets the ranks itself",
+        help="run across this many local processes (gloo on 127.0.0.1), one rank each; "
+        "torchrun sets the ranks itself",
     )
     trace_window.add_argument(run)
     run.set_defaults(func=cmd_run)
@@ -499,8 +538,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill", type=_positive_int, nargs="+", help="prefill tokens per device to try"
     )
     sweep.add_argument(
-        "--context", type=_positive_int, default=sweep_tool.DECODE_CONTEXT,
-        help=f"KV-cache tokens per decode request (default {sweep_tool.DECODE_CONTEXT}, as dsv3-decode-ll)",
+        "--context",
+        type=_positive_int,
+        default=sweep_tool.DECODE_CONTEXT,
+        help=f"KV-cache tokens per decode request (default {sweep_tool.DECODE_CONTEXT}, "
+        "as dsv3-decode-ll)",
     )
     sweep.add_argument(
         "--layers",
@@ -509,23 +551,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="fewer layers than DeepSeek-V3's 61 (faster); dense and MoE layers kept in proportion",
     )
     sweep.set_defaults(func=cmd_sweep)
-    stress = sub.add_parser("stress", help="concurrent workspace slot access with growth and lock/unlock")
-    stress.add_argument(
-        "--threads", type=_int_in(1, MAX_STRESS_THREADS), default=8, help="ubatch threads (default 8)"
+    stress = sub.add_parser(
+        "stress", help="concurrent workspace slot access with growth and lock/unlock"
     )
-    stress.add_argument("--iterations", type=_positive_int, default=2000, help="requests per thread")
     stress.add_argument(
-        "--lanes", type=_int_in(1, MAX_STRESS_LANES), default=1,
+        "--threads",
+        type=_int_in(1, MAX_STRESS_THREADS),
+        default=8,
+        help="ubatch threads (default 8)",
+    )
+    stress.add_argument(
+        "--iterations", type=_positive_int, default=2000, help="requests per thread"
+    )
+    stress.add_argument(
+        "--lanes",
+        type=_int_in(1, MAX_STRESS_LANES),
+        default=1,
         help="workspace lanes each thread spreads its requests over (default 1)",
     )
     stress.add_argument("--seed", type=int, default=0)
     stress.add_argument(
-        "--timeout", type=_timeout, default=120.0,
+        "--timeout",
+        type=_timeout,
+        default=120.0,
         help="seconds for the whole run; a run cut short by it fails (default 120)",
     )
     stress.add_argument("--json", action="store_true")
     stress.set_defaults(func=cmd_stress)
-    bench = sub.add_parser("bench", help="benchmarks, each a ratio against a baseline in the same run")
+    bench = sub.add_parser(
+        "bench", help="benchmarks, each a ratio against a baseline in the same run"
+    )
     bench.add_argument("--quick", action="store_true", help="a short smoke run (CI)")
     bench.add_argument("--out", default="out", help="folder for bench.json")
     bench.add_argument("--json", action="store_true")
@@ -533,11 +588,15 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity = sub.add_parser(
         "fidelity", help="the simulator against published DBO/TBO and DeepEP results, side by side"
     )
-    fidelity.add_argument("--quick", action="store_true", help="fewer layers and points (seconds, for CI)")
+    fidelity.add_argument(
+        "--quick", action="store_true", help="fewer layers and points (seconds, for CI)"
+    )
     fidelity.add_argument("--json", action="store_true", help="print the report as JSON")
     fidelity.set_defaults(func=cmd_fidelity)
     profile = sub.add_parser(
-        "profile", add_help=False, prefix_chars="\x00",  # every argument goes to the tool
+        "profile",
+        add_help=False,
+        prefix_chars="\x00",  # every argument goes to the tool
         help="time this GPU's kernels into a table the simulator loads (CUDA)",
     )
     profile.add_argument("profile_args", nargs="*", help="see `dbo-sim profile --help`")
@@ -545,13 +604,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify_cli.add_parser(sub)
     # The GPU tools keep their own parsers (they also run as modules); these verbs borrow them.
     check = sub.add_parser(
-        "gpu-check", parents=[gpu_check.build_parser()], add_help=False,
+        "gpu-check",
+        parents=[gpu_check.build_parser()],
+        add_help=False,
         help="real CUDA streams against the simulated H200 (needs a GPU, or --sim-only)",
         description=gpu_check.__doc__.splitlines()[0],
     )
     check.set_defaults(func=cmd_gpu_check)
     calibrate = sub.add_parser(
-        "calibrate-host", parents=[calibrate_host.build_parser()], add_help=False,
+        "calibrate-host",
+        parents=[calibrate_host.build_parser()],
+        add_help=False,
         help="this host's launch and handoff costs, for a profile (needs a GPU, or --device sim)",
         description=calibrate_host.build_parser().description,
     )

@@ -34,12 +34,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,10 +48,16 @@ from dbo.comm import EPGroup, EPStepMismatchError, use_ep_group
 from dbo.sim import SimDevice
 from dbo.sim.records import OpRecord, RaceReport
 from dbo.sim.report import merge_traces, plot_timeline, summarize
-from dbo.split import UBatchSlice, UBatchThresholds, coordinate_ubatching, should_ubatch, split_batch
+from dbo.split import (
+    UBatchSlice,
+    UBatchThresholds,
+    coordinate_ubatching,
+    should_ubatch,
+    split_batch,
+)
 from dbo.streams import CudaDevice, Device
 from scenarios.harness import RunOptions, StepRun, _count_allocations, run_step
-from scenarios.model import Batch, MoEModel, ModelConfig, preset
+from scenarios.model import Batch, ModelConfig, MoEModel, preset
 from scenarios.registry import SCENARIOS, RankHalf, ScenarioResult, across_ranks, rank_scenario
 from scenarios.steps import prepare, serial_step, ubatched_step
 from workspace import current_workspace_manager, reset_workspace_manager
@@ -127,8 +133,6 @@ class RankOutcome:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-
-
 # --------------------------------------------------------------------------------------------
 # Joining the group
 
@@ -148,7 +152,9 @@ def _env_int(name: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise RankSetupError(f"environment variable {name} must be an integer, got {text!r}") from None
+        raise RankSetupError(
+            f"environment variable {name} must be an integer, got {text!r}"
+        ) from None
 
 
 def _first_line(error: BaseException) -> str:
@@ -160,15 +166,22 @@ def init_rank(opts: RunOptions) -> RankEnv:
     """Join the run described by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     if world < 1 or not 0 <= rank < world:
-        raise RankSetupError(f"RANK ({rank}) must be in [0, WORLD_SIZE) with WORLD_SIZE ({world}) >= 1")
+        raise RankSetupError(
+            f"RANK ({rank}) must be in [0, WORLD_SIZE) with WORLD_SIZE ({world}) >= 1"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = _env_int("MASTER_PORT")
     # torchrun's agent (or our parent) already hosts the store; otherwise rank 0 hosts it.
-    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or os.environ.get(_HOSTED_ENV) == "1"
+    hosted = (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        or os.environ.get(_HOSTED_ENV) == "1"
+    )
     timeout = timedelta(seconds=opts.timeout_s)
     try:
-        raw = dist.TCPStore(addr, port, is_master=rank == 0 and not hosted, timeout=timeout, wait_for_workers=False)
+        raw = dist.TCPStore(
+            addr, port, is_master=rank == 0 and not hosted, timeout=timeout, wait_for_workers=False
+        )
     except Exception as error:
         raise RankSetupError(
             f"rank {rank} could not reach the rendezvous store at {addr}:{port} within "
@@ -177,7 +190,11 @@ def init_rank(opts: RunOptions) -> RankEnv:
     store = dist.PrefixStore("dbo-sim", raw)
 
     # NCCL only when every rank has its own GPU: each rank says, then all decide alike.
-    has_gpu = opts.device == "cuda" and torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+    has_gpu = (
+        opts.device == "cuda"
+        and torch.cuda.is_available()
+        and local_rank < torch.cuda.device_count()
+    )
     store.set(f"gpu/{rank}", "1" if has_gpu else "0")
     try:
         store.wait([f"gpu/{r}" for r in range(world)], timeout)
@@ -192,7 +209,11 @@ def init_rank(opts: RunOptions) -> RankEnv:
         )
     try:
         dist.init_process_group(
-            "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world, timeout=timeout
+            "gloo",
+            store=dist.PrefixStore("pg", store),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
         )
         cuda_group = None
         if every_gpu:
@@ -291,22 +312,43 @@ def _moe_rank(
     batch = _rank_batch(env.rank, decode)
     x = MoEModel(config, batch).inputs(seed=1 + env.rank)
     # This rank's batch in one process, every expert local: the values to reproduce.
-    reference_device = rank_device(env, opts) if config.tensor_device.startswith("cuda") else SimDevice(opts.profile)
+    reference_device = (
+        rank_device(env, opts)
+        if config.tensor_device.startswith("cuda")
+        else SimDevice(opts.profile)
+    )
     reference = run_step(
-        MoEModel(config, batch), x, device=reference_device, num_ubatches=None, mode=mode,
+        MoEModel(config, batch),
+        x,
+        device=reference_device,
+        num_ubatches=None,
+        mode=mode,
         timeout_s=opts.timeout_s,
     )
 
     ep = _ep_group(env, config, opts)
     real = batch.num_tokens
     decision = coordinate_ubatching(
-        should_ubatch(real, batch.is_decode, n, _TINY_THRESHOLDS), real, n, group=env.cpu_group, num_tokens=real
+        should_ubatch(real, batch.is_decode, n, _TINY_THRESHOLDS),
+        real,
+        n,
+        group=env.cpu_group,
+        num_tokens=real,
     )
-    slices = split_batch(batch.query_start_loc, decision.num_tokens_padded, n) if decision.split else None
+    slices = (
+        split_batch(batch.query_start_loc, decision.num_tokens_padded, n)
+        if decision.split
+        else None
+    )
     with use_ep_group(ep):
         serial, ubatched = (
             run_rank_step(
-                MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=cuts, mode=mode,
+                MoEModel(config, batch),
+                x,
+                device=rank_device(env, opts),
+                ep=ep,
+                slices=cuts,
+                mode=mode,
                 timeout_s=opts.timeout_s,
             )
             for cuts in (None, slices)
@@ -320,7 +362,9 @@ def _moe_rank(
     allocations = serial.allocations_during_step + ubatched.allocations_during_step
     reasons = []
     if diff > _TOLERANCE:
-        reasons.append(f"rank {env.rank}: outputs differ from the single-process run (max abs diff {diff:.3g})")
+        reasons.append(
+            f"rank {env.rank}: outputs differ from the single-process run (max abs diff {diff:.3g})"
+        )
     if races:
         reasons.append(f"rank {env.rank}: {len(races)} race(s), first: {races[0].describe()}")
     if allocations:
@@ -362,7 +406,9 @@ def disagreement_checks(
     message = str(caught) if caught is not None else ""
     return {
         "every rank stopped with EPStepMismatchError": isinstance(caught, EPStepMismatchError),
-        "the error names every rank's ubatch count": all(f"rank {r}: " in message for r in range(world)),
+        "the error names every rank's ubatch count": all(
+            f"rank {r}: " in message for r in range(world)
+        ),
         f"stopped within {_DISAGREEMENT_BOUND_S:g} s": stopped_s < _DISAGREEMENT_BOUND_S,
         "agreed step matches the single-process run": diff <= _TOLERANCE,
     }
@@ -390,8 +436,13 @@ def _dp_disagreement_rank(env: RankEnv, opts: RunOptions) -> RankOutcome:
     def step(slices: Sequence[UBatchSlice] | None) -> StepRun:
         with use_ep_group(ep):
             return run_rank_step(
-                MoEModel(config, batch), x, device=rank_device(env, opts), ep=ep, slices=slices,
-                mode="ht", timeout_s=opts.timeout_s,
+                MoEModel(config, batch),
+                x,
+                device=rank_device(env, opts),
+                ep=ep,
+                slices=slices,
+                mode="ht",
+                timeout_s=opts.timeout_s,
             )
 
     # Without agreement: each rank runs what it decided alone.
@@ -404,10 +455,20 @@ def _dp_disagreement_rank(env: RankEnv, opts: RunOptions) -> RankOutcome:
     stopped_s = time.monotonic() - began
 
     # With agreement: the same step, and the same decision on every rank.
-    decision = coordinate_ubatching(alone, batch.num_tokens, n, group=env.cpu_group, num_tokens=batch.num_tokens)
-    agreed = step(split_batch(batch.query_start_loc, decision.num_tokens_padded, n) if decision.split else None)
+    decision = coordinate_ubatching(
+        alone, batch.num_tokens, n, group=env.cpu_group, num_tokens=batch.num_tokens
+    )
+    agreed = step(
+        split_batch(batch.query_start_loc, decision.num_tokens_padded, n)
+        if decision.split
+        else None
+    )
     reference = run_step(
-        MoEModel(config, batch), x, device=SimDevice(opts.profile), num_ubatches=None, mode="ht",
+        MoEModel(config, batch),
+        x,
+        device=SimDevice(opts.profile),
+        num_ubatches=None,
+        mode="ht",
         timeout_s=opts.timeout_s,
     )
     diff = (agreed.output.double() - reference.output.double()).abs().max().item()
@@ -418,9 +479,9 @@ def _dp_disagreement_rank(env: RankEnv, opts: RunOptions) -> RankOutcome:
     return RankOutcome(
         rank=env.rank,
         passed=not failed,
-        error=None if not failed else (
-            f"rank {env.rank} failed: {', '.join(failed)} (caught {caught_text or 'nothing'})"
-        ),
+        error=None
+        if not failed
+        else (f"rank {env.rank} failed: {', '.join(failed)} (caught {caught_text or 'nothing'})"),
         outputs_match=diff <= _TOLERANCE,
         max_abs_diff=diff,
         races=agreed.races,
@@ -459,9 +520,16 @@ def run_rank_scenarios(env: RankEnv, names: Sequence[str], opts: RunOptions) -> 
             try:
                 outcome = _rank_half(name)(env, opts)
             except Exception as error:  # noqa: BLE001 - reported as the verdict
-                outcome = RankOutcome(env.rank, passed=False, error=f"rank {env.rank}: {type(error).__name__}: {error}")
+                outcome = RankOutcome(
+                    env.rank,
+                    passed=False,
+                    error=f"rank {env.rank}: {type(error).__name__}: {error}",
+                )
                 if not isinstance(error, (ValueError, TypeError)):
-                    broken = f"an earlier scenario ({name}) failed on rank {env.rank} and may have left the group broken"
+                    broken = (
+                        f"an earlier scenario ({name}) failed on rank {env.rank} and may have "
+                        "left the group broken"
+                    )
             finally:
                 reset_workspace_manager()
         outcome.wall_s = outcome.wall_s or time.monotonic() - start
@@ -509,7 +577,9 @@ def merge_outcomes(
         error="; ".join(errors) or None,
         step_us_serial=serial.step_us if serial else None,
         step_us_dbo=ubatched.step_us if ubatched else None,
-        speedup=serial.step_us / ubatched.step_us if serial and ubatched and ubatched.step_us > 0 else None,
+        speedup=serial.step_us / ubatched.step_us
+        if serial and ubatched and ubatched.step_us > 0
+        else None,
         overlap_fraction=ubatched.overlap_fraction if ubatched else None,
         exposed_comm_us=ubatched.exposed_comm_us if ubatched else None,
         workspace_peak_bytes=max(peaks) if peaks else None,
@@ -517,7 +587,8 @@ def merge_outcomes(
             "ranks": len(outcomes),
             "slowest_rank": ubatched.slowest_rank if ubatched else None,
             "per_rank": [
-                {"rank": o.rank, "passed": o.passed, "wall_s": round(o.wall_s, 3), **o.details} for o in present
+                {"rank": o.rank, "passed": o.passed, "wall_s": round(o.wall_s, 3), **o.details}
+                for o in present
             ],
         },
     )
@@ -525,7 +596,9 @@ def merge_outcomes(
     traced = [records for records in traced if records]
     if opts.out_dir is not None and traced:
         opts.out_dir.mkdir(parents=True, exist_ok=True)
-        trace = merge_traces(traced, races=races, metadata={"scenario": name, "ranks": len(outcomes)})
+        trace = merge_traces(
+            traced, races=races, metadata={"scenario": name, "ranks": len(outcomes)}
+        )
         stem = opts.out_dir / opts.artifact_stem(name, ranks=len(outcomes))
         path = Path(f"{stem}.trace.json")
         path.write_text(json.dumps(trace, allow_nan=False, separators=(",", ":")), encoding="utf-8")
@@ -598,7 +671,9 @@ def run_local_ranks(
     (see `_wait_for_ranks`)."""
     unknown = check_names(names)
     if unknown:
-        raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(across_ranks())}")
+        raise ValueError(
+            f"scenario(s) {unknown} run in one process; across ranks: {sorted(across_ranks())}"
+        )
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     bad_world = check_world_size(ranks)
@@ -618,7 +693,10 @@ def run_local_ranks(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(raw.port),
         WORLD_SIZE=str(ranks),
-        **{_HOSTED_ENV: "1", _SPEC_ENV: json.dumps({"names": list(names), "opts": _opts_to_json(opts)})},
+        **{
+            _HOSTED_ENV: "1",
+            _SPEC_ENV: json.dumps({"names": list(names), "opts": _opts_to_json(opts)}),
+        },
     )
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     procs: list[subprocess.Popen] = []
@@ -779,7 +857,9 @@ def run_as_torchrun_rank(names: Sequence[str], opts: RunOptions) -> list[Scenari
     the others' outcomes and returns the merged results, the other ranks return None."""
     unknown = check_names(names)
     if unknown:
-        raise ValueError(f"scenario(s) {unknown} run in one process; across ranks: {sorted(across_ranks())}")
+        raise ValueError(
+            f"scenario(s) {unknown} run in one process; across ranks: {sorted(across_ranks())}"
+        )
     bad_world = check_world_size(_env_int("WORLD_SIZE"))
     if bad_world:
         raise RankSetupError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: {bad_world}")
@@ -789,7 +869,10 @@ def run_as_torchrun_rank(names: Sequence[str], opts: RunOptions) -> list[Scenari
         return None
     missing = ""
     try:
-        env.store.wait([f"done/{r}" for r in range(env.world)], timedelta(seconds=opts.timeout_s * (len(names) + 1)))
+        env.store.wait(
+            [f"done/{r}" for r in range(env.world)],
+            timedelta(seconds=opts.timeout_s * (len(names) + 1)),
+        )
     except Exception as error:  # noqa: BLE001 - the missing ranks are reported below
         missing = _first_line(error)
     table = _collect(env.store, names, env.world)
@@ -813,4 +896,3 @@ def child_main() -> int:
     # No teardown: after a failed scenario a collective may be left half-done in gloo's
     # threads, and destroying the group would wait for it. The outcomes are in the store.
     os._exit(0)
-

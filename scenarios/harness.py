@@ -170,13 +170,23 @@ def compare_serial_dbo(
     model = MoEModel(config, batch)
     x = model.inputs()
     serial = run_step(
-        model, x, device=new_device(opts, config.tensor_device), num_ubatches=None, mode=mode,
-        timeout_s=opts.timeout_s, graph=graph,
+        model,
+        x,
+        device=new_device(opts, config.tensor_device),
+        num_ubatches=None,
+        mode=mode,
+        timeout_s=opts.timeout_s,
+        graph=graph,
     )
     model = MoEModel(config, batch)  # a fresh KV cache, so both runs start from the same state
     ubatched = run_step(
-        model, x, device=new_device(opts, config.tensor_device),
-        num_ubatches=opts.num_ubatches, mode=mode, timeout_s=opts.timeout_s, graph=graph,
+        model,
+        x,
+        device=new_device(opts, config.tensor_device),
+        num_ubatches=opts.num_ubatches,
+        mode=mode,
+        timeout_s=opts.timeout_s,
+        graph=graph,
     )
     if config.tensor_device == "meta":
         match, diff = True, 0.0  # shapes only: there are no values to compare

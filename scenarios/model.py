@@ -77,17 +77,27 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.attention not in ("mha", "mla"):
             raise ValueError(f"attention must be 'mha' or 'mla', got {self.attention!r}")
-        if self.attention == "mla" and min(self.kv_lora_rank, self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim) <= 0:
-            raise ValueError("attention='mla' needs positive kv_lora_rank, qk_nope_dim, qk_rope_dim and v_head_dim")
-        if self.tensor_device not in ("cpu", "meta", "cuda") and not self.tensor_device.startswith("cuda:"):
-            raise ValueError(f"tensor_device must be 'cpu', 'meta' or 'cuda', got {self.tensor_device!r}")
+        if (
+            self.attention == "mla"
+            and min(self.kv_lora_rank, self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim) <= 0
+        ):
+            raise ValueError(
+                "attention='mla' needs positive kv_lora_rank, qk_nope_dim, qk_rope_dim and "
+                "v_head_dim"
+            )
+        if self.tensor_device not in ("cpu", "meta", "cuda") and not self.tensor_device.startswith(
+            "cuda:"
+        ):
+            raise ValueError(
+                f"tensor_device must be 'cpu', 'meta' or 'cuda', got {self.tensor_device!r}"
+            )
 
     @property
     def local_experts(self) -> int:
         """Experts held by one EP rank (the grouped GEMM reads all their weights)."""
         return max(1, self.num_experts // max(self.ep_size, 1))
 
-    def with_(self, **changes: object) -> "ModelConfig":
+    def with_(self, **changes: object) -> ModelConfig:
         return replace(self, **changes)
 
 
@@ -198,14 +208,12 @@ class Batch:
         return all(q[r + 1] - q[r] == 1 for r in range(len(q) - 1))
 
     @staticmethod
-    def decode(num_requests: int, context_len: int) -> "Batch":
+    def decode(num_requests: int, context_len: int) -> Batch:
         return Batch(tuple(range(num_requests + 1)), (context_len,) * num_requests)
 
     @staticmethod
-    def prefill(num_requests: int, prompt_len: int) -> "Batch":
-        return Batch(
-            tuple(r * prompt_len for r in range(num_requests + 1)), (0,) * num_requests
-        )
+    def prefill(num_requests: int, prompt_len: int) -> Batch:
+        return Batch(tuple(r * prompt_len for r in range(num_requests + 1)), (0,) * num_requests)
 
 
 class _Weights:
@@ -231,9 +239,7 @@ class _Weights:
         if self.meta:
             return torch.empty(shape, device="meta", dtype=dtype)
         if self.cuda_gen is not None:  # made on the GPU: a CPU randn of GBs of weights is slow
-            w = torch.randn(
-                shape, generator=self.cuda_gen, device=self.dev, dtype=torch.float32
-            )
+            w = torch.randn(shape, generator=self.cuda_gen, device=self.dev, dtype=torch.float32)
             return (w / math.sqrt(shape[-1] if len(shape) > 2 else shape[0])).to(dtype)
         w = torch.randn(shape, generator=self.gen, dtype=torch.float64)
         return (w / math.sqrt(shape[0])).to(dtype)
@@ -362,13 +368,23 @@ class MoEModel:
             return torch.empty(self.batch.num_tokens, c.hidden, device="meta", dtype=c.dtype)
         if c.tensor_device.startswith("cuda"):
             gen = torch.Generator(device=c.tensor_device).manual_seed(seed)
-            return torch.randn(self.batch.num_tokens, c.hidden, generator=gen, device=c.tensor_device, dtype=c.dtype)
+            return torch.randn(
+                self.batch.num_tokens,
+                c.hidden,
+                generator=gen,
+                device=c.tensor_device,
+                dtype=c.dtype,
+            )
         gen = torch.Generator().manual_seed(seed)
-        return torch.randn(self.batch.num_tokens, c.hidden, generator=gen, dtype=torch.float64).to(c.dtype)
+        return torch.randn(self.batch.num_tokens, c.hidden, generator=gen, dtype=torch.float64).to(
+            c.dtype
+        )
 
     # ---------------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, tokens: UBatchSlice | None = None, *, mode: str = "ht") -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, tokens: UBatchSlice | None = None, *, mode: str = "ht"
+    ) -> torch.Tensor:
         """Run every layer on tokens `tokens.token_slice` of the batch (all tokens if None)."""
         if mode not in ("ht", "ll"):
             raise ValueError(f"mode must be 'ht' or 'll', got {mode!r}")
@@ -381,7 +397,11 @@ class MoEModel:
             # The shared expert runs on the rank's own tokens, before the dispatch (so under DBO
             # it is compute that another ubatch's communication can hide behind).
             h = self._norm(x)
-            shared = self._mlp(h, layer["ws_gate_up"], layer["ws_down"]) if "ws_gate_up" in layer else None
+            shared = (
+                self._mlp(h, layer["ws_gate_up"], layer["ws_down"])
+                if "ws_gate_up" in layer
+                else None
+            )
             x = x + self._moe(layer, h, mode)
             if shared is not None:
                 x = x + shared
@@ -412,7 +432,9 @@ class MoEModel:
         return self._linear(torch.nn.functional.silu(h[:, :half]) * h[:, half:], w_down)
 
     @staticmethod
-    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+    def _attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    ) -> torch.Tensor:
         """softmax(q k^T * scale) v over (batch, heads, seq, dim) tensors; k and v may have one
         head shared by all of q's. Causal masks are aligned to the end of the keys (the queries
         are the last of them). On the CPU it runs as plain ops (values checked); elsewhere as
@@ -425,13 +447,21 @@ class MoEModel:
                 scores = scores.masked_fill(~mask, float("-inf"))
             return torch.matmul(scores.softmax(dim=-1), v)
         if q.device.type == "meta":  # the fused kernel itself (torch's dispatcher picks it on GPUs)
-            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[0]
+            out = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal, scale=scale
+            )[0]
             return out[..., : v.shape[-1]]
         mask = None
         if causal and n_q != n_k:
             mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal and mask is None,
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
         )
 
     def _attention(self, index: int, layer: dict, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -449,7 +479,9 @@ class MoEModel:
             # One new token per request, uniform context: one batched op for all requests.
             ctx = self.batch.context_lens[0]
             first = self.context_offset[start]
-            window = kv[:, first : first + t * (ctx + 1)].view(2, t, ctx + 1, c.num_heads, c.head_dim)
+            window = kv[:, first : first + t * (ctx + 1)].view(
+                2, t, ctx + 1, c.num_heads, c.head_dim
+            )
             window[0, :, ctx].copy_(qkv[:, 1])  # this step's token goes after its context
             window[1, :, ctx].copy_(qkv[:, 2])
             if x.device.type == "cpu":
@@ -457,7 +489,11 @@ class MoEModel:
                 out = torch.einsum("ths,tshd->thd", scores.softmax(dim=-1), window[1])
             else:  # one fused kernel: each request is a batch entry with one query
                 out = self._attend(
-                    qkv[:, 0].unsqueeze(2), window[0].transpose(1, 2), window[1].transpose(1, 2), causal=False, scale=scale
+                    qkv[:, 0].unsqueeze(2),
+                    window[0].transpose(1, 2),
+                    window[1].transpose(1, 2),
+                    causal=False,
+                    scale=scale,
                 )
             attn_out.copy_(out.reshape(t, -1))
         else:
@@ -469,13 +505,18 @@ class MoEModel:
                 n_q, n_k = rows.stop - rows.start, keys.shape[0]
                 if x.device.type == "cpu":
                     scores = torch.einsum("qhd,khd->hqk", qkv[rows, 0], keys) * scale
-                    causal = torch.ones(n_q, n_k, dtype=torch.bool, device=kv.device).tril(n_k - n_q)
+                    causal = torch.ones(n_q, n_k, dtype=torch.bool, device=kv.device).tril(
+                        n_k - n_q
+                    )
                     scores = scores.masked_fill(~causal, float("-inf"))
                     out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vals)
                 else:  # one fused causal kernel per request segment, heads as the batch
                     out = self._attend(
-                        qkv[rows, 0].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-                        vals.transpose(0, 1).unsqueeze(0), causal=True, scale=scale,
+                        qkv[rows, 0].transpose(0, 1).unsqueeze(0),
+                        keys.transpose(0, 1).unsqueeze(0),
+                        vals.transpose(0, 1).unsqueeze(0),
+                        causal=True,
+                        scale=scale,
                     )[0].transpose(0, 1)
                 attn_out[rows].copy_(out.reshape(n_q, -1))
         return attn_out @ layer["wo"]
@@ -490,7 +531,12 @@ class MoEModel:
             r = self.token_request[seg_start]
             seg_end = min(q[r + 1], start + t)
             base = self.context_offset[r] + self.batch.context_lens[r]
-            yield r, slice(seg_start - start, seg_end - start), base + seg_start - q[r], base + seg_end - q[r]
+            yield (
+                r,
+                slice(seg_start - start, seg_end - start),
+                base + seg_start - q[r],
+                base + seg_end - q[r],
+            )
             seg_start = seg_end
 
     def _mla(self, index: int, layer: dict, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -523,9 +569,15 @@ class MoEModel:
             window[:, ctx, :rank].copy_(latent)  # this step's token goes after its context
             window[:, ctx, rank:].copy_(kv_a[:, rank:])
             q_latent = torch.bmm(q[:, :, :dn].transpose(0, 1), layer["w_uk"])  # (h, t, rank)
-            q_full = torch.cat([q_latent.transpose(0, 1), q[:, :, dn:]], dim=-1)  # (t, h, rank + dr)
+            q_full = torch.cat(
+                [q_latent.transpose(0, 1), q[:, :, dn:]], dim=-1
+            )  # (t, h, rank + dr)
             o_latent = self._attend(
-                q_full.unsqueeze(1), window.unsqueeze(1), window[:, :, :rank].unsqueeze(1), causal=False, scale=scale
+                q_full.unsqueeze(1),
+                window.unsqueeze(1),
+                window[:, :, :rank].unsqueeze(1),
+                causal=False,
+                scale=scale,
             )  # (t, 1, h, rank)
             o = torch.bmm(o_latent.squeeze(1).transpose(0, 1), layer["w_uv"])  # (h, t, dv)
             attn_out.copy_(o.transpose(0, 1).reshape(t, h * dv))
@@ -538,8 +590,11 @@ class MoEModel:
                 kv = self._linear(keys[:, :rank], layer["wkv_b"]).view(n_k, h, dn + dv)
                 k = torch.cat([kv[:, :, :dn], keys[:, None, rank:].expand(n_k, h, dr)], dim=-1)
                 out = self._attend(
-                    q[rows].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                    kv[:, :, dn:].transpose(0, 1).unsqueeze(0), causal=True, scale=scale,
+                    q[rows].transpose(0, 1).unsqueeze(0),
+                    k.transpose(0, 1).unsqueeze(0),
+                    kv[:, :, dn:].transpose(0, 1).unsqueeze(0),
+                    causal=True,
+                    scale=scale,
                 )[0].transpose(0, 1)  # (n_q, h, dv)
                 attn_out[rows].copy_(out.reshape(n_q, h * dv))
         return self._linear(attn_out, layer["wo"])
@@ -563,13 +618,25 @@ class MoEModel:
         if mode == "ht":
             self._yield_to_comm()
             sent = ep.dispatch(
-                x, experts, weights, plan=plan, out=recv, mode="ht", bytes_per_elem=c.dispatch_bytes_per_elem
+                x,
+                experts,
+                weights,
+                plan=plan,
+                out=recv,
+                mode="ht",
+                bytes_per_elem=c.dispatch_bytes_per_elem,
             )
             dbo.dbo_yield_and_switch_from_comm_to_compute()
         else:
             dbo.dbo_maybe_run_recv_hook()
             sent = ep.dispatch(
-                x, experts, weights, plan=plan, out=recv, mode="ll", bytes_per_elem=c.dispatch_bytes_per_elem
+                x,
+                experts,
+                weights,
+                plan=plan,
+                out=recv,
+                mode="ll",
+                bytes_per_elem=c.dispatch_bytes_per_elem,
             )
             self._receive(sent.event)
 
@@ -580,11 +647,15 @@ class MoEModel:
         out = torch.zeros_like(x)
         if mode == "ht":
             self._yield_to_comm()
-            ep.combine(expert_out, sent.handle, out=out, mode="ht", bytes_per_elem=c.combine_bytes_per_elem)
+            ep.combine(
+                expert_out, sent.handle, out=out, mode="ht", bytes_per_elem=c.combine_bytes_per_elem
+            )
             dbo.dbo_switch_to_compute_sync()
         else:
             dbo.dbo_maybe_run_recv_hook()
-            ep.combine(expert_out, sent.handle, out=out, mode="ll", bytes_per_elem=c.combine_bytes_per_elem)
+            ep.combine(
+                expert_out, sent.handle, out=out, mode="ll", bytes_per_elem=c.combine_bytes_per_elem
+            )
             self._receive(sent.handle.combine_event)
         return out
 
@@ -607,7 +678,12 @@ class MoEModel:
             hook()
 
     def _experts(
-        self, layer: dict, recv: torch.Tensor, inter: torch.Tensor, out: torch.Tensor, row_expert: torch.Tensor
+        self,
+        layer: dict,
+        recv: torch.Tensor,
+        inter: torch.Tensor,
+        out: torch.Tensor,
+        row_expert: torch.Tensor,
     ) -> None:
         c = self.config
         if layer["w1"].dtype != recv.dtype:
@@ -615,9 +691,13 @@ class MoEModel:
             # projection over the rank's experts, rows split evenly among them (balanced
             # routing). Outputs stay FP8-sized (the real ones are BF16 after the down GEMM).
             e = layer["w1"].shape[0]
-            a = torch.empty(e, -(-recv.shape[0] // e), c.hidden, device=recv.device, dtype=layer["w1"].dtype)
+            a = torch.empty(
+                e, -(-recv.shape[0] // e), c.hidden, device=recv.device, dtype=layer["w1"].dtype
+            )
             h = torch.bmm(a, layer["w1"])
-            torch.bmm(torch.nn.functional.silu(h[..., : c.moe_inter]) * h[..., c.moe_inter :], layer["w2"])
+            torch.bmm(
+                torch.nn.functional.silu(h[..., : c.moe_inter]) * h[..., c.moe_inter :], layer["w2"]
+            )
             return
         if recv.device.type != "cpu":
             # Grouped GEMM over the expert-major rows: the group ends come from the sorted row
@@ -626,7 +706,9 @@ class MoEModel:
             if current_ep_group() is not None:  # across processes rows arrive per source rank
                 order = row_expert.argsort(stable=True)
                 recv, row_expert = recv[order], row_expert[order]
-            ends = torch.searchsorted(row_expert, self._expert_ids[: layer["w1"].shape[0]], right=True)
+            ends = torch.searchsorted(
+                row_expert, self._expert_ids[: layer["w1"].shape[0]], right=True
+            )
             offs = ends.to(torch.int32)
             h = _grouped_mm(recv, layer["w1"], offs)
             inter.copy_(torch.nn.functional.silu(h[:, : c.moe_inter]) * h[:, c.moe_inter :])

@@ -36,7 +36,15 @@ def test_bench_quick_writes_every_benchmark(tmp_path, capsys):
 
     doc = json.loads((tmp_path / "bench.json").read_text(), parse_constant=_no_constants)
     assert {
-        "schema", "date", "quick", "machine", "plan", "seconds", "benchmarks", "figures", "summary"
+        "schema",
+        "date",
+        "quick",
+        "machine",
+        "plan",
+        "seconds",
+        "benchmarks",
+        "figures",
+        "summary",
     } <= set(doc)
     assert doc["quick"] is True
     assert {"platform", "cpu_count", "python", "torch"} <= set(doc["machine"])
@@ -101,15 +109,25 @@ def test_a_paired_ratio_is_the_median_of_per_repetition_ratios():
     from scenarios.tools.bench import Figure, Stats, Target
 
     figure = Figure(
-        bench="baton", name="x", what="x", unit="ns",
-        ours=Stats.of([10.0, 40.0, 12.0]), baseline=Stats.of([10.0, 20.0, 10.0]),
+        bench="baton",
+        name="x",
+        what="x",
+        unit="ns",
+        ours=Stats.of([10.0, 40.0, 12.0]),
+        baseline=Stats.of([10.0, 20.0, 10.0]),
         targets=[Target("ratio", "<=", 1.1, "<= 1.1x")],
     )
     assert figure.paired and figure.ratio == pytest.approx(1.2)  # median of 1.0, 2.0, 1.2
     assert figure.met is False
     speedup = Figure(
-        bench="x", name="y", what="y", unit="ns", ours=Stats.exact(2.0), baseline=Stats.exact(10.0),
-        ratio_def="baseline/ours", targets=[Target("ratio", ">=", 5.0, ">= 5x")],
+        bench="x",
+        name="y",
+        what="y",
+        unit="ns",
+        ours=Stats.exact(2.0),
+        baseline=Stats.exact(10.0),
+        ratio_def="baseline/ours",
+        targets=[Target("ratio", ">=", 5.0, ">= 5x")],
     )
     assert not speedup.paired and speedup.ratio == 5.0 and speedup.met is True
     assert Figure(bench="x", name="z", what="z", unit="count", ours=Stats.exact(0)).met is None

@@ -31,4 +31,8 @@ def test_cuda_calibration_without_a_gpu_says_so_and_exits_2(capsys):
 def test_cuda_calibration_measures_launches_and_a_handoff(capsys):
     assert main(["--device", "cuda", "--quick", "--json"]) == 0
     costs = json.loads(capsys.readouterr().out)
-    assert costs["elementwise_launch_us"] > 0 and costs["matmul_launch_us"] > 0 and costs["handoff_us"] > 0
+    assert (
+        costs["elementwise_launch_us"] > 0
+        and costs["matmul_launch_us"] > 0
+        and costs["handoff_us"] > 0
+    )

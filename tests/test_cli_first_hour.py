@@ -94,7 +94,7 @@ def test_sweep_prefill_without_a_value_is_refused_not_defaulted(capsys, monkeypa
     assert "--prefill: expected at least one argument" in _one_refusal(capsys) and ran == []
 
 
-# ------------------------------------------------------------------ the output folder, before any work
+# ---------------------------------------- the output folder, before any work
 
 UNWRITABLE = "a-file/sub"  # below a plain file: no user, root included, can create it
 
@@ -151,7 +151,7 @@ def test_a_huge_scenario_error_prints_as_one_bounded_paragraph(capsys, monkeypat
     assert len(out) < 5000 and "more characters" in out
 
 
-# ------------------------------------------------------------------ Ctrl-C: one line, 130, results kept
+# ---------------------------------------- Ctrl-C: one line, 130, results kept
 
 
 def _sigint() -> None:
@@ -327,7 +327,7 @@ def test_sweep_says_its_context_and_takes_context(capsys, tmp_path):
     assert [r["context_len"] for r in rows] == ["512", "0"]
 
 
-# ------------------------------------------------------------------ runtime latency of the first hour
+# ---------------------------------------- runtime latency of the first hour
 
 
 @pytest.mark.timeout(60)

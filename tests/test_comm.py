@@ -35,7 +35,9 @@ pytestmark = pytest.mark.timeout(60)
 E, K, H = 8, 2, 16
 
 
-def _routing(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _routing(
+    tokens: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, topk ids, topk weights and per-expert weight matrices for a small MoE layer."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, generator=gen, dtype=torch.float64)
@@ -45,7 +47,9 @@ def _routing(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, to
     return x, ids, weights, experts
 
 
-def _dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+def _dense(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
     """Every token through every one of its top-k experts, weighted: no dispatch at all."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
@@ -54,7 +58,9 @@ def _dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: t
     return out
 
 
-def _apply_experts(recv_x: torch.Tensor, recv_ids: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+def _apply_experts(
+    recv_x: torch.Tensor, recv_ids: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
     return torch.bmm(recv_x.unsqueeze(1), experts[recv_ids]).squeeze(1)
 
 
@@ -62,7 +68,9 @@ def _round_trip(ep: EPGroup, x, ids, weights, experts, mode: str) -> tuple[torch
     plan = ep.prepare(ids, weights, dtype=x.dtype, mode=mode)
     recv = torch.empty(plan.num_recv_rows, H, dtype=x.dtype)
     sent = ep.dispatch(x, ids, weights, plan=plan, out=recv, mode=mode)
-    out = ep.combine(_apply_experts(sent.recv_x, sent.recv_expert_ids, experts), sent.handle, mode=mode)
+    out = ep.combine(
+        _apply_experts(sent.recv_x, sent.recv_expert_ids, experts), sent.handle, mode=mode
+    )
     return out, sent
 
 
@@ -89,7 +97,9 @@ def test_high_throughput_and_low_latency_give_identical_values_and_their_own_pla
     for mode in ("ht", "ll"):
         device = SimDevice()
         with dbo.use_device(device), device.thread_scope(None):
-            outs[mode], _ = _round_trip(EPGroup(num_experts=E, ep_size=8), x, ids, weights, experts, mode)
+            outs[mode], _ = _round_trip(
+                EPGroup(num_experts=E, ep_size=8), x, ids, weights, experts, mode
+            )
         names[mode] = [(r.name, r.stream) for r in device.timeline if r.kind == "comm"]
     assert torch.equal(outs["ht"], outs["ll"])
     # One comm op per transfer: ht on the issuing stream, ll as a send there plus a link transfer.
@@ -115,7 +125,9 @@ def test_combine_accumulates_into_the_given_output():
     ep = EPGroup(num_experts=E, ep_size=2)
     sent = ep.dispatch(x, ids, weights)
     residual = torch.ones_like(x)
-    got = ep.combine(_apply_experts(sent.recv_x, sent.recv_expert_ids, experts), sent.handle, out=residual)
+    got = ep.combine(
+        _apply_experts(sent.recv_x, sent.recv_expert_ids, experts), sent.handle, out=residual
+    )
     assert got is residual
     assert torch.allclose(got, 1 + _dense(x, ids, weights, experts), rtol=0, atol=1e-12)
 
@@ -127,7 +139,9 @@ def test_model_outputs_are_the_same_in_both_modes_serial_and_ubatched():
     outputs = {}
     for mode in ("ht", "ll"):
         for n in (None, 2):
-            run = run_step(MoEModel(config, batch), x, device=SimDevice(), num_ubatches=n, mode=mode)
+            run = run_step(
+                MoEModel(config, batch), x, device=SimDevice(), num_ubatches=n, mode=mode
+            )
             assert not run.races and run.allocations_during_step == 0
             outputs[(mode, n)] = run.output
     ref = outputs[("ht", None)]
@@ -138,7 +152,9 @@ def test_model_outputs_are_the_same_in_both_modes_serial_and_ubatched():
 def test_shape_only_model_still_dispatches_in_process():
     config = preset("deepseek-v3", num_layers=4)
     model = MoEModel(config, Batch.decode(64, 128))
-    run = run_step(model, model.inputs(), device=SimDevice(tensor_device="meta"), num_ubatches=2, mode="ll")
+    run = run_step(
+        model, model.inputs(), device=SimDevice(tensor_device="meta"), num_ubatches=2, mode="ll"
+    )
     assert run.output.is_meta and any(r.name == "comm::dispatch" for r in run.records)
 
 
@@ -256,7 +272,7 @@ def test_step_reports_a_local_failure_to_peers_but_not_a_peer_failure_back():
     assert not store.check([ep._abort_key])
     with pytest.raises(ZeroDivisionError):
         with ep.step(2):
-            1 / 0
+            _ = 1 / 0
     assert store.get(ep._abort_key).decode().startswith("0\nZeroDivisionError")
 
 
@@ -289,7 +305,10 @@ def world_of_one():
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
         timeout=timedelta(seconds=20),
     )
     try:
@@ -313,7 +332,9 @@ def test_process_group_path_equals_the_dense_reference(world_of_one, mode):
 
 
 def test_process_group_refusals(world_of_one):
-    with pytest.raises(ValueError, match=r"ep_size \(2\) must divide the process group's size \(1\)"):
+    with pytest.raises(
+        ValueError, match=r"ep_size \(2\) must divide the process group's size \(1\)"
+    ):
         EPGroup(world_of_one, num_experts=8, ep_size=2)
     ep = EPGroup(world_of_one, num_experts=E)
     x, ids, weights, _ = _routing(5)
@@ -324,7 +345,9 @@ def test_process_group_refusals(world_of_one):
     with pytest.raises(ValueError, match="meta tensors"):
         ep.prepare(ids.to("meta"), weights.to("meta"))
     # Both refusals left the group consistent: it still moves data.
-    assert torch.allclose(ep.dispatch(x, ids, weights).recv_x.sum(0), x.sum(0) * K, rtol=0, atol=1e-12)
+    assert torch.allclose(
+        ep.dispatch(x, ids, weights).recv_x.sum(0), x.sum(0) * K, rtol=0, atol=1e-12
+    )
 
 
 def test_model_over_the_process_group_equals_the_in_process_run(world_of_one):

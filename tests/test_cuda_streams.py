@@ -12,12 +12,11 @@ import pytest
 import torch
 
 import dbo
-from dbo.sim import SimDevice
 from dbo.devices import resolve_device
+from dbo.sim import SimDevice
 from dbo.streams import CudaDevice
 
 pytestmark = pytest.mark.timeout(120)
-
 
 
 def needs_cuda(test):
@@ -30,8 +29,9 @@ def needs_cuda(test):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
-@pytest.mark.parametrize("make", [CudaDevice, lambda: resolve_device("cuda")],
-                         ids=["CudaDevice", "resolve-cuda"])
+@pytest.mark.parametrize(
+    "make", [CudaDevice, lambda: resolve_device("cuda")], ids=["CudaDevice", "resolve-cuda"]
+)
 def test_cuda_without_a_gpu_says_to_use_the_simulated_device(make):
     with pytest.raises(RuntimeError, match=r"needs a CUDA GPU.*device='sim'"):
         make()

@@ -14,8 +14,9 @@ import pickle
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -38,7 +39,9 @@ def _rank_inputs(rank: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, to
     """Rank r's tokens and routing; every rank can rebuild every rank's (seeded by rank)."""
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(tokens, H, generator=gen, dtype=torch.float64)
-    weights, ids = torch.randn(tokens, E, generator=gen, dtype=torch.float64).softmax(-1).topk(K, dim=-1)
+    weights, ids = (
+        torch.randn(tokens, E, generator=gen, dtype=torch.float64).softmax(-1).topk(K, dim=-1)
+    )
     return x, ids, weights
 
 
@@ -46,7 +49,9 @@ def _expert_weights() -> torch.Tensor:
     return torch.randn(E, H, H, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
 
 
-def _dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _dense(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
     return (weights.unsqueeze(-1) * torch.einsum("th,tkhd->tkd", x, w[ids])).sum(1)
 
 
@@ -66,20 +71,28 @@ def _comm_round_trip(ep: Any, rank: int, tokens_of: Callable[[int], int]) -> dic
             expert_out = torch.bmm(sent.recv_x.unsqueeze(1), w[sent.recv_expert_ids]).squeeze(1)
             outs[mode] = ep.combine(expert_out, sent.handle, mode=mode)
         ids_here = sent.recv_expert_ids.tolist()
-        results[f"{mode} equals dense"] = torch.allclose(outs[mode], _dense(x, ids, weights, w), rtol=0, atol=1e-12)
-        results[f"{mode} rows only for local experts"] = all(e in ep.local_experts for e in ids_here)
+        results[f"{mode} equals dense"] = torch.allclose(
+            outs[mode], _dense(x, ids, weights, w), rtol=0, atol=1e-12
+        )
+        results[f"{mode} rows only for local experts"] = all(
+            e in ep.local_experts for e in ids_here
+        )
         results[f"{mode} expert-major"] = ids_here == sorted(ids_here)
         # What every member routes to this rank's experts, rebuilt from their seeds.
         expected = sorted(
             (e, round(float(xr.sum()), 9))
             for g in ep.global_ranks
-            for xr, row in zip(_rank_inputs(g, tokens_of(g))[0], _rank_inputs(g, tokens_of(g))[1].tolist())
+            for xr, row in zip(
+                _rank_inputs(g, tokens_of(g))[0], _rank_inputs(g, tokens_of(g))[1].tolist()
+            )
             for e in row
             if e in ep.local_experts
         )
         got = sorted((e, round(float(r.sum()), 9)) for e, r in zip(ids_here, sent.recv_x))
         results[f"{mode} received exactly the rows routed here"] = got == expected
-        results[f"{mode} comm ops"] = [r.name for r in device.timeline if r.kind == "comm" and not r.name.endswith(".send")]
+        results[f"{mode} comm ops"] = [
+            r.name for r in device.timeline if r.kind == "comm" and not r.name.endswith(".send")
+        ]
     results["ht and ll identical"] = torch.equal(outs["ht"], outs["ll"])
     return results
 
@@ -92,7 +105,11 @@ def _attempt(fn: Callable[[], Any]) -> tuple[str, Any, float]:
         return "ok", value, time.monotonic() - start
     except Exception as error:  # noqa: BLE001 - the parent checks type and message
         cause = error.__cause__
-        return "error", (type(error).__name__, str(error), type(cause).__name__ if cause else None), time.monotonic() - start
+        return (
+            "error",
+            (type(error).__name__, str(error), type(cause).__name__ if cause else None),
+            time.monotonic() - start,
+        )
 
 
 def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
@@ -100,8 +117,8 @@ def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
 
     from dbo.comm import EPGroup, use_ep_group
     from scenarios.distributed import run_rank_step
-    from scenarios.registry import SCENARIOS
     from scenarios.model import Batch, MoEModel, preset
+    from scenarios.registry import SCENARIOS
 
     rank = env.rank
     out: dict[str, Any] = {}
@@ -147,7 +164,15 @@ def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
 
     def failing_step() -> None:
         with use_ep_group(failing_ep):
-            run_rank_step(model, model.inputs(), device=distributed.rank_device(env, opts), ep=failing_ep, slices=slices, mode="ht", timeout_s=30)
+            run_rank_step(
+                model,
+                model.inputs(),
+                device=distributed.rank_device(env, opts),
+                ep=failing_ep,
+                slices=slices,
+                mode="ht",
+                timeout_s=30,
+            )
 
     out["raising rank"] = _attempt(failing_step)
     out["after the failure"] = _attempt(lambda: failing_ep.begin_step(1))
@@ -202,12 +227,21 @@ def _base_env() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     if Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_USE_AGENT_STORE",
+    ):
         env.pop(name, None)
     return env
 
 
-def _start(argv_of: Callable[[int], list[str]], world: int, workdir: Path, *, deadline_s: float) -> tuple[list[int], list[str]]:
+def _start(
+    argv_of: Callable[[int], list[str]], world: int, workdir: Path, *, deadline_s: float
+) -> tuple[list[int], list[str]]:
     """Start `world` processes (rank r runs argv_of(r)) round a store this process hosts, wait
     with a deadline, kill leftovers; returns exit codes and outputs."""
     import torch.distributed as dist
@@ -219,12 +253,24 @@ def _start(argv_of: Callable[[int], list[str]], world: int, workdir: Path, *, de
             log = workdir / f"rank{rank}.log"
             logs.append(log)
             env = {
-                **_base_env(), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), distributed._HOSTED_ENV: "1",
+                **_base_env(),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.port),
+                distributed._HOSTED_ENV: "1",
             }
             with open(log, "wb") as f:
                 procs.append(
-                    subprocess.Popen(argv_of(rank), env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
+                    subprocess.Popen(
+                        argv_of(rank),
+                        env=env,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        cwd=REPO,
+                    )
                 )
         end = time.monotonic() + deadline_s
         for p in procs:
@@ -240,7 +286,11 @@ def _start(argv_of: Callable[[int], list[str]], world: int, workdir: Path, *, de
 
 
 def _outputs(logs: list[Path]) -> str:
-    return "\n".join(f"--- {log.name} ---\n{log.read_text(errors='replace')[-3000:]}" for log in logs if log.exists())
+    return "\n".join(
+        f"--- {log.name} ---\n{log.read_text(errors='replace')[-3000:]}"
+        for log in logs
+        if log.exists()
+    )
 
 
 def _free_port() -> int:
@@ -252,14 +302,21 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def group_results(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], list[dict[str, Any]]]:
+def group_results(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str, int], list[dict[str, Any]]]:
     cache: dict[str, list[dict[str, Any]]] = {}
 
     def get(which: str, world: int) -> list[dict[str, Any]]:
         if which not in cache:
             workdir = tmp_path_factory.mktemp(which)
             outs = [workdir / f"rank{r}.pkl" for r in range(world)]
-            codes, logs = _start(lambda r: [sys.executable, __file__, which, str(outs[r])], world, workdir, deadline_s=100)
+            codes, logs = _start(
+                lambda r: [sys.executable, __file__, which, str(outs[r])],
+                world,
+                workdir,
+                deadline_s=100,
+            )
             if any(codes):
                 pytest.fail(f"ranks exited with {codes}:\n" + "\n".join(logs))
             cache[which] = [pickle.loads(o.read_bytes()) for o in outs]
@@ -278,7 +335,10 @@ def test_two_ranks_dispatch_and_combine_equal_the_dense_reference(group_results)
         comm = results["comm"]
         for key, value in comm.items():
             if key.endswith("comm ops"):
-                assert value == ["comm::dispatch_counts", "comm::dispatch", "comm::combine"], (rank, key)
+                assert value == ["comm::dispatch_counts", "comm::dispatch", "comm::combine"], (
+                    rank,
+                    key,
+                )
             else:
                 assert value is True, (rank, key)
 
@@ -293,10 +353,15 @@ def test_two_ranks_moe_steps_equal_the_single_process_run_with_agreed_padding(gr
         assert all(o.dbo_records and {r.rank for r in o.dbo_records} == {o.rank} for o in outcomes)
         # Rank 1 has fewer tokens; both cut at the largest padded count.
         padded = {o.details["num_tokens_padded"] for o in outcomes}
-        assert padded == {outcomes[0].details["tokens"]} and outcomes[1].details["tokens"] < outcomes[0].details["tokens"]
+        assert (
+            padded == {outcomes[0].details["tokens"]}
+            and outcomes[1].details["tokens"] < outcomes[0].details["tokens"]
+        )
         half = outcomes[0].details["tokens"] // 2
         assert [o.details["ubatch_tokens"][0] for o in outcomes] == [half, half]
-    merged = distributed.merge_outcomes("moe-prefill-ht", [r["moe-prefill-ht"] for r in results], RunOptions())
+    merged = distributed.merge_outcomes(
+        "moe-prefill-ht", [r["moe-prefill-ht"] for r in results], RunOptions()
+    )
     assert merged.passed and merged.details["ranks"] == 2
     per_rank = [o["step_us_dbo"] for o in merged.details["per_rank"]]
     assert merged.step_us_dbo == pytest.approx(max(per_rank))
@@ -317,20 +382,36 @@ def test_two_ranks_bad_input_is_an_error_on_every_rank(group_results):
     r0, r1 = group_results("two", 2)
     for results in (r0, r1):
         status, (kind, message, _), _ = results["ep_size 3 of 2"]
-        assert status == "error" and kind == "ValueError" and "must divide the process group's size (2)" in message
+        assert (
+            status == "error"
+            and kind == "ValueError"
+            and "must divide the process group's size (2)" in message
+        )
         assert results["after bad routing"] is True
     assert r0["group without this rank"][:2] == ("ok", 1)
     status, (kind, message, _), _ = r1["group without this rank"]
-    assert status == "error" and kind == "ValueError" and "not a member of the given process group" in message
+    assert (
+        status == "error"
+        and kind == "ValueError"
+        and "not a member of the given process group" in message
+    )
     assert r1["bad routing"][0] == "error" and "outside [0, 8) on rank 1" in r1["bad routing"][1][1]
-    assert r0["bad routing"][0] == "error" and "EP rank(s) [1] routed tokens to expert ids outside" in r0["bad routing"][1][1]
+    assert (
+        r0["bad routing"][0] == "error"
+        and "EP rank(s) [1] routed tokens to expert ids outside" in r0["bad routing"][1][1]
+    )
 
 
 @pytest.mark.timeout(120)
 def test_a_raising_rank_ends_the_step_on_every_rank_promptly(group_results):
     r0, r1 = group_results("two", 2)
     status, (kind, message, cause), seconds = r1["raising rank"]
-    assert status == "error" and kind == "UBatchError" and cause == "RuntimeError" and "expert kernel failed" in message
+    assert (
+        status == "error"
+        and kind == "UBatchError"
+        and cause == "RuntimeError"
+        and "expert kernel failed" in message
+    )
     status, (kind, message, cause), seconds = r0["raising rank"]
     assert status == "error" and kind == "UBatchError" and cause == "EPPeerFailedError", message
     assert "EP rank 1 failed" in message and "expert kernel failed on rank 1" in message
@@ -360,7 +441,10 @@ def test_four_ranks_moe_prefill_and_disagreement(group_results):
     assert len({o.details["tokens"] for o in outcomes}) == 4  # every rank padded to the max
     caught = [r["dp-disagreement"] for r in results]
     assert all(o.passed for o in caught), [o.error for o in caught]
-    assert "rank 0: 2 ubatches, rank 1: 1 ubatch, rank 2: 1 ubatch, rank 3: 1 ubatch" in caught[3].details["caught"]
+    assert (
+        "rank 0: 2 ubatches, rank 1: 1 ubatch, rank 2: 1 ubatch, rank 3: 1 ubatch"
+        in caught[3].details["caught"]
+    )
 
 
 @pytest.mark.timeout(120)
@@ -369,7 +453,10 @@ def test_four_ranks_as_two_ep_groups_of_two(group_results):
     assert [r["ep2 members"] for r in results] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [r["ep2 local experts"] for r in results] == [[0, 1, 2, 3], [4, 5, 6, 7]] * 2
     for rank, r in enumerate(results):
-        assert all(v is True for k, v in r["ep2 comm"].items() if not k.endswith("comm ops")), (rank, r["ep2 comm"])
+        assert all(v is True for k, v in r["ep2 comm"].items() if not k.endswith("comm ops")), (
+            rank,
+            r["ep2 comm"],
+        )
         status, (kind, message, _), _ = r["ep_size 3 of 4"]
         assert status == "error" and kind == "ValueError" and "ep_size (3) must divide" in message
 
@@ -380,21 +467,42 @@ def test_four_ranks_as_two_ep_groups_of_two(group_results):
 
 @pytest.mark.timeout(120)
 def test_cli_ranks_runs_each_scenario_on_every_rank_and_merges_one_trace(capsys, tmp_path):
-    code = main(["run", "--ranks", "2", "--json", "--out", str(tmp_path), "moe-prefill-ht", "dp-disagreement"])
+    code = main(
+        [
+            "run",
+            "--ranks",
+            "2",
+            "--json",
+            "--out",
+            str(tmp_path),
+            "moe-prefill-ht",
+            "dp-disagreement",
+        ]
+    )
     reports = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert code == 0, reports
     assert [r["scenario"] for r in reports] == ["moe-prefill-ht", "dp-disagreement"]
     assert all(r["passed"] for r in reports) and reports[1]["negative"] is True
     prefill = reports[0]
     assert prefill["details"]["ranks"] == 2 and prefill["outputs_match"] is True
-    assert prefill["step_us_dbo"] == pytest.approx(max(p["step_us_dbo"] for p in prefill["details"]["per_rank"]))
+    assert prefill["step_us_dbo"] == pytest.approx(
+        max(p["step_us_dbo"] for p in prefill["details"]["per_rank"])
+    )
     trace = json.loads(Path(prefill["trace"]).read_text())
-    processes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M" and e["name"] == "process_name"}
+    processes = {
+        e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e["name"] == "process_name"
+    }
     assert processes == {"rank 0", "rank 1"}
     assert Path(prefill["timeline_png"]).read_bytes().startswith(b"\x89PNG")
     # The negative scenario's trace shows the agreed step, a process per rank as well.
     trace = json.loads(Path(reports[1]["trace"]).read_text())
-    processes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M" and e["name"] == "process_name"}
+    processes = {
+        e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e["name"] == "process_name"
+    }
     assert processes == {"rank 0", "rank 1"}
 
 
@@ -402,12 +510,29 @@ def test_cli_ranks_runs_each_scenario_on_every_rank_and_merges_one_trace(capsys,
 def test_torchrun_launch_runs_the_scenario_on_two_ranks_and_rank_0_reports(tmp_path):
     # torchrun itself (its agent hosts the store; --standalone picks a free port).
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "scenarios", "run", "moe-prefill-ht", "--no-artifacts", "--timeout", "30",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "scenarios",
+        "run",
+        "moe-prefill-ht",
+        "--no-artifacts",
+        "--timeout",
+        "30",
     ]
     try:
         done = subprocess.run(
-            argv, env=_base_env(), cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=100
+            argv,
+            env=_base_env(),
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=100,
         )
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"torchrun did not finish in 100 s:\n{expired.stdout}\n{expired.stderr}")
@@ -428,7 +553,9 @@ def test_bad_launches_are_clear_errors(capsys, monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_count_that_does_not_divide_the_experts_is_refused_before_any_process_starts(capsys, monkeypatch):
+def test_a_rank_count_that_does_not_divide_the_experts_is_refused_before_any_process_starts(
+    capsys, monkeypatch
+):
     started = []
     monkeypatch.setattr(distributed.subprocess, "Popen", lambda *a, **k: started.append(a))
     assert main(["run", "--ranks", "3", "moe-prefill-ht"]) == 2
@@ -438,10 +565,14 @@ def test_a_rank_count_that_does_not_divide_the_experts_is_refused_before_any_pro
 
 
 @pytest.mark.timeout(60)
-def test_a_torchrun_world_size_that_does_not_divide_the_experts_is_a_clear_error(capsys, monkeypatch):
+def test_a_torchrun_world_size_that_does_not_divide_the_experts_is_a_clear_error(
+    capsys, monkeypatch
+):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    monkeypatch.setattr(distributed, "init_rank", lambda opts: pytest.fail("joined a group it cannot use"))
+    monkeypatch.setattr(
+        distributed, "init_rank", lambda opts: pytest.fail("joined a group it cannot use")
+    )
     assert main(["run", "moe-prefill-ht", "--no-artifacts"]) == 1
     assert "WORLD_SIZE=3" in capsys.readouterr().err
 
@@ -450,13 +581,19 @@ def test_the_disagreement_verdict_passes_only_when_the_mismatch_is_caught_naming
     from dbo.comm import EPStepMismatchError, EPTimeoutError
 
     named = EPStepMismatchError(
-        "EP ranks disagree (rank 0: 2 ubatches, rank 1: 1 ubatch)", ubatch_counts={0: 2, 1: 1}, steps={0: 1, 1: 1}
+        "EP ranks disagree (rank 0: 2 ubatches, rank 1: 1 ubatch)",
+        ubatch_counts={0: 2, 1: 1},
+        steps={0: 1, 1: 1},
     )
     assert all(distributed.disagreement_checks(named, 2, 0.1, 0.0).values())
     # Not caught (a real system would hang), caught late, caught as a timeout, or unnamed ranks.
     assert not all(distributed.disagreement_checks(None, 2, 0.1, 0.0).values())
     assert not all(distributed.disagreement_checks(named, 2, 30.0, 0.0).values())
-    assert not all(distributed.disagreement_checks(EPTimeoutError("rank 0: rank 1:", what="x"), 2, 0.1, 0.0).values())
+    assert not all(
+        distributed.disagreement_checks(
+            EPTimeoutError("rank 0: rank 1:", what="x"), 2, 0.1, 0.0
+        ).values()
+    )
     assert not all(distributed.disagreement_checks(named, 3, 0.1, 0.0).values())
     assert not all(distributed.disagreement_checks(named, 2, 0.1, 1.0).values())
 
@@ -476,11 +613,15 @@ def test_an_unreachable_store_and_a_group_that_never_forms_end_with_errors(monke
     # Rank 0 of 2, alone: it hosts the store, but rank 1 never joins.
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    with pytest.raises(distributed.RankSetupError, match=r"WORLD_SIZE=2 ranks did not form within 1 s"):
+    with pytest.raises(
+        distributed.RankSetupError, match=r"WORLD_SIZE=2 ranks did not form within 1 s"
+    ):
         distributed.init_rank(opts)
     assert time.monotonic() - start < 20
     monkeypatch.setenv("RANK", "2")
-    with pytest.raises(distributed.RankSetupError, match=r"RANK \(2\) must be in \[0, WORLD_SIZE\)"):
+    with pytest.raises(
+        distributed.RankSetupError, match=r"RANK \(2\) must be in \[0, WORLD_SIZE\)"
+    ):
         distributed.init_rank(opts)
 
 

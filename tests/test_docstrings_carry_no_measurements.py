@@ -51,6 +51,10 @@ def test_no_docstring_or_comment_quotes_a_measured_figure():
                 continue
             source = path.read_text(encoding="utf-8")
             texts = _docstrings(ast.parse(source)) + _comments(source)
-            offenders += [f"{name}:{line}: {m.group(0)!r}" for line, text in texts
-                          for m in [FIGURE.search(text)] if m]
+            offenders += [
+                f"{name}:{line}: {m.group(0)!r}"
+                for line, text in texts
+                for m in [FIGURE.search(text)]
+                if m
+            ]
     assert offenders == []

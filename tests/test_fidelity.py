@@ -11,16 +11,18 @@ import torch
 
 from dbo.sim import H800, SimDevice
 from dbo.sim.cost import aliased_input_bytes, flop_formula, node_dedup_share
-from scenarios.tools import fidelity, gpu_check
 from scenarios.catalog import TINY_DECODE, TINY_PREFILL
 from scenarios.cli import main as cli_main
 from scenarios.harness import RunOptions, compare_serial_dbo
 from scenarios.model import Batch, MoEModel, preset
+from scenarios.tools import fidelity, gpu_check
 from workspace import init_workspace_manager, reset_workspace_manager
 
 pytestmark = pytest.mark.timeout(120)
 
-TINY_MLA = dict(attention="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=4, v_head_dim=8)
+TINY_MLA = dict(
+    attention="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=4, v_head_dim=8
+)
 
 
 # -- DeepEP kernels: pure cost-model arithmetic (H800 profile) ---------------------------------
@@ -39,8 +41,12 @@ def test_deepep_low_latency_time_is_latency_plus_bytes_over_the_right_link() -> 
     copies = 128 * 8 * (7168 + 7168 // 128 * 4)
     nvl = H800.nvlink_gbps * 1e3 * H800.nvlink_efficiency
     rdma = H800.rdma_gbps * 1e3 * H800.rdma_efficiency
-    assert fidelity.deepep_ll_us("dispatch", 8) == pytest.approx(H800.ll_latency_us + copies * 7 / 8 / nvl)
-    assert fidelity.deepep_ll_us("dispatch", 64) == pytest.approx(H800.ll_latency_us + copies * 63 / 64 * 56 / 63 / rdma)
+    assert fidelity.deepep_ll_us("dispatch", 8) == pytest.approx(
+        H800.ll_latency_us + copies * 7 / 8 / nvl
+    )
+    assert fidelity.deepep_ll_us("dispatch", 64) == pytest.approx(
+        H800.ll_latency_us + copies * 63 / 64 * 56 / 63 / rdma
+    )
 
 
 @pytest.mark.parametrize("kind", ["dispatch", "combine"])
@@ -97,7 +103,12 @@ def test_causal_flash_attention_counts_the_triangle_and_mla_latent_once() -> Non
 def test_grouped_mm_has_a_flop_formula() -> None:
     a = torch.empty(96, 64, device="meta", dtype=torch.bfloat16)
     b = torch.empty(4, 64, 32, device="meta", dtype=torch.bfloat16)
-    assert flop_formula(torch.ops.aten._grouped_mm.default)(a, b, out_val=torch.empty(96, 32, device="meta")) == 2 * 96 * 64 * 32
+    assert (
+        flop_formula(torch.ops.aten._grouped_mm.default)(
+            a, b, out_val=torch.empty(96, 32, device="meta")
+        )
+        == 2 * 96 * 64 * 32
+    )
 
 
 # -- the model: MLA, shared expert, dense layers --------------------------------------------------
@@ -105,11 +116,21 @@ def test_grouped_mm_has_a_flop_formula() -> None:
 
 def test_deepseek_preset_is_mla_with_a_latent_cache() -> None:
     c = preset("deepseek-v3")
-    assert (c.attention, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_dim, c.v_head_dim) == ("mla", 1536, 512, 64, 128)
+    assert (c.attention, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_dim, c.v_head_dim) == (
+        "mla",
+        1536,
+        512,
+        64,
+        128,
+    )
     assert (c.num_shared_experts, c.num_dense_layers, c.dense_inter) == (1, 3, 18432)
     model = MoEModel(c.with_(num_layers=4), Batch.decode(8, 100))
     assert model.kv[0].shape == (8 * 101, 512 + 64)  # one latent + rope key per token, all heads
-    assert "w_gate_up" in model.layers[0] and "router" in model.layers[3] and "ws_gate_up" in model.layers[3]
+    assert (
+        "w_gate_up" in model.layers[0]
+        and "router" in model.layers[3]
+        and "ws_gate_up" in model.layers[3]
+    )
 
 
 def test_mla_absorbed_decode_equals_the_expanded_form() -> None:
@@ -162,7 +183,9 @@ EXPECTED_ROWS = {
 # Rows whose constant was read (even in part) off the figure they are scored against.
 CALIBRATION_ROWS = {
     "deepep-ll-dispatch-ep8",  # ll_latency_us
-    *(f"deepep-ll-{k}-ep{ep}" for k in ("dispatch", "combine") for ep in (64, 256)),  # rdma_efficiency
+    *(
+        f"deepep-ll-{k}-ep{ep}" for k in ("dispatch", "combine") for ep in (64, 256)
+    ),  # rdma_efficiency
     "deepep-normal-nvlink-dispatch",  # nvlink_efficiency
     "deepep-normal-nvlink-combine",
     "deepep-normal-rdma",  # rdma_efficiency
@@ -216,23 +239,41 @@ def test_cli_fidelity_quick_json(capsys) -> None:
     assert report["quick"] is True
     assert {r["key"] for r in report["rows"]} == EXPECTED_ROWS
     for r in report["rows"]:
-        assert {"what", "published", "simulated", "delta", "target", "met", "assumptions", "source"} <= set(r)
+        assert {
+            "what",
+            "published",
+            "simulated",
+            "delta",
+            "target",
+            "met",
+            "assumptions",
+            "source",
+        } <= set(r)
 
 
 def test_a_launch_bound_eager_step_is_host_bound_and_its_replay_is_not() -> None:
     """The vLLM observation's second effect on a step whose kernels are shorter than their
     launches: eager DBO decode is host-bound, the same step replayed as a graph is not."""
-    config = gpu_check.cases(2)[1].config.with_(hidden=256, num_heads=4, head_dim=64, num_experts=8, top_k=2, moe_inter=128)
+    config = gpu_check.cases(2)[1].config.with_(
+        hidden=256, num_heads=4, head_dim=64, num_experts=8, top_k=2, moe_inter=128
+    )
     batch = Batch.decode(16, 64)
     eager = fidelity.simulate_step(config, batch, "ll", profile="h200", num_ubatches=2, graph=False)
-    replayed = fidelity.simulate_step(config, batch, "ll", profile="h200", num_ubatches=2, graph=True)
+    replayed = fidelity.simulate_step(
+        config, batch, "ll", profile="h200", num_ubatches=2, graph=True
+    )
     assert eager.host_bound_fraction > 0.5 and eager.host_us == pytest.approx(eager.step_us)
-    assert replayed.host_bound_fraction < 0.1 and replayed.host_us == SimDevice("h200").profile.graph_launch_us
+    assert (
+        replayed.host_bound_fraction < 0.1
+        and replayed.host_us == SimDevice("h200").profile.graph_launch_us
+    )
     assert replayed.step_us < eager.step_us / 2
     assert replayed.num_ops == eager.num_ops  # the same kernels, without their launches
 
 
-def test_quick_report_shows_graphs_removing_the_eager_host_bound_time(quick_report: fidelity.FidelityReport) -> None:
+def test_quick_report_shows_graphs_removing_the_eager_host_bound_time(
+    quick_report: fidelity.FidelityReport,
+) -> None:
     eager, replayed = quick_report.extra["eager"], quick_report.extra["replayed"]
     assert eager["host_bound_fraction"] > 0.1 > replayed["host_bound_fraction"]
     assert replayed["step_us"] < eager["step_us"]
@@ -258,8 +299,12 @@ def test_gpu_check_sim_half_and_report(tmp_path, capsys) -> None:
 def test_gpu_check_configs_and_arguments() -> None:
     prefill, decode = gpu_check.cases(8)
     assert prefill.config.tensor_device == "cuda" and prefill.config.dtype == torch.bfloat16
-    assert prefill.config.ep_size == 1 and prefill.batch.num_tokens == 4096 and decode.batch.is_decode
-    args = gpu_check.build_parser().parse_args(["--reps", "5", "--only", "decode", "--out", "x.json"])
+    assert (
+        prefill.config.ep_size == 1 and prefill.batch.num_tokens == 4096 and decode.batch.is_decode
+    )
+    args = gpu_check.build_parser().parse_args(
+        ["--reps", "5", "--only", "decode", "--out", "x.json"]
+    )
     assert (args.reps, args.only, args.out, args.sim_only) == (5, "decode", "x.json", False)
     assert gpu_check.main(["--reps", "0", "--sim-only"]) == 2
 
@@ -271,7 +316,9 @@ def test_gpu_check_measurement_sequence_runs_on_the_simulated_device(mode: str) 
     batch = TINY_PREFILL if mode == "ht" else TINY_DECODE
     case = gpu_check.CheckCase(mode, preset("tiny"), batch, mode)
     d = SimDevice("h200")
-    timings = gpu_check.measure_case(case, reps=2, warmup=1, device=d, timer=gpu_check.virtual_timer(d))
+    timings = gpu_check.measure_case(
+        case, reps=2, warmup=1, device=d, timer=gpu_check.virtual_timer(d)
+    )
     assert set(timings) == set(gpu_check.VARIANTS)
     for variant, t in timings.items():
         assert t.error is None and len(t.gpu_us) == 2 and min(t.gpu_us) > 0, (variant, t)
@@ -282,9 +329,13 @@ def test_gpu_check_measurement_sequence_runs_on_the_simulated_device(mode: str) 
     assert d.races == []
 
 
-def test_gpu_check_reports_the_simulated_host_time_and_says_when_it_stays_ahead(tmp_path, capsys) -> None:
+def test_gpu_check_reports_the_simulated_host_time_and_says_when_it_stays_ahead(
+    tmp_path, capsys
+) -> None:
     out = tmp_path / "gpu_check.json"
-    assert gpu_check.main(["--sim-only", "--layers", "1", "--only", "decode", "--out", str(out)]) == 0
+    assert (
+        gpu_check.main(["--sim-only", "--layers", "1", "--only", "decode", "--out", str(out)]) == 0
+    )
     timings = json.loads(out.read_text())["cases"][0]["timings"]
     for variant in ("serial-graph", "dbo-graph"):  # a replay costs the host one graph launch
         assert timings[variant]["sim_host_us"] == SimDevice("h200").profile.graph_launch_us
@@ -321,7 +372,22 @@ def _stored_run(tmp_path, layers: int, scale: float = 1.0):
 def test_gpu_check_scores_the_simulation_against_a_stored_run(tmp_path, capsys) -> None:
     stored = _stored_run(tmp_path, 1, scale=1 / 8)  # one layer of the measured eight
     out = tmp_path / "gpu_check.json"
-    assert gpu_check.main(["--sim-only", "--layers", "1", "--only", "decode", "--against", str(stored), "--out", str(out)]) == 0
+    assert (
+        gpu_check.main(
+            [
+                "--sim-only",
+                "--layers",
+                "1",
+                "--only",
+                "decode",
+                "--against",
+                str(stored),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (case,) = json.loads(out.read_text())["cases"]
     checks = {v["check"]: v for v in case["validation"]}
     assert set(checks) >= {f"{v} time" for v in gpu_check.VARIANTS}
@@ -333,6 +399,19 @@ def test_gpu_check_scores_the_simulation_against_a_stored_run(tmp_path, capsys) 
 
 def test_gpu_check_refuses_a_stored_run_of_another_size(tmp_path, capsys) -> None:
     stored = _stored_run(tmp_path, 8)
-    assert gpu_check.main(["--sim-only", "--layers", "2", "--against", str(stored), "--out", str(tmp_path / "x.json")]) == 2
+    assert (
+        gpu_check.main(
+            [
+                "--sim-only",
+                "--layers",
+                "2",
+                "--against",
+                str(stored),
+                "--out",
+                str(tmp_path / "x.json"),
+            ]
+        )
+        == 2
+    )
     assert "measured with 8 layers" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()

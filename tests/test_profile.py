@@ -125,14 +125,12 @@ def _trace(path, events) -> str:
 
 
 def test_host_costs_from_traces_follow_the_stated_rules(tmp_path) -> None:
-    launch = lambda ts, tid=1: {
-        "cat": "cuda_runtime",
-        "name": "cudaLaunchKernel",
-        "ts": ts,
-        "dur": 2,
-        "tid": tid,
-    }
-    op = lambda name, ts, dur: {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1}
+    def launch(ts: int, tid: int = 1) -> dict:
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": tid}
+
+    def op(name: str, ts: int, dur: int) -> dict:
+        return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1}
+
     serial = [
         op("aten::add", 0, 20), launch(5),
         op("aten::view", 30, 4),  # a view: no launch, Python time

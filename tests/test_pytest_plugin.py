@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 USER_TESTS = textwrap.dedent(
-    '''
+    """
     import pytest
     import torch
 
@@ -61,7 +61,7 @@ USER_TESTS = textwrap.dedent(
 
     def test_dbo_verify_fails_a_racy_forward(dbo_verify):
         dbo_verify(lambda x: forward(x, wait=False), torch.randn(8, 4))
-    '''
+    """
 )
 
 
@@ -70,9 +70,24 @@ def run_user_tests(tmp_path: Path) -> subprocess.CompletedProcess:
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "dbo.pytest_plugin", "-p", "no:cacheprovider",
-         "-rA", "-q", "test_user_model.py"],
-        check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "dbo.pytest_plugin",
+            "-p",
+            "no:cacheprovider",
+            "-rA",
+            "-q",
+            "test_user_model.py",
+        ],
+        check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
     )
 
 

@@ -185,7 +185,9 @@ def test_ubatch_threads_are_reused_across_steps(device):
     seen: list[set[int]] = []
     for _ in range(3):
         idents: set[int] = set()
-        dbo.run_ubatches(lambda i: idents.add(threading.get_ident()), [0, 1], device=device)
+        dbo.run_ubatches(
+            lambda i, idents=idents: idents.add(threading.get_ident()), [0, 1], device=device
+        )
         seen.append(idents)
     assert len(seen[0]) == 2 and seen[0] == seen[1] == seen[2]
 
@@ -307,8 +309,12 @@ def test_a_graph_that_cannot_be_entered_releases_every_ubatch_thread(device):
 def test_an_interrupted_launcher_releases_every_ubatch_and_re_raises_the_interrupt(device):
     before = _step_thread_idents(device)
     with pytest.raises(KeyboardInterrupt):
-        dbo.run_ubatches(lambda i: dbo.dbo_yield(), [0, 1], device=device,
-                         graph=_FailingGraph(KeyboardInterrupt(), "enter"))
+        dbo.run_ubatches(
+            lambda i: dbo.dbo_yield(),
+            [0, 1],
+            device=device,
+            graph=_FailingGraph(KeyboardInterrupt(), "enter"),
+        )
     assert _registries_empty()
     assert _step_thread_idents(device) == before
 
@@ -316,8 +322,12 @@ def test_an_interrupted_launcher_releases_every_ubatch_and_re_raises_the_interru
 def test_a_graph_exit_failure_after_the_ubatches_finished_is_raised_as_is(device):
     before = _step_thread_idents(device)
     with pytest.raises(RuntimeError, match="capture invalidated"):
-        dbo.run_ubatches(lambda i: dbo.dbo_yield(), [0, 1], device=device,
-                         graph=_FailingGraph(RuntimeError("capture invalidated"), "exit"))
+        dbo.run_ubatches(
+            lambda i: dbo.dbo_yield(),
+            [0, 1],
+            device=device,
+            graph=_FailingGraph(RuntimeError("capture invalidated"), "exit"),
+        )
     assert _registries_empty()
     assert _step_thread_idents(device) == before
 
@@ -340,7 +350,7 @@ def test_concurrent_launchers_each_get_a_whole_step_or_a_clear_refusal():
     for _ in range(30):
         start = threading.Barrier(2)
 
-        def launch():
+        def launch(start=start):
             start.wait(10)
             try:
                 outcomes.append(repr(dbo.run_ubatches(fn, [0, 1], device=device, timeout=10)))
@@ -370,8 +380,7 @@ def _run_by_hand(device, contexts, fns):
         except BaseException as exc:  # handed to the test below
             errors[i] = exc
 
-    threads = [threading.Thread(target=body, args=(i,), daemon=True)
-               for i in range(len(contexts))]
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(contexts))]
     for t in threads:
         t.start()
     try:
@@ -577,19 +586,37 @@ def test_forward_contexts_that_cannot_be_indexed_are_refused_at_once(device):
 
 @pytest.mark.parametrize("timeout", [math.inf, 1e10, 10**400], ids=["inf", "1e10", "10**400"])
 def test_an_unbounded_or_huge_timeout_runs_the_step(device, timeout):
-    assert dbo.run_ubatches(lambda i: dbo.dbo_yield() or i, [0, 1], device=device,
-                            timeout=timeout) == [0, 1]
+    assert dbo.run_ubatches(
+        lambda i: dbo.dbo_yield() or i, [0, 1], device=device, timeout=timeout
+    ) == [0, 1]
 
 
-@pytest.mark.parametrize("timeout", [np.int64(5), np.float32(2.0), np.float64(2.0), 2],
-                         ids=["np-int64", "np-float32", "np-float64", "int"])
+@pytest.mark.parametrize(
+    "timeout",
+    [np.int64(5), np.float32(2.0), np.float64(2.0), 2],
+    ids=["np-int64", "np-float32", "np-float64", "int"],
+)
 def test_a_timeout_of_any_real_number_type_runs_the_step(device, timeout):
-    assert dbo.run_ubatches(lambda i: dbo.dbo_yield() or i, [0, 1], device=device,
-                            timeout=timeout) == [0, 1]
+    assert dbo.run_ubatches(
+        lambda i: dbo.dbo_yield() or i, [0, 1], device=device, timeout=timeout
+    ) == [0, 1]
 
 
-@pytest.mark.parametrize("timeout", [math.nan, -1, 0, True, "5", None, np.bool_(True),
-                                     np.float32("nan"), np.int64(0), np.float32(-1.0)])
+@pytest.mark.parametrize(
+    "timeout",
+    [
+        math.nan,
+        -1,
+        0,
+        True,
+        "5",
+        None,
+        np.bool_(True),
+        np.float32("nan"),
+        np.int64(0),
+        np.float32(-1.0),
+    ],
+)
 def test_a_timeout_that_is_not_a_positive_number_is_refused(device, timeout):
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
         dbo.run_ubatches(lambda i: i, [0, 1], device=device, timeout=timeout)
@@ -653,8 +680,7 @@ def test_ctrl_c_reaches_the_caller_at_once_while_a_ubatch_runs_long_user_code(de
 def test_a_step_that_fails_under_capture_leaves_a_graph_that_refuses_to_replay(device):
     graph = device.graph()
     with pytest.raises(dbo.UBatchError):
-        dbo.run_ubatches(_raise_in(1, ValueError("mid-step")), [0, 1], device=device,
-                         graph=graph)
+        dbo.run_ubatches(_raise_in(1, ValueError("mid-step")), [0, 1], device=device, graph=graph)
     with pytest.raises(RuntimeError, match="captured a ubatched step that failed"):
         graph.replay()
 

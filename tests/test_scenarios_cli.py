@@ -52,11 +52,28 @@ def _run_json(capsys, *argv: str) -> tuple[int, list[dict]]:
 
 # Every scenario issues 5 and 6 name; all of them run by default.
 NAMED_SCENARIOS = {
-    "moe-decode-ll", "moe-prefill-ht", "dcp-attention", "fused-moe-workspace", "sparse-indexer",
-    "mla-init-reservation", "elastic-ep", "graph-pointer-stability", "three-ubatches",
-    "missing-wait-race", "yield-mismatch", "exception-in-ubatch", "locked-growth", "dp-disagreement",
+    "moe-decode-ll",
+    "moe-prefill-ht",
+    "dcp-attention",
+    "fused-moe-workspace",
+    "sparse-indexer",
+    "mla-init-reservation",
+    "elastic-ep",
+    "graph-pointer-stability",
+    "three-ubatches",
+    "missing-wait-race",
+    "yield-mismatch",
+    "exception-in-ubatch",
+    "locked-growth",
+    "dp-disagreement",
 }
-NEGATIVE = {"missing-wait-race", "yield-mismatch", "exception-in-ubatch", "locked-growth", "dp-disagreement"}
+NEGATIVE = {
+    "missing-wait-race",
+    "yield-mismatch",
+    "exception-in-ubatch",
+    "locked-growth",
+    "dp-disagreement",
+}
 
 
 def _fake(name: str, seen: list | None = None, *, passed: bool = True) -> catalog.Scenario:
@@ -103,7 +120,11 @@ def test_run_writes_a_trace_and_a_timeline_per_scenario(capsys, tmp_path):
     code, (report,) = _run_json(capsys, "moe-decode-ll", "--out", str(tmp_path))
     assert code == 0
     trace = json.loads((tmp_path / "moe-decode-ll.n2.r1.trace.json").read_text())
-    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M" and e["name"] == "thread_name"}
+    names = {
+        e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e["name"] == "thread_name"
+    }
     assert any(n.startswith("compute") for n in names)
     assert (tmp_path / "moe-decode-ll.n2.r1.png").read_bytes().startswith(b"\x89PNG")
     assert report["trace"].endswith("moe-decode-ll.n2.r1.trace.json")
@@ -125,7 +146,9 @@ def test_every_json_field_is_documented_in_the_readme():
 
 
 def test_negative_scenarios_write_a_trace_and_timeline_of_what_ran(capsys, tmp_path):
-    code, reports = _run_json(capsys, "yield-mismatch", "exception-in-ubatch", "locked-growth", "--out", str(tmp_path))
+    code, reports = _run_json(
+        capsys, "yield-mismatch", "exception-in-ubatch", "locked-growth", "--out", str(tmp_path)
+    )
     assert code == 0
     for report in reports:
         name = report["scenario"]
@@ -138,7 +161,18 @@ def test_negative_scenarios_write_a_trace_and_timeline_of_what_ran(capsys, tmp_p
 def test_table_shows_every_column_the_issue_asks_for(capsys):
     assert main(["run", "dcp-attention", "--no-artifacts"]) == 0
     header = capsys.readouterr().out.splitlines()[1].split()
-    for column in ("scenario", "verdict", "match", "races", "serial", "dbo", "speedup", "overlap", "roofline", "peak"):
+    for column in (
+        "scenario",
+        "verdict",
+        "match",
+        "races",
+        "serial",
+        "dbo",
+        "speedup",
+        "overlap",
+        "roofline",
+        "peak",
+    ):
         assert column in header
 
 
@@ -165,10 +199,27 @@ def test_run_without_names_runs_every_default_scenario(capsys, monkeypatch):
 def test_run_options_reach_each_scenario(capsys, monkeypatch, tmp_path):
     seen: list = []
     monkeypatch.setitem(catalog.SCENARIOS, "fake-a", _fake("fake-a", seen))
-    argv = ["run", "fake-a", "-n", "3", "--profile", "h800", "--out", str(tmp_path), "--timeout", "7"]
+    argv = [
+        "run",
+        "fake-a",
+        "-n",
+        "3",
+        "--profile",
+        "h800",
+        "--out",
+        str(tmp_path),
+        "--timeout",
+        "7",
+    ]
     assert main(argv) == 0
     ((_, opts),) = seen
-    assert (opts.num_ubatches, opts.device, opts.profile, opts.out_dir, opts.timeout_s) == (3, "sim", "h800", tmp_path, 7.0)
+    assert (opts.num_ubatches, opts.device, opts.profile, opts.out_dir, opts.timeout_s) == (
+        3,
+        "sim",
+        "h800",
+        tmp_path,
+        7.0,
+    )
     device = new_device(opts)
     assert isinstance(device, SimDevice) and device.profile.name == "h800"
 
@@ -179,7 +230,9 @@ def test_an_unknown_profile_is_a_usage_error(capsys):
     assert "unknown hardware profile 'h999'" in err and "Traceback" not in err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU"
+)
 def test_device_cuda_without_a_gpu_is_a_usage_error(capsys):
     assert main(["run", "moe-decode-ll", "--device", "cuda"]) == 2
     assert "--device cuda needs a CUDA GPU" in capsys.readouterr().err
@@ -223,7 +276,9 @@ def test_table_output_and_exit_status_when_a_scenario_fails(capsys, monkeypatch)
     def broken(opts):
         return catalog.ScenarioResult("moe-decode-ll", passed=False, error="injected")
 
-    monkeypatch.setitem(catalog.SCENARIOS, "moe-decode-ll", catalog.Scenario("moe-decode-ll", "x", broken))
+    monkeypatch.setitem(
+        catalog.SCENARIOS, "moe-decode-ll", catalog.Scenario("moe-decode-ll", "x", broken)
+    )
     code = main(["run", "moe-decode-ll", "dcp-attention", "--no-artifacts"])
     out = capsys.readouterr().out
     assert code == 1
@@ -235,7 +290,9 @@ def test_a_scenario_that_raises_is_a_failed_verdict_not_a_crash(capsys, monkeypa
     def explode(opts):
         raise RuntimeError("scenario bug")
 
-    monkeypatch.setitem(catalog.SCENARIOS, "dcp-attention", catalog.Scenario("dcp-attention", "x", explode))
+    monkeypatch.setitem(
+        catalog.SCENARIOS, "dcp-attention", catalog.Scenario("dcp-attention", "x", explode)
+    )
     code, (report,) = _run_json(capsys, "dcp-attention", "--no-artifacts")
     assert code == 1 and report["passed"] is False and "scenario bug" in report["error"]
 
@@ -289,7 +346,11 @@ def test_a_positive_scenario_fails_if_its_measured_step_allocates(capsys, monkey
 
     monkeypatch.setattr(harness, "_count_allocations", lambda fn: (fn(), 1))
     code, (report,) = _run_json(capsys, "moe-prefill-ht", "--no-artifacts")
-    assert code == 1 and report["passed"] is False and "1 workspace allocation(s) after lock" in report["error"]
+    assert (
+        code == 1
+        and report["passed"] is False
+        and "1 workspace allocation(s) after lock" in report["error"]
+    )
 
 
 def test_locked_growth_scenario_fails_if_lock_does_not_hold(capsys, monkeypatch):
@@ -322,21 +383,32 @@ def test_bad_ubatch_count_is_a_usage_error(capsys):
 
 def test_sweep_writes_csv_and_plot(capsys, tmp_path):
     # On the calibrated H200 clock an eager 1024-token DBO prefill is host-bound; 2048 pays.
-    code = main(["sweep", "--layers", "2", "--decode", "32", "--prefill", "2048", "--out", str(tmp_path)])
+    code = main(
+        ["sweep", "--layers", "2", "--decode", "32", "--prefill", "2048", "--out", str(tmp_path)]
+    )
     assert code == 0
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
-    assert [(r["phase"], r["tokens_per_device"]) for r in rows] == [("decode", "32"), ("prefill", "2048")]
+    assert [(r["phase"], r["tokens_per_device"]) for r in rows] == [
+        ("decode", "32"),
+        ("prefill", "2048"),
+    ]
     assert all(float(r["step_us_serial"]) > 0 and float(r["step_us_dbo"]) > 0 for r in rows)
     for r in rows:
-        assert float(r["comm_compute_ratio"]) == pytest.approx(float(r["comm_us"]) / float(r["compute_us"]))
+        assert float(r["comm_compute_ratio"]) == pytest.approx(
+            float(r["comm_us"]) / float(r["compute_us"])
+        )
     assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
     out = capsys.readouterr().out
-    assert "decode: DBO pays at no point tried" in out and "prefill: DBO pays from 2048 tokens" in out
+    assert (
+        "decode: DBO pays at no point tried" in out and "prefill: DBO pays from 2048 tokens" in out
+    )
 
 
 def test_sweep_shows_dbo_losing_on_small_decode_and_paying_on_large_prefill():
     # Virtual time: deterministic, not a timed assertion.
-    small, large = run_sweep(cli.RunOptions(), decode_tokens=(16,), prefill_tokens=(8192,), num_layers=2)
+    small, large = run_sweep(
+        cli.RunOptions(), decode_tokens=(16,), prefill_tokens=(8192,), num_layers=2
+    )
     assert small.phase == "decode" and small.speedup < 1.0
     assert large.phase == "prefill" and large.speedup > 1.0
     assert small.comm_compute_ratio < large.comm_compute_ratio
@@ -362,7 +434,11 @@ def test_stress_command_reports_invariants(capsys):
 def test_stress_text_report_names_the_invariants_and_passes(capsys):
     assert main(["stress", "--threads", "2", "--iterations", "50"]) == 0
     out = capsys.readouterr().out
-    assert "2 threads x 50 iterations" in out and "invariants:" in out and out.rstrip().endswith("PASS")
+    assert (
+        "2 threads x 50 iterations" in out
+        and "invariants:" in out
+        and out.rstrip().endswith("PASS")
+    )
 
 
 def test_stress_fails_when_a_view_lies_outside_its_slot(capsys, monkeypatch):
@@ -383,7 +459,10 @@ def test_stress_fails_when_a_view_lies_outside_its_slot(capsys, monkeypatch):
 
 def test_stress_refuses_a_zero_thread_count(capsys):
     assert main(["stress", "--threads", "0"]) == 2
-    assert capsys.readouterr().err == "dbo-sim: argument --threads: must be between 1 and 1024, got 0\n"
+    assert (
+        capsys.readouterr().err
+        == "dbo-sim: argument --threads: must be between 1 and 1024, got 0\n"
+    )
 
 
 def test_stress_progress_ends_at_the_iteration_count():

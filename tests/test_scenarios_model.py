@@ -65,7 +65,9 @@ def _ubatched_step(mode: str, batch: Batch) -> tuple[MoEModel, SimDevice]:
     init_workspace_manager(device.torch_device, 2)
     x = model.inputs()
     slices = split_batch(batch.query_start_loc, batch.num_tokens, 2)
-    dbo.run_ubatches(lambda s: model.forward(x[s.token_slice], s, mode=mode), slices, device=device, timeout=30)
+    dbo.run_ubatches(
+        lambda s: model.forward(x[s.token_slice], s, mode=mode), slices, device=device, timeout=30
+    )
     return model, device
 
 
@@ -75,12 +77,18 @@ def test_high_throughput_layer_yields_three_times_and_sends_on_the_comm_stream(m
     layers = model.config.num_layers
     assert counts["yields"] == {0: 3 * layers, 1: 3 * layers}
     assert not counts["recv_hooks"]
-    transfers = [r for r in device.timeline if r.kind == "comm" and r.name in ("comm::dispatch", "comm::combine")]
+    transfers = [
+        r
+        for r in device.timeline
+        if r.kind == "comm" and r.name in ("comm::dispatch", "comm::combine")
+    ]
     assert len(transfers) == 2 * 2 * layers  # dispatch and combine, per ubatch, per layer
     assert {r.stream for r in transfers} == {"comm"}
 
 
-def test_low_latency_layer_yields_twice_after_recv_hooks_and_stays_on_the_compute_stream(monkeypatch):
+def test_low_latency_layer_yields_twice_after_recv_hooks_and_stays_on_the_compute_stream(
+    monkeypatch,
+):
     counts = _count_dbo_calls(monkeypatch)
     model, device = _ubatched_step("ll", Batch.decode(num_requests=16, context_len=8))
     layers = model.config.num_layers

@@ -130,7 +130,9 @@ def test_host_reads_sync_to_current_stream() -> None:
             read(y)
         syncs = [r for r in d.timeline if r.kind == SYNC]
         # the host waited exactly until the stream's work issued before the read was done
-        assert syncs and syncs[-1].end_us == max(r.end_us for r in placed(d) if r.seq < syncs[-1].seq)
+        assert syncs and syncs[-1].end_us == max(
+            r.end_us for r in placed(d) if r.seq < syncs[-1].seq
+        )
         assert d.host_time_us >= placed(d)[0].end_us
 
 
@@ -140,7 +142,9 @@ def test_comm_time_formula() -> None:
     # ll pays its own fixed time; EP 16 over 2 nodes: 7 of 15 peers on NVLink, 8 over RDMA,
     # the links in parallel (RDMA is the slower here)
     assert comm_time_us(ROUND, "combine", nb, 16, "ll") == pytest.approx(4.0 + nb * 8 / 15 / 1e4)
-    assert comm_time_us(ROUND, "combine", nb, 16, rdma_bytes=nb / 4) == pytest.approx(7.0 + nb / 4 / 1e4)
+    assert comm_time_us(ROUND, "combine", nb, 16, rdma_bytes=nb / 4) == pytest.approx(
+        7.0 + nb / 4 / 1e4
+    )
     # an EP group of one: a local copy at the HBM roofline (1e6 B/us) plus the kernel time
     assert comm_time_us(ROUND, "dispatch", nb, 1) == pytest.approx(nb / 1e6 + 2.0)
     assert comm_time_us(ROUND, "dispatch", nb, 2, link="rdma") == pytest.approx(7.0 + nb / 1e4)
@@ -195,7 +199,12 @@ def test_ll_comm_region_uses_link_track() -> None:
             x.clone()
         x + x
     send, transfer, add = placed(d)
-    assert (send.name, send.stream, send.start_us, send.end_us) == ("comm::combine.send", "compute", 1.0, 2.0)
+    assert (send.name, send.stream, send.start_us, send.end_us) == (
+        "comm::combine.send",
+        "compute",
+        1.0,
+        2.0,
+    )
     assert (transfer.stream, transfer.start_us, transfer.end_us) == ("link", 2.0, 2.0 + 4.0 + 1.0)
     assert handle.event.time_us == transfer.end_us
     assert add.start_us == 2.0 and "sm_slowdown_us" not in add.args  # ll holds no SMs

@@ -66,7 +66,9 @@ def test_host_sync_advances_host_and_is_recorded() -> None:
     s.synchronize()
     assert d.host_time_us == 11.0 and s.query()
     sync = d.timeline[-1]
-    assert sync.kind == SYNC and sync.stream == "host" and (sync.start_us, sync.end_us) == (1.0, 11.0)
+    assert (
+        sync.kind == SYNC and sync.stream == "host" and (sync.start_us, sync.end_us) == (1.0, 11.0)
+    )
     b = d.place_op("B", 1.0, stream=s)
     assert (b.issue_us, b.start_us) == (11.0, 12.0)
     # a second sync waits for nothing and records nothing

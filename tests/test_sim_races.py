@@ -50,7 +50,11 @@ def test_a_comm_without_waiting_for_compute() -> None:
             y.clone()
     (race,) = d.races
     assert (race.first.op, race.first.stream, race.first.is_write) == ("aten::mm", "compute", True)
-    assert (race.second.op, race.second.stream, race.second.is_write) == ("comm::dispatch", "comm", False)
+    assert (race.second.op, race.second.stream, race.second.is_write) == (
+        "comm::dispatch",
+        "comm",
+        False,
+    )
     assert (race.first.start, race.first.end) == (0, 64 * 64 * 4)
     assert race.first.ubatch == race.second.ubatch == 0
     # a user stack of each side, pointing into this test
@@ -83,7 +87,11 @@ def test_b_workspace_slot_reissued_while_comm_reads_old_view() -> None:
     assert len(d.races) == 2
     partial, reissued = d.races
     assert (partial.first.op, partial.first.start, partial.first.end) == ("comm::dispatch", 0, 1024)
-    assert (partial.second.op, partial.second.start, partial.second.end) == ("aten::copy_", 512, 1536)
+    assert (partial.second.op, partial.second.start, partial.second.end) == (
+        "aten::copy_",
+        512,
+        1536,
+    )
     assert reissued.second.op == "aten::fill_" and reissued.second.is_write
     assert not reissued.first.is_write and reissued.first.stream == "comm"
     assert partial.storage == reissued.storage == slot.untyped_storage()._cdata
@@ -138,7 +146,11 @@ def test_d_ll_recv_hook_must_wait_for_arrival(waits: bool) -> None:
         assert d.races == []
     else:
         (race,) = d.races
-        assert (race.first.op, race.first.stream, race.first.is_write) == ("comm::combine", "link", True)
+        assert (race.first.op, race.first.stream, race.first.is_write) == (
+            "comm::combine",
+            "link",
+            True,
+        )
         assert (race.second.op, race.second.stream) == ("aten::add", "compute")
         # the ll send itself read x before x.mul_ on the same stream: ordered, no race
         assert all(r.second.op != "aten::mul_" for r in d.races)
@@ -284,14 +296,24 @@ def test_b_get_simultaneous_reissues_bytes_the_comm_stream_still_reads(workspace
         compute.wait_event(h.event)
         scratch.zero_()  # after the wait: fine
     (race,) = d.races
-    assert (race.first.op, race.first.stream, race.first.is_write) == ("comm::dispatch", "comm", False)
-    assert (race.second.op, race.second.stream, race.second.is_write) == ("aten::zero_", "compute", True)
+    assert (race.first.op, race.first.stream, race.first.is_write) == (
+        "comm::dispatch",
+        "comm",
+        False,
+    )
+    assert (race.second.op, race.second.stream, race.second.is_write) == (
+        "aten::zero_",
+        "compute",
+        True,
+    )
     assert (race.second.start, race.second.end) == (0, 256) and race.first.end == 1024
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("shared", [False, True])
-def test_c_two_ubatches_served_one_slot_write_it_unordered(workspace2, monkeypatch, shared: bool) -> None:
+def test_c_two_ubatches_served_one_slot_write_it_unordered(
+    workspace2, monkeypatch, shared: bool
+) -> None:
     """The prefill pattern on the one compute and one comm stream both ubatches share; the bug
     seeded: the manager hands every ubatch slot 0."""
     if shared:
@@ -302,7 +324,9 @@ def test_c_two_ubatches_served_one_slot_write_it_unordered(workspace2, monkeypat
     slot_storages: set[int] = set()
 
     def fn(u: int) -> None:
-        send, recv = current_workspace_manager().get_simultaneous(((32,), torch.float32), ((32,), torch.float32))
+        send, recv = current_workspace_manager().get_simultaneous(
+            ((32,), torch.float32), ((32,), torch.float32)
+        )
         slot_storages.add(send.untyped_storage()._cdata)
         send.copy_(xs[u])
         dbo.dbo_yield_and_switch_from_compute_to_comm()
@@ -357,7 +381,11 @@ def test_d_registered_recv_hook_that_reads_before_the_arrival_event(waits_first:
     else:
         assert len(d.races) == 2
         for race, u in zip(d.races, (0, 1)):
-            assert (race.first.op, race.first.stream, race.first.is_write) == ("comm::combine", "link", True)
+            assert (race.first.op, race.first.stream, race.first.is_write) == (
+                "comm::combine",
+                "link",
+                True,
+            )
             assert (race.second.op, race.second.is_write) == ("aten::add", False)
             assert race.first.ubatch == u and race.second.ubatch == 1 - u  # the peer runs the hook
     assert all(torch.equal(g, s + 1.0) for g, s in zip(got, srcs))
@@ -485,9 +513,7 @@ def test_fused_optimizer_step_is_checked() -> None:
             params, grads, exp_avg, exp_avg_sq, [], steps, lr=0.1, beta1=0.9, beta2=0.99,
             weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
         )  # fmt: skip
-    assert [(r.first.op, r.second.op) for r in d.races] == [
-        ("aten::mul_", "aten::_fused_adam_")
-    ]
+    assert [(r.first.op, r.second.op) for r in d.races] == [("aten::mul_", "aten::_fused_adam_")]
 
 
 def test_out_list_is_written() -> None:
@@ -673,7 +699,9 @@ def test_low_latency_staging_freed_after_the_send_is_not_an_allocator_hazard() -
     assert d.races == []
 
 
-def _storage_at_dead_key(d: SimDevice, compute: object, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def _storage_at_dead_key(
+    d: SimDevice, compute: object, x: torch.Tensor
+) -> tuple[torch.Tensor, bool]:
     """A new tensor (allocated unplaced) whose storage object likely takes the address, and
     so the key, of a tiny temporary the checker saw and that just died, not yet reaped.
     Returns the tensor and whether the key was in fact reused."""

@@ -373,9 +373,7 @@ def test_trace_of_a_simulated_ubatched_step_has_a_track_per_stream_and_ubatch_id
     (proc,) = [e for e in _events(trace, "M") if e["name"] == "process_name"]
     assert proc["args"]["name"] == "rank 2"
     assert _thread_names(trace, proc["pid"]) == ["host", "compute", "comm"]
-    names = {
-        e["tid"]: e["args"]["name"] for e in _events(trace, "M") if e["name"] == "thread_name"
-    }
+    names = {e["tid"]: e["args"]["name"] for e in _events(trace, "M") if e["name"] == "thread_name"}
     seen = {(names[e["tid"]], e["name"], e["args"]["ubatch"]) for e in _events(trace, "X")}
     for u in (0, 1):
         assert ("compute", "aten::mul", u) in seen

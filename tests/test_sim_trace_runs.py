@@ -18,8 +18,11 @@ def events(trace: dict, ph: str) -> list[dict]:
 
 
 def thread_names(trace: dict) -> dict[tuple[int, int], str]:
-    return {(e["pid"], e["tid"]): e["args"]["name"] for e in events(trace, "M")
-            if e["name"] == "thread_name"}
+    return {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in events(trace, "M")
+        if e["name"] == "thread_name"
+    }
 
 
 def two_stream_run(device: SimDevice) -> None:
@@ -103,13 +106,16 @@ def test_runs_stack_one_above_the_other_on_one_time_axis():
     serial, ubatched = SimDevice(), SimDevice()
     two_stream_run(serial)
     two_stream_run(ubatched)
-    trace = chrome_trace_runs([TraceRun("serial", serial.timeline),
-                               TraceRun("DBO", ubatched.timeline)])
-    procs = {e["args"]["name"]: e["pid"] for e in events(trace, "M")
-             if e["name"] == "process_name"}
+    trace = chrome_trace_runs(
+        [TraceRun("serial", serial.timeline), TraceRun("DBO", ubatched.timeline)]
+    )
+    procs = {e["args"]["name"]: e["pid"] for e in events(trace, "M") if e["name"] == "process_name"}
     assert procs["serial · rank 0"] < procs["DBO · rank 0"]
-    starts = {e["pid"]: min(x["ts"] for x in events(trace, "X") if x["pid"] == e["pid"])
-              for e in events(trace, "M") if e["name"] == "process_name"}
+    starts = {
+        e["pid"]: min(x["ts"] for x in events(trace, "X") if x["pid"] == e["pid"])
+        for e in events(trace, "M")
+        if e["name"] == "process_name"
+    }
     assert len(set(starts.values())) == 1  # both begin at their reset, at the same time
 
 
@@ -131,8 +137,9 @@ def test_a_race_is_carried_in_the_args_of_both_its_ops():
     trace = chrome_trace(records, races=[race])
     marked = {e["name"] for e in events(trace, "X") if "races" in e["args"]}
     assert marked == {"aten::mm", "aten::mul"}
-    assert all(e["args"]["races"] == [race.describe()]
-               for e in events(trace, "X") if "races" in e["args"])
+    assert all(
+        e["args"]["races"] == [race.describe()] for e in events(trace, "X") if "races" in e["args"]
+    )
 
 
 def test_a_window_keeps_only_what_overlaps_it():
@@ -172,10 +179,13 @@ def test_each_rank_s_ranges_land_on_its_own_host_track():
     from dbo.sim.records import COMPUTE, HostRange, OpRecord
 
     records = [OpRecord(r, "op", COMPUTE, r, None, "compute", 0.0, 0.0, 1.0) for r in (0, 1)]
-    ranges = [HostRange(1, None, "on-rank-1", 0.0, 2.0, "nvtx"),
-              HostRange(0, None, "on-rank-0", 0.0, 2.0, "nvtx")]
+    ranges = [
+        HostRange(1, None, "on-rank-1", 0.0, 2.0, "nvtx"),
+        HostRange(0, None, "on-rank-0", 0.0, 2.0, "nvtx"),
+    ]
     trace = chrome_trace(records, ranges=ranges)
-    pid_of = {e["args"]["name"]: e["pid"] for e in events(trace, "M")
-              if e["name"] == "process_name"}
+    pid_of = {
+        e["args"]["name"]: e["pid"] for e in events(trace, "M") if e["name"] == "process_name"
+    }
     placed = {e["name"]: e["pid"] for e in events(trace, "X") if e["cat"] == "range.nvtx"}
     assert placed == {"on-rank-0": pid_of["rank 0"], "on-rank-1": pid_of["rank 1"]}

@@ -16,10 +16,11 @@ import socket
 import subprocess
 import sys
 import time
-from itertools import pairwise
+from collections.abc import Callable
 from datetime import timedelta
+from itertools import pairwise
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -178,7 +179,10 @@ def test_request_spanning_several_cuts_appears_in_every_slice_it_touches() -> No
     slices = split_batch(meta.query_start_loc_cpu, num_tokens_padded=12, num_ubatches=4)
     assert _request_slices(slices) == [(0, 2), (1, 2), (1, 2), (1, 3)]
     assert [_qsl(m) for m in split_attn_metadata(slices, meta)] == [
-        [0, 1, 3], [0, 3], [0, 3], [0, 2, 3]
+        [0, 1, 3],
+        [0, 3],
+        [0, 3],
+        [0, 2, 3],
     ]
 
 
@@ -201,10 +205,18 @@ def test_a_cut_past_the_real_tokens_gives_an_empty_last_slice_not_a_negative_one
 # Attention metadata: vLLM's slicing behaviours, and every cut kind
 
 
-@pytest.mark.parametrize("req_slice, expected", [
-    (slice(1, 3), [0, 7, 15]), (slice(0, 2), [0, 5, 12]), (slice(3, 5), [0, 15, 30]),
-    (slice(2, 3), [0, 8]), (slice(0, 5), [0, 5, 12, 20, 35, 50]), (slice(4, 5), [0, 15]),
-], ids=["middle", "from-start", "to-end", "one", "all", "last"])
+@pytest.mark.parametrize(
+    "req_slice, expected",
+    [
+        (slice(1, 3), [0, 7, 15]),
+        (slice(0, 2), [0, 5, 12]),
+        (slice(3, 5), [0, 15, 30]),
+        (slice(2, 3), [0, 8]),
+        (slice(0, 5), [0, 5, 12, 20, 35, 50]),
+        (slice(4, 5), [0, 15]),
+    ],
+    ids=["middle", "from-start", "to-end", "one", "all", "last"],
+)
 def test_slice_query_start_locs_rebases_whole_requests(req_slice, expected) -> None:
     qsl = torch.tensor([0, 5, 12, 20, 35, 50])
     assert slice_query_start_locs(qsl, req_slice).tolist() == expected
@@ -231,8 +243,11 @@ def test_a_decode_batch_splits_into_equal_halves() -> None:
     assert all(m.seq_lens.tolist() == [2048] * 4 for m in halves)
 
 
-@pytest.mark.parametrize("split_point, first_reqs, second_reqs", [(12, 2, 1), (4, 1, 2)],
-                         ids=["inside-request-1", "inside-request-0"])
+@pytest.mark.parametrize(
+    "split_point, first_reqs, second_reqs",
+    [(12, 2, 1), (4, 1, 2)],
+    ids=["inside-request-1", "inside-request-0"],
+)
 def test_a_prefill_cut_inside_a_request_is_shared_between_the_ubatches(
     split_point: int, first_reqs: int, second_reqs: int
 ) -> None:
@@ -251,7 +266,7 @@ def test_a_prefill_cut_inside_a_request_is_shared_between_the_ubatches(
     assert int(first.seq_lens[-1]) == context + in_first  # the cut request ends at the cut
     assert first.seq_lens.tolist()[:-1] == seq_lens[: first.num_reqs - 1]
     assert int(second.seq_lens[0]) == seq_lens[cut]  # the continuation ends where it did
-    assert second.seq_lens.tolist()[1:] == seq_lens[cut + 1:]
+    assert second.seq_lens.tolist()[1:] == seq_lens[cut + 1 :]
 
 
 def test_a_cut_request_keeps_seq_lens_minus_query_equal_to_computed_tokens() -> None:
@@ -277,8 +292,7 @@ def test_block_table_rows_and_slot_mapping_follow_the_slice() -> None:
 
 
 def test_a_padded_last_ubatch_keeps_padding_rows_empty_and_query_start_loc_flat() -> None:
-    meta = CommonAttentionMetadata.make([1] * 6, [64] * 6, num_tokens_padded=8,
-                                        num_reqs_padded=8)
+    meta = CommonAttentionMetadata.make([1] * 6, [64] * 6, num_tokens_padded=8, num_reqs_padded=8)
     _, padded = maybe_create_ubatch_slices(True, [1] * 6, 8, 8, 2)
     last = split_attn_metadata(padded, meta)[-1]
     assert (last.num_reqs, last.num_actual_tokens) == (4, 4)
@@ -322,8 +336,11 @@ def test_ubatch_metadata_do_not_share_the_rebased_tensors() -> None:
 
 def test_splitting_leaves_the_input_metadata_unchanged() -> None:
     meta = CommonAttentionMetadata.make([3, 9, 3], [70, 300, 41])
-    before = (meta.query_start_loc.clone(), meta.seq_lens.clone(),
-              meta.num_computed_tokens_cpu.clone())
+    before = (
+        meta.query_start_loc.clone(),
+        meta.seq_lens.clone(),
+        meta.num_computed_tokens_cpu.clone(),
+    )
     split_attn_metadata(split_batch(meta.query_start_loc_cpu, 15, 2), meta)
     after = (meta.query_start_loc, meta.seq_lens, meta.num_computed_tokens_cpu)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
@@ -340,8 +357,9 @@ def test_random_batches_rebuild_every_request_from_its_parts(num_ubatches: int) 
         padded = real + rng.randint(0, 30)
         if real == 0 or is_last_ubatch_empty(real, padded, num_ubatches):
             continue
-        meta = CommonAttentionMetadata.make(lengths, [c + q for c, q in zip(contexts, lengths)],
-                                            num_tokens_padded=padded)
+        meta = CommonAttentionMetadata.make(
+            lengths, [c + q for c, q in zip(contexts, lengths)], num_tokens_padded=padded
+        )
         slices, _ = maybe_create_ubatch_slices(True, lengths, padded, len(lengths), num_ubatches)
         rebuilt = [0] * len(lengths)
         for s, part in zip(slices, split_attn_metadata(slices, meta)):
@@ -416,42 +434,98 @@ BAD_INPUTS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("qsl 2-D", lambda: split_batch([[0, 4], [4, 8]], 8, 2), ValueError, "1-D"),
     ("qsl float", lambda: split_batch(torch.tensor([0.0, 8.0]), 8, 2), TypeError, "integers"),
     ("padded < real", lambda: split_batch([0, 4, 8], 6, 2), ValueError, "num_tokens_padded"),
-    ("padded < real threshold",
-     lambda: should_ubatch(600, False, 2, num_tokens_padded=500), ValueError, "padded_num_tokens"),
+    (
+        "padded < real threshold",
+        lambda: should_ubatch(600, False, 2, num_tokens_padded=500),
+        ValueError,
+        "padded_num_tokens",
+    ),
     ("bool count", lambda: split_batch([0, 8], True, 2), TypeError, "num_tokens_padded"),
     ("decode flag not bool", lambda: should_ubatch(64, 1, 2), TypeError, "is_decode_only"),
-    ("negative threshold", lambda: UBatchThresholds(decode_min_tokens=-1), ValueError,
-     "decode_min_tokens"),
-    ("negative count", lambda: create_ubatch_slices([4, -1], [2]), ValueError,
-     r"num_scheduled_tokens\[1\]"),
-    ("points decreasing", lambda: create_ubatch_slices([4, 4], [5, 3]), ValueError,
-     "non-decreasing"),
-    ("wrong number of points", lambda: maybe_create_ubatch_slices(True, [8], 8, 1, 3, [4]),
-     ValueError, "need 2"),
-    ("points past padding", lambda: maybe_create_ubatch_slices(True, [8], 8, 1, 2, 9),
-     ValueError, "past num_tokens_padded"),
-    ("reqs padded < reqs", lambda: maybe_create_ubatch_slices(True, [4, 4], 8, 1, 2),
-     ValueError, "num_reqs_padded"),
-    ("slice outside metadata",
-     lambda: split_attn_metadata([UBatchSlice(slice(0, 3), slice(0, 4))],
-                                 CommonAttentionMetadata.make([4], [4])), ValueError,
-     "request_slice"),
-    ("slice without bounds",
-     lambda: split_attn_metadata([UBatchSlice(slice(None, 1), slice(0, 4))],
-                                 CommonAttentionMetadata.make([4], [4])), ValueError,
-     "explicit bounds"),
-    ("slice not matching metadata",
-     lambda: split_attn_metadata([UBatchSlice(slice(1, 2), slice(0, 4))],
-                                 CommonAttentionMetadata.make([4, 4], [4, 4])), ValueError,
-     "does not match"),
-    ("metadata of the wrong type", lambda: split_attn_metadata([], {"query_start_loc": 0}),
-     TypeError, "CommonAttentionMetadata"),
-    ("seq shorter than query", lambda: CommonAttentionMetadata.make([4], [3]), ValueError,
-     "seq_lens"),
-    ("config without thresholds", lambda: check_ubatch_thresholds(object(), 4, True), TypeError,
-     "use_ubatching"),
-    ("uniform_decode missing",
-     lambda: coordinate_batch_across_dp(600, True, DBOConfig()), ValueError, "uniform_decode"),
+    (
+        "negative threshold",
+        lambda: UBatchThresholds(decode_min_tokens=-1),
+        ValueError,
+        "decode_min_tokens",
+    ),
+    (
+        "negative count",
+        lambda: create_ubatch_slices([4, -1], [2]),
+        ValueError,
+        r"num_scheduled_tokens\[1\]",
+    ),
+    (
+        "points decreasing",
+        lambda: create_ubatch_slices([4, 4], [5, 3]),
+        ValueError,
+        "non-decreasing",
+    ),
+    (
+        "wrong number of points",
+        lambda: maybe_create_ubatch_slices(True, [8], 8, 1, 3, [4]),
+        ValueError,
+        "need 2",
+    ),
+    (
+        "points past padding",
+        lambda: maybe_create_ubatch_slices(True, [8], 8, 1, 2, 9),
+        ValueError,
+        "past num_tokens_padded",
+    ),
+    (
+        "reqs padded < reqs",
+        lambda: maybe_create_ubatch_slices(True, [4, 4], 8, 1, 2),
+        ValueError,
+        "num_reqs_padded",
+    ),
+    (
+        "slice outside metadata",
+        lambda: split_attn_metadata(
+            [UBatchSlice(slice(0, 3), slice(0, 4))], CommonAttentionMetadata.make([4], [4])
+        ),
+        ValueError,
+        "request_slice",
+    ),
+    (
+        "slice without bounds",
+        lambda: split_attn_metadata(
+            [UBatchSlice(slice(None, 1), slice(0, 4))], CommonAttentionMetadata.make([4], [4])
+        ),
+        ValueError,
+        "explicit bounds",
+    ),
+    (
+        "slice not matching metadata",
+        lambda: split_attn_metadata(
+            [UBatchSlice(slice(1, 2), slice(0, 4))], CommonAttentionMetadata.make([4, 4], [4, 4])
+        ),
+        ValueError,
+        "does not match",
+    ),
+    (
+        "metadata of the wrong type",
+        lambda: split_attn_metadata([], {"query_start_loc": 0}),
+        TypeError,
+        "CommonAttentionMetadata",
+    ),
+    (
+        "seq shorter than query",
+        lambda: CommonAttentionMetadata.make([4], [3]),
+        ValueError,
+        "seq_lens",
+    ),
+    (
+        "config without thresholds",
+        lambda: check_ubatch_thresholds(object(), 4, True),
+        TypeError,
+        "use_ubatching",
+    ),
+    (
+        "uniform_decode missing",
+        lambda: coordinate_batch_across_dp(600, True, DBOConfig()),
+        ValueError,
+        "uniform_decode",
+    ),
 ]
 
 
@@ -494,15 +568,23 @@ def test_decision_names_each_ranks_count_when_counts_differ() -> None:
 
 
 def test_decision_takes_the_smallest_graph_mode_and_pads_by_it_without_a_split() -> None:
-    d = decide_ubatching([UBatchProposal(0, False, 100, 128, 2, cudagraph_mode=2),
-                          UBatchProposal(1, False, 300, 320, 2, cudagraph_mode=1)])
+    d = decide_ubatching(
+        [
+            UBatchProposal(0, False, 100, 128, 2, cudagraph_mode=2),
+            UBatchProposal(1, False, 300, 320, 2, cudagraph_mode=1),
+        ]
+    )
     assert (d.split, d.cudagraph_mode, d.dp_padded) == (False, 1, True)
     assert d.num_tokens_across_dp == (320, 320)
 
 
 def test_decision_does_not_pad_when_one_rank_runs_eager_and_nobody_splits() -> None:
-    d = decide_ubatching([UBatchProposal(0, False, 100, 128, 2, cudagraph_mode=0),
-                          UBatchProposal(1, False, 300, 320, 2, cudagraph_mode=2)])
+    d = decide_ubatching(
+        [
+            UBatchProposal(0, False, 100, 128, 2, cudagraph_mode=0),
+            UBatchProposal(1, False, 300, 320, 2, cudagraph_mode=2),
+        ]
+    )
     assert (d.cudagraph_mode, d.dp_padded, d.num_tokens_across_dp) == (0, False, (128, 320))
 
 
@@ -532,10 +614,14 @@ def test_a_group_of_one_decides_locally_without_communicating(monkeypatch) -> No
 
     _skip_if_a_process_group_exists()
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_loopback_port()}", rank=0, world_size=1,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{_free_loopback_port()}",
+        rank=0,
+        world_size=1,
         timeout=timedelta(seconds=20),
     )
     try:
+
         def no_collectives(*args: Any, **kwargs: Any) -> None:
             raise AssertionError("a group of one must not communicate")
 
@@ -548,8 +634,9 @@ def test_a_group_of_one_decides_locally_without_communicating(monkeypatch) -> No
 
 def test_without_dp_coordinate_batch_across_dp_returns_vllms_early_answer() -> None:
     _skip_if_a_process_group_exists()
-    assert coordinate_batch_across_dp(600, True, DBOConfig(), uniform_decode=False,
-                                      cudagraph_mode=2) == (False, None, 2)
+    assert coordinate_batch_across_dp(
+        600, True, DBOConfig(), uniform_decode=False, cudagraph_mode=2
+    ) == (False, None, 2)
 
 
 def test_the_exchange_runs_on_the_current_gpu_over_nccl_and_the_cpu_over_gloo(monkeypatch):
@@ -577,29 +664,77 @@ def _dp_scenarios(rank: int, world: int) -> list[tuple[str, dict[str, Any]]]:
     """Each rank's arguments for every scenario, run in this order by every worker."""
     last = world - 1
     return [
-        ("all_agree", dict(should_split=True, num_tokens_padded=1024 + 256 * rank,
-                           num_ubatches=2, num_tokens=1000 + 256 * rank)),
-        ("one_cannot", dict(should_split=rank != last, num_tokens_padded=1024 + 256 * rank,
-                            num_ubatches=2, num_tokens=1000 + 256 * rank)),
-        ("mismatched_counts", dict(should_split=True, num_tokens_padded=1024,
-                                   num_ubatches=2 + rank % 2, num_tokens=1000)),
-        ("padding_empties_rank_0", dict(should_split=True,
-                                        num_tokens_padded=600 if rank == 0 else 2000,
-                                        num_ubatches=2,
-                                        num_tokens=600 if rank == 0 else 2000)),
-        ("bad_argument_on_rank_1", dict(should_split=True,
-                                        num_tokens_padded=-1 if rank == 1 else 1024,
-                                        num_ubatches=2, num_tokens=1000 if rank != 1 else 0)),
-        ("after_errors_three_ubatches", dict(should_split=True, num_tokens_padded=900 + rank,
-                                             num_ubatches=3, num_tokens=900)),
+        (
+            "all_agree",
+            dict(
+                should_split=True,
+                num_tokens_padded=1024 + 256 * rank,
+                num_ubatches=2,
+                num_tokens=1000 + 256 * rank,
+            ),
+        ),
+        (
+            "one_cannot",
+            dict(
+                should_split=rank != last,
+                num_tokens_padded=1024 + 256 * rank,
+                num_ubatches=2,
+                num_tokens=1000 + 256 * rank,
+            ),
+        ),
+        (
+            "mismatched_counts",
+            dict(
+                should_split=True,
+                num_tokens_padded=1024,
+                num_ubatches=2 + rank % 2,
+                num_tokens=1000,
+            ),
+        ),
+        (
+            "padding_empties_rank_0",
+            dict(
+                should_split=True,
+                num_tokens_padded=600 if rank == 0 else 2000,
+                num_ubatches=2,
+                num_tokens=600 if rank == 0 else 2000,
+            ),
+        ),
+        (
+            "bad_argument_on_rank_1",
+            dict(
+                should_split=True,
+                num_tokens_padded=-1 if rank == 1 else 1024,
+                num_ubatches=2,
+                num_tokens=1000 if rank != 1 else 0,
+            ),
+        ),
+        (
+            "after_errors_three_ubatches",
+            dict(should_split=True, num_tokens_padded=900 + rank, num_ubatches=3, num_tokens=900),
+        ),
         # graph modes differ: rank 0 FULL, the others PIECEWISE; nobody splits
-        ("graph_modes_differ", dict(should_split=False, num_tokens_padded=100 + 50 * rank,
-                                    num_ubatches=2, num_tokens=90 + 50 * rank,
-                                    cudagraph_mode=2 if rank == 0 else 1)),
+        (
+            "graph_modes_differ",
+            dict(
+                should_split=False,
+                num_tokens_padded=100 + 50 * rank,
+                num_ubatches=2,
+                num_tokens=90 + 50 * rank,
+                cudagraph_mode=2 if rank == 0 else 1,
+            ),
+        ),
         # the last rank runs eager: the agreed mode is NONE, so nobody is padded
-        ("one_rank_eager", dict(should_split=False, num_tokens_padded=100 + 50 * rank,
-                                num_ubatches=2, num_tokens=90 + 50 * rank,
-                                cudagraph_mode=0 if rank == last else 2)),
+        (
+            "one_rank_eager",
+            dict(
+                should_split=False,
+                num_tokens_padded=100 + 50 * rank,
+                num_ubatches=2,
+                num_tokens=90 + 50 * rank,
+                cudagraph_mode=0 if rank == last else 2,
+            ),
+        ),
     ]
 
 
@@ -607,7 +742,10 @@ def _dp_worker(rank: int, world: int, port: int, out_path: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=30),
     )
     results: dict[str, Any] = {}
@@ -619,21 +757,35 @@ def _dp_worker(rank: int, world: int, port: int, out_path: str) -> None:
             results[name] = ("error", type(exc).__name__, str(exc))
 
     for name, kwargs in _dp_scenarios(rank, world):
-        record(name, lambda: coordinate_ubatching(**kwargs))
+        record(name, lambda kwargs=kwargs: coordinate_ubatching(**kwargs))
     # vLLM's entry point: every rank clears the prefill threshold; graph modes 2, 1, 2, 1...
     config = DBOConfig(num_ubatches=2, dbo_prefill_token_threshold=512)
-    record("vllm_entry", lambda: coordinate_batch_across_dp(
-        600 + 100 * rank, True, config, num_tokens_padded=640 + 100 * rank,
-        uniform_decode=False, cudagraph_mode=2 - rank % 2))
+    record(
+        "vllm_entry",
+        lambda: coordinate_batch_across_dp(
+            600 + 100 * rank,
+            True,
+            config,
+            num_tokens_padded=640 + 100 * rank,
+            uniform_decode=False,
+            cudagraph_mode=2 - rank % 2,
+        ),
+    )
     # and one rank below it: nobody splits, padding by the agreed graph mode only
-    record("vllm_entry_below_threshold", lambda: coordinate_batch_across_dp(
-        600 if rank else 100, True, config, uniform_decode=False, cudagraph_mode=1))
+    record(
+        "vllm_entry_below_threshold",
+        lambda: coordinate_batch_across_dp(
+            600 if rank else 100, True, config, uniform_decode=False, cudagraph_mode=1
+        ),
+    )
     if world >= 4:
         # A DP group that is not the world: only ranks 1 and 3 take part.
         sub = dist.new_group([1, 3], backend="gloo")
         if rank in (1, 3):
-            record("subgroup", lambda: coordinate_ubatching(
-                True, 1024 + rank, 2, group=sub, num_tokens=1000))
+            record(
+                "subgroup",
+                lambda: coordinate_ubatching(True, 1024 + rank, 2, group=sub, num_tokens=1000),
+            )
     dist.destroy_process_group()
     tmp = out_path + ".tmp"
     with open(tmp, "wb") as f:
@@ -664,16 +816,22 @@ def _run_dp_group(world: int, workdir: Path, deadline_s: float = 45.0) -> list[d
             err = open(workdir / f"rank{rank}.stderr", "wb")
             errs.append(err)
             outs.append(out)
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, str(rank), str(world), str(port), str(out)],
-                env=env, stdout=subprocess.DEVNULL, stderr=err,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, str(rank), str(world), str(port), str(out)],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                )
+            )
         end = time.monotonic() + deadline_s
         for p in procs:
             p.wait(timeout=max(0.1, end - time.monotonic()))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{world}-rank gloo group did not finish in {deadline_s}s:\n"
-                    + _stderr_tails(workdir, world))
+        pytest.fail(
+            f"{world}-rank gloo group did not finish in {deadline_s}s:\n"
+            + _stderr_tails(workdir, world)
+        )
     finally:
         for p in procs:
             if p.poll() is None:
@@ -815,8 +973,7 @@ def test_dp_coordinate_batch_across_dp_answers_as_vllm_does(dp_group_results, wo
 def test_dp_a_rank_below_the_threshold_stops_the_split_but_graphs_still_pad(dp_group_results):
     outcomes = [r["vllm_entry_below_threshold"] for r in dp_group_results(2)]
     assert all(o[0] == "ok" for o in outcomes), outcomes
-    assert [(o[1][0], o[1][1].tolist(), o[1][2]) for o in outcomes] == [
-        (False, [600, 600], 1)] * 2
+    assert [(o[1][0], o[1][1].tolist(), o[1][2]) for o in outcomes] == [(False, [600, 600], 1)] * 2
 
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ from workspace import use_workspace_lane
 
 @pytest.mark.timeout(60)
 def test_stress_with_lanes_passes_and_grows_every_lane_with_slots_equal_within_each(capsys):
-    assert main(["stress", "--threads", "4", "--lanes", "3", "--iterations", "200",
-                 "--json"]) == 0
+    assert main(["stress", "--threads", "4", "--lanes", "3", "--iterations", "200", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["lanes"] == 3 and report["violations"] == []
     caps = report["final_capacities"]
@@ -85,5 +84,4 @@ def test_stress_fails_when_orphans_are_miscounted(monkeypatch):
     monkeypatch.setattr(stress, "WorkspaceManager", Miscounting)
     report = stress.run_stress(2, 50, lanes=2)
     assert not report.passed
-    assert any("orphaned bytes reported while the kept views hold" in v
-               for v in report.violations)
+    assert any("orphaned bytes reported while the kept views hold" in v for v in report.violations)

@@ -19,7 +19,8 @@ def _header(capsys) -> str:
 
 
 def test_the_sweep_header_says_a_small_prefill_point_is_one_prompt_of_its_tokens(
-        capsys, tmp_path, no_points):
+    capsys, tmp_path, no_points
+):
     assert main(["sweep", "--prefill", "2", "--out", str(tmp_path)]) == 0
     header = _header(capsys)
     assert "prefill: one 2-token prompt" in header and "4096-token" not in header
@@ -28,7 +29,8 @@ def test_the_sweep_header_says_a_small_prefill_point_is_one_prompt_of_its_tokens
 def test_the_sweep_header_tells_single_prompt_points_from_split_ones(capsys, tmp_path, no_points):
     assert main(["sweep", "--prefill", "2048", "8192", "--out", str(tmp_path)]) == 0
     assert _header(capsys).endswith(
-        "prefill: one 2048-token prompt; 4096-token prompts at 8192 tokens")
+        "prefill: one 2048-token prompt; 4096-token prompts at 8192 tokens"
+    )
 
 
 def test_the_prefill_description_matches_the_prompts_each_point_holds():
@@ -36,7 +38,7 @@ def test_the_prefill_description_matches_the_prompts_each_point_holds():
     assert sweep.prefill_prompts(5000) == [4096, 904]
     assert sweep.describe_prefill([1024, 2048]) == "one prompt per point at 1024, 2048 tokens"
     assert sweep.describe_prefill([5000]) == (
-        "4096-token prompts (the last one shorter where the count is not a multiple) at "
-        "5000 tokens")
+        "4096-token prompts (the last one shorter where the count is not a multiple) at 5000 tokens"
+    )
     starts = sweep._batch("prefill", 5000, 0).query_start_loc
     assert [starts[i + 1] - starts[i] for i in range(len(starts) - 1)] == [4096, 904]

@@ -25,8 +25,15 @@ from scenarios.cli import main
 from scenarios.tools.trace_window import write_windowed
 
 
-def rec(seq: int, name: str, start: float, end: float, ubatch: int | None = 0,
-        kind: str = COMPUTE, stream: str = "compute") -> OpRecord:
+def rec(
+    seq: int,
+    name: str,
+    start: float,
+    end: float,
+    ubatch: int | None = 0,
+    kind: str = COMPUTE,
+    stream: str = "compute",
+) -> OpRecord:
     return OpRecord(seq, name, kind, 0, ubatch, stream, start, start, end)
 
 
@@ -36,8 +43,9 @@ def layered_records() -> list[OpRecord]:
     for layer, t in enumerate((10.0, 30.0, 50.0)):
         out.append(rec(4 * layer, "aten::mm", t - 10, t))
         out.append(rec(4 * layer + 1, "comm::dispatch", t, t + 5, kind=COMM, stream="comm"))
-        out.append(rec(4 * layer + 2, "comm::dispatch", t + 5, t + 9, ubatch=1, kind=COMM,
-                       stream="comm"))
+        out.append(
+            rec(4 * layer + 2, "comm::dispatch", t + 5, t + 9, ubatch=1, kind=COMM, stream="comm")
+        )
         out.append(rec(4 * layer + 3, "aten::mm", t + 5, t + 10, ubatch=1))
     return out
 
@@ -67,18 +75,20 @@ def test_a_window_past_the_last_layer_says_how_many_there_are():
 
 def test_a_written_trace_reads_back_as_its_runs(tmp_path):
     device = SimDevice()
-    with dbo.use_device(device), device.thread_scope(None), \
-            torch.profiler.record_function("block"):
+    with dbo.use_device(device), device.thread_scope(None), torch.profiler.record_function("block"):
         torch.ones(4, 4) @ torch.ones(4, 4)
     path = write_chrome_trace_runs(
         tmp_path / "t.json",
-        [TraceRun("serial", device.timeline, ranges=device.host_ranges),
-         TraceRun("DBO", layered_records())],
+        [
+            TraceRun("serial", device.timeline, ranges=device.host_ranges),
+            TraceRun("DBO", layered_records()),
+        ],
     )
     serial, ubatched = runs_from_trace(json.loads(path.read_text()))
     assert (serial.label, ubatched.label) == ("serial", "DBO")
     assert [(r.name, r.start_us, r.end_us, r.stream) for r in serial.records] == [
-        (r.name, r.start_us, r.end_us, r.stream) for r in device.timeline]
+        (r.name, r.start_us, r.end_us, r.stream) for r in device.timeline
+    ]
     assert [g.name for g in serial.ranges] == ["block"]
     assert len(ubatched.records) == len(layered_records())
 
@@ -87,8 +97,10 @@ def test_write_windowed_adds_a_window_trace_and_png_beside_the_full_ones(tmp_pat
     full = write_chrome_trace(tmp_path / "moe.trace.json", layered_records())
     result = SimpleNamespace(scenario="moe", trace=str(full))
     written = write_windowed([result], parse_window("layers=0:1"))
-    assert sorted(p.rsplit("/", 1)[-1] for p in written) == ["moe.window.png",
-                                                             "moe.window.trace.json"]
+    assert sorted(p.rsplit("/", 1)[-1] for p in written) == [
+        "moe.window.png",
+        "moe.window.trace.json",
+    ]
     trace = json.loads((tmp_path / "moe.window.trace.json").read_text())
     assert trace["otherData"]["window_us"] == [10.0, 30.0]
     assert all(e["ts"] <= 30.0 for e in trace["traceEvents"] if e["ph"] == "X")

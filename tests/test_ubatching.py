@@ -164,7 +164,9 @@ def test_recv_hook_runs_in_the_next_ubatch(device):
     ran_in: list[tuple[str, int]] = []
 
     def fn(i):
-        dbo.dbo_register_recv_hook(lambda: ran_in.append((f"hook of {i}", dbo.dbo_current_ubatch_id())))
+        dbo.dbo_register_recv_hook(
+            lambda: ran_in.append((f"hook of {i}", dbo.dbo_current_ubatch_id()))
+        )
         dbo.dbo_yield()
         dbo.dbo_maybe_run_recv_hook()
 
@@ -207,8 +209,7 @@ def test_registering_a_recv_hook_on_a_finished_ubatch_is_an_error(device):
 
 def test_registering_a_non_callable_recv_hook_is_a_type_error(device):
     with pytest.raises(dbo.UBatchError) as info:
-        dbo.run_ubatches(lambda i: dbo.dbo_register_recv_hook("not a hook"), [0, 1],
-                         device=device)
+        dbo.run_ubatches(lambda i: dbo.dbo_register_recv_hook("not a hook"), [0, 1], device=device)
     assert isinstance(info.value.__cause__, TypeError)
     assert "recv_hook must be callable" in str(info.value.__cause__)
 
@@ -229,8 +230,9 @@ def test_forward_context_is_restored_on_every_resume(device):
 
 def test_a_step_leaves_the_launchers_forward_context_as_it_was(device):
     with dbo.set_forward_context("launcher"):
-        dbo.run_ubatches(lambda i: dbo.dbo_yield(), [0, 1], device=device,
-                         forward_contexts=["ctx-a", "ctx-b"])
+        dbo.run_ubatches(
+            lambda i: dbo.dbo_yield(), [0, 1], device=device, forward_contexts=["ctx-a", "ctx-b"]
+        )
         assert dbo.current_forward_context() == "launcher"
     assert dbo.current_forward_context() is None
 
@@ -256,8 +258,7 @@ def test_a_thread_outside_the_step_never_sees_a_ubatchs_forward_context(device):
     assert seen == [None]
 
 
-def test_set_forward_context_inside_a_ubatch_changes_only_that_ubatch_until_the_block_ends(
-        device):
+def test_set_forward_context_inside_a_ubatch_changes_only_that_ubatch_until_the_block_ends(device):
     seen: list[tuple[int, str]] = []
 
     def fn(i):
@@ -356,13 +357,27 @@ def test_run_ubatches_needs_two_inputs(device):
 
 def test_every_runtime_name_of_the_contract_is_importable_from_dbo():
     names = [
-        "dbo_enabled", "dbo_current_ubatch_id", "dbo_yield",
-        "dbo_yield_and_switch_from_compute_to_comm", "dbo_yield_and_switch_from_comm_to_compute",
-        "dbo_switch_to_comm", "dbo_switch_to_compute", "dbo_switch_to_comm_sync",
-        "dbo_switch_to_compute_sync", "dbo_register_recv_hook", "dbo_maybe_run_recv_hook",
-        "dbo_get_previous_event", "make_ubatch_contexts", "UBatchContext", "current_stream",
-        "current_forward_context", "run_ubatches", "merge_outputs", "UBatchError",
-        "YieldMismatchError", "UBatchTimeoutError",
+        "dbo_enabled",
+        "dbo_current_ubatch_id",
+        "dbo_yield",
+        "dbo_yield_and_switch_from_compute_to_comm",
+        "dbo_yield_and_switch_from_comm_to_compute",
+        "dbo_switch_to_comm",
+        "dbo_switch_to_compute",
+        "dbo_switch_to_comm_sync",
+        "dbo_switch_to_compute_sync",
+        "dbo_register_recv_hook",
+        "dbo_maybe_run_recv_hook",
+        "dbo_get_previous_event",
+        "make_ubatch_contexts",
+        "UBatchContext",
+        "current_stream",
+        "current_forward_context",
+        "run_ubatches",
+        "merge_outputs",
+        "UBatchError",
+        "YieldMismatchError",
+        "UBatchTimeoutError",
     ]
     missing = [n for n in names if n not in dbo.__all__ or not hasattr(dbo, n)]
     assert missing == []

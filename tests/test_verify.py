@@ -28,8 +28,10 @@ class ToyMoE:
     def __init__(self, fault: str | None = None, layers: int = 2) -> None:
         g = torch.Generator().manual_seed(0)
         self.layers = [
-            (torch.randn(HIDDEN, HIDDEN, generator=g, dtype=torch.float64) / 4,
-             torch.randn(HIDDEN, HIDDEN, generator=g, dtype=torch.float64) / 4)
+            (
+                torch.randn(HIDDEN, HIDDEN, generator=g, dtype=torch.float64) / 4,
+                torch.randn(HIDDEN, HIDDEN, generator=g, dtype=torch.float64) / 4,
+            )
             for _ in range(layers)
         ]
         self.fault = fault
@@ -72,8 +74,9 @@ class ToyMoE:
 
 
 def inputs(rows: int = 8) -> torch.Tensor:
-    return torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(1),
-                       dtype=torch.float64)
+    return torch.randn(
+        rows, HIDDEN, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -170,8 +173,7 @@ def test_default_split_cuts_dicts_and_tuples_along_dim_0():
         seen.append(batch["x"].shape[0])
         return batch["x"] * 2, batch["y"] + 1
 
-    report = dbo.verify(forward, {"x": inputs(10), "y": torch.arange(10)}, num_ubatches=3,
-                        warmup=0)
+    report = dbo.verify(forward, {"x": inputs(10), "y": torch.arange(10)}, num_ubatches=3, warmup=0)
     assert report.ok, report.describe()
     assert seen[-3:] == [3, 3, 4]  # dbo.split's cut points: the last ubatch takes the rest
 
@@ -184,7 +186,7 @@ def test_custom_split_and_merge_are_used():
     def merge(outs):
         full = torch.empty(sum(o.shape[0] for o in outs), HIDDEN, dtype=torch.float64)
         for i, o in enumerate(outs):
-            full[i::len(outs)] = o
+            full[i :: len(outs)] = o
         return full
 
     report = dbo.verify(lambda x: x * 3, inputs(), split=split, merge=merge)
@@ -246,8 +248,11 @@ def test_a_stuck_ubatch_ends_in_a_timeout_error():
 def test_artifacts_hold_a_trace_and_png_of_both_runs(tmp_path):
     report = dbo.verify(ToyMoE("no_wait").forward, inputs(), artifacts=tmp_path / "out")
     trace = json.loads(Path(report.trace).read_text())
-    names = {e["args"]["name"] for e in trace["traceEvents"]
-             if e["ph"] == "M" and e["name"] == "process_name"}
+    names = {
+        e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
     assert names == {"serial · rank 0", "DBO · rank 0"}
     assert any(e["ph"] == "i" and e["name"] == "race" for e in trace["traceEvents"])
     assert Path(report.timeline_png).read_bytes()[:4] == b"\x89PNG"

@@ -14,7 +14,7 @@ from scenarios.cli import main
 from workspace import reset_workspace_manager
 
 USER_MODULE = textwrap.dedent(
-    '''
+    """
     import torch
     import dbo
 
@@ -45,7 +45,7 @@ USER_MODULE = textwrap.dedent(
         raise RuntimeError("model bug")
 
     not_callable = 3
-    '''
+    """
 )
 
 
@@ -94,8 +94,19 @@ def test_a_forward_that_raises_serially_exits_1_with_its_traceback(user_module, 
 @pytest.mark.timeout(60)
 def test_json_report_and_artifacts_from_a_py_path(user_module, tmp_path, capsys):
     path = str(user_module)
-    code = run_cli(["verify", f"{path}:forward", "--inputs", f"{path}:make_batch", "-n", "3",
-                 "--json", "--out", str(tmp_path / "out")])
+    code = run_cli(
+        [
+            "verify",
+            f"{path}:forward",
+            "--inputs",
+            f"{path}:make_batch",
+            "-n",
+            "3",
+            "--json",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert code == 0
     assert report["ok"] is True and report["num_ubatches"] == 3
@@ -115,10 +126,22 @@ def test_json_report_and_artifacts_from_a_py_path(user_module, tmp_path, capsys)
         (["user_model:forward", "--inputs", "user_model:make_batch", "-n", "1"], ">= 2"),
         (["user_model:forward", "--inputs", "user_model:make_batch", "--atol", "nan"], "atol"),
         (["missing.py:forward", "--inputs", "user_model:make_batch"], "no such file"),
-        (["user_model:forward", "--inputs", "user_model:make_batch", "--window", "9:3",
-          "--out", "o"], "after its start"),
-        (["user_model:forward", "--inputs", "user_model:make_batch", "--window", "1:5"],
-         "give --out"),
+        (
+            [
+                "user_model:forward",
+                "--inputs",
+                "user_model:make_batch",
+                "--window",
+                "9:3",
+                "--out",
+                "o",
+            ],
+            "after its start",
+        ),
+        (
+            ["user_model:forward", "--inputs", "user_model:make_batch", "--window", "1:5"],
+            "give --out",
+        ),
     ],
 )
 def test_a_bad_command_line_exits_2_with_one_line(user_module, capsys, argv, message):
@@ -131,8 +154,18 @@ def test_a_bad_command_line_exits_2_with_one_line(user_module, capsys, argv, mes
 
 @pytest.mark.timeout(60)
 def test_window_narrows_the_trace(user_module, tmp_path, capsys):
-    code = run_cli(["verify", "user_model:forward", "--inputs", "user_model:make_batch",
-                    "--out", str(tmp_path / "w"), "--window", "0:5"])
+    code = run_cli(
+        [
+            "verify",
+            "user_model:forward",
+            "--inputs",
+            "user_model:make_batch",
+            "--out",
+            str(tmp_path / "w"),
+            "--window",
+            "0:5",
+        ]
+    )
     assert code == 0
     trace = json.loads((tmp_path / "w" / "verify.trace.json").read_text())
     assert trace["otherData"]["window_us"] == [0.0, 5.0]
@@ -141,8 +174,9 @@ def test_window_narrows_the_trace(user_module, tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_a_gpu_is_a_bad_command_line(user_module, capsys):
-    code = run_cli(["verify", "user_model:forward", "--inputs", "user_model:make_batch",
-                 "--device", "cuda"])
+    code = run_cli(
+        ["verify", "user_model:forward", "--inputs", "user_model:make_batch", "--device", "cuda"]
+    )
     assert code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 

@@ -98,7 +98,10 @@ def test_views_have_exactly_the_requested_shape_and_dtype_and_are_contiguous():
     m = WorkspaceManager("cpu")
     views = m.get_simultaneous(((2, 3), torch.float16), ((5,), torch.int64), ((), torch.bfloat16))
     assert [(tuple(v.shape), v.dtype) for v in views] == [
-        ((2, 3), torch.float16), ((5,), torch.int64), ((), torch.bfloat16)]
+        ((2, 3), torch.float16),
+        ((5,), torch.int64),
+        ((), torch.bfloat16),
+    ]
     assert all(v.is_contiguous() for v in views)
 
 
@@ -146,8 +149,10 @@ def test_repeated_signature_returns_fresh_tensor_objects():
 
 def test_shapes_as_tuple_list_and_torch_size_give_the_same_views():
     m = WorkspaceManager("cpu")
-    got = [m.get_simultaneous((shape, F32), ([5], U8))
-           for shape in [(2, 3), [2, 3], torch.Size([2, 3])]]
+    got = [
+        m.get_simultaneous((shape, F32), ([5], U8))
+        for shape in [(2, 3), [2, 3], torch.Size([2, 3])]
+    ]
     for views in got:
         assert tuple(views[0].shape) == (2, 3) and tuple(views[1].shape) == (5,)
         assert [v.data_ptr() for v in views] == [v.data_ptr() for v in got[0]]
@@ -286,8 +291,13 @@ def test_growth_history_records_caller_sizes_and_slot_count():
     history = m.growth_history()
     assert history == [
         GrowthRecord(history[0].caller, 0, 1024, 2, 0),
-        GrowthRecord(f"test_workspace.py:{line}:"
-                     f"test_growth_history_records_caller_sizes_and_slot_count", 1024, 2048, 2, 0),
+        GrowthRecord(
+            f"test_workspace.py:{line}:test_growth_history_records_caller_sizes_and_slot_count",
+            1024,
+            2048,
+            2,
+            0,
+        ),
     ]
     with pytest.raises(FrozenInstanceError):
         history[0].new_bytes = 1
@@ -406,8 +416,10 @@ def test_describe_buffer_marks_a_replaced_buffer_not_live():
     assert (info.slot, info.generation, info.live, info.still_allocated) == (0, 1, False, True)
     assert m.slot_generation(0) == 2
     (fresh,) = m.get_simultaneous(((64,), F32))
-    assert m.describe_buffer(fresh.data_ptr()).live and m.describe_buffer(
-        fresh.data_ptr()).generation == 2
+    assert (
+        m.describe_buffer(fresh.data_ptr()).live
+        and m.describe_buffer(fresh.data_ptr()).generation == 2
+    )
 
 
 def test_describe_buffer_returns_none_for_a_foreign_pointer():
@@ -443,9 +455,10 @@ def test_lock_refuses_growth_naming_the_caller_file_line_and_function_and_sizes(
     with pytest.raises(WorkspaceLockedError) as info:
         m.get_simultaneous(((25 * 2**20,), U8))
     message = str(info.value)
-    assert (f"'test_workspace.py:{line}:"
-            f"test_lock_refuses_growth_naming_the_caller_file_line_and_function_and_sizes'"
-            in message)
+    assert (
+        f"'test_workspace.py:{line}:"
+        f"test_lock_refuses_growth_naming_the_caller_file_line_and_function_and_sizes'" in message
+    )
     assert "requires 25.00 MB, current size is 12.50 MB" in message
     assert "unlock_workspace()" in message
 
@@ -466,7 +479,10 @@ def test_locked_refusal_leaves_the_manager_unchanged():
         m.get_simultaneous(((4096,), U8))
     after = m.stats()
     assert (after.capacities, after.generations, after.growths) == (
-        before.capacities, before.generations, before.growths)
+        before.capacities,
+        before.generations,
+        before.growths,
+    )
 
 
 def test_lock_still_serves_fitting_requests_without_allocating():
@@ -537,8 +553,7 @@ def test_debug_env_logs_resize_lock_and_unlock(monkeypatch, caplog):
     m.unlock()
     messages = [r.getMessage() for r in caplog.records if r.name == "workspace"]
     assert len(messages) == 3
-    assert (f"'test_workspace.py:{line}:test_debug_env_logs_resize_lock_and_unlock'"
-            in messages[0])
+    assert f"'test_workspace.py:{line}:test_debug_env_logs_resize_lock_and_unlock'" in messages[0]
     assert "0.00 MB -> 12.50 MB" in messages[0] and "2 slots" in messages[0]
     assert "total 25.00 MB" in messages[0]
     assert "locked" in messages[1] and "[12.50, 12.50] MB" in messages[1]
@@ -571,34 +586,57 @@ def test_no_debug_log_without_the_env_variable(monkeypatch, caplog):
 # ------------------------------------------------------------------ bad input
 
 BAD_REQUESTS = [
-    pytest.param((((-1, 2), F32),), ValueError, r"dimension 0 .*shapes_and_dtypes\[0\].*>= 0",
-                 id="negative-dim"),
-    pytest.param((((2, 2.0), F32),), TypeError, r"dimension 1 .*shapes_and_dtypes\[0\].*float",
-                 id="float-dim"),
-    pytest.param((((True, 2), F32),), TypeError, r"dimension 0 .*shapes_and_dtypes\[0\].*bool",
-                 id="bool-dim"),
-    pytest.param((((2,), F32), (("2",), F32)), TypeError, r"shapes_and_dtypes\[1\].*str",
-                 id="str-dim"),
-    pytest.param((((2,), "float32"),), TypeError, r"dtype of shapes_and_dtypes\[0\].*torch.dtype",
-                 id="non-dtype"),
-    pytest.param((((2,), np.float32),), TypeError, r"dtype of shapes_and_dtypes\[0\]",
-                 id="numpy-dtype"),
-    pytest.param(((2, F32),), TypeError, r"shape of shapes_and_dtypes\[0\].*\(2,\)",
-                 id="int-shape"),
-    pytest.param(((((2,), F32, 1)),), TypeError, r"shapes_and_dtypes\[0\] must be a \(shape, "
-                 r"dtype\) pair", id="three-tuple"),
+    pytest.param(
+        (((-1, 2), F32),),
+        ValueError,
+        r"dimension 0 .*shapes_and_dtypes\[0\].*>= 0",
+        id="negative-dim",
+    ),
+    pytest.param(
+        (((2, 2.0), F32),),
+        TypeError,
+        r"dimension 1 .*shapes_and_dtypes\[0\].*float",
+        id="float-dim",
+    ),
+    pytest.param(
+        (((True, 2), F32),), TypeError, r"dimension 0 .*shapes_and_dtypes\[0\].*bool", id="bool-dim"
+    ),
+    pytest.param(
+        (((2,), F32), (("2",), F32)), TypeError, r"shapes_and_dtypes\[1\].*str", id="str-dim"
+    ),
+    pytest.param(
+        (((2,), "float32"),),
+        TypeError,
+        r"dtype of shapes_and_dtypes\[0\].*torch.dtype",
+        id="non-dtype",
+    ),
+    pytest.param(
+        (((2,), np.float32),), TypeError, r"dtype of shapes_and_dtypes\[0\]", id="numpy-dtype"
+    ),
+    pytest.param(
+        ((2, F32),), TypeError, r"shape of shapes_and_dtypes\[0\].*\(2,\)", id="int-shape"
+    ),
+    pytest.param(
+        ((((2,), F32, 1)),),
+        TypeError,
+        r"shapes_and_dtypes\[0\] must be a \(shape, "
+        r"dtype\) pair",
+        id="three-tuple",
+    ),
     pytest.param((((2,),),), TypeError, r"shapes_and_dtypes\[0\] must be a \(shape", id="1-tuple"),
     pytest.param(("ab",), TypeError, r"shapes_and_dtypes\[0\] must be a \(shape", id="string"),
     pytest.param((F32,), TypeError, r"shapes_and_dtypes\[0\] must be a \(shape", id="bare-dtype"),
-    pytest.param((((2,), F32), None), TypeError, r"shapes_and_dtypes\[1\] must be a \(shape",
-                 id="none-pair"),
+    pytest.param(
+        (((2,), F32), None), TypeError, r"shapes_and_dtypes\[1\] must be a \(shape", id="none-pair"
+    ),
     pytest.param((((1 << 64,), U8),), ValueError, r"int64", id="dim-overflow"),
 ]
 
 
 @pytest.mark.parametrize("request_args, error, pattern", BAD_REQUESTS)
 def test_bad_request_raises_naming_the_argument_and_leaves_the_manager_intact(
-        request_args, error, pattern):
+    request_args, error, pattern
+):
     m = WorkspaceManager("cpu", num_ubatches=2)
     (v,) = m.get_simultaneous(((64,), F32))
     before = m.stats()
@@ -606,7 +644,10 @@ def test_bad_request_raises_naming_the_argument_and_leaves_the_manager_intact(
         m.get_simultaneous(*request_args)
     after = m.stats()
     assert (after.capacities, after.generations, after.allocations) == (
-        before.capacities, before.generations, before.allocations)
+        before.capacities,
+        before.generations,
+        before.allocations,
+    )
     (again,) = m.get_simultaneous(((64,), F32))
     assert again.data_ptr() == v.data_ptr()
 
@@ -623,8 +664,11 @@ def test_an_allocation_torch_refuses_raises_allocation_error_chaining_torch(monk
     # A refusal the device bound cannot foresee (a real OOM): torch's own error, chained.
     m = WorkspaceManager("cpu", num_ubatches=2)
     m.get_simultaneous(((1024,), U8))
-    monkeypatch.setattr(m, "_allocate",  # torch refuses every size above the old one
-                        lambda n: torch.empty((2**62 if n > 1024 else n,), dtype=U8))
+    monkeypatch.setattr(
+        m,
+        "_allocate",  # torch refuses every size above the old one
+        lambda n: torch.empty((2**62 if n > 1024 else n,), dtype=U8),
+    )
     with pytest.raises(WorkspaceAllocationError) as info:
         m.get_simultaneous(((4096,), U8))
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, MemoryError)
@@ -676,8 +720,10 @@ def test_first_growth_failure_rolls_back_to_empty_slots():
 # ------------------------------------------------------------------ construction
 
 
-@pytest.mark.parametrize("value, error", [
-    (0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError), ("2", TypeError)])
+@pytest.mark.parametrize(
+    "value, error",
+    [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError), ("2", TypeError)],
+)
 def test_bad_num_ubatches_is_refused_naming_it(value, error):
     with pytest.raises(error, match="num_ubatches"):
         WorkspaceManager("cpu", num_ubatches=value)
@@ -688,9 +734,15 @@ def test_num_ubatches_none_means_one_slot():
     assert WorkspaceManager("cpu", np.int64(3)).num_ubatches == 3
 
 
-@pytest.mark.parametrize("device, error", [
-    ("not-a-device", ValueError), (3, TypeError), (None, TypeError),
-    (types.SimpleNamespace(torch_device=5), TypeError)])
+@pytest.mark.parametrize(
+    "device, error",
+    [
+        ("not-a-device", ValueError),
+        (3, TypeError),
+        (None, TypeError),
+        (types.SimpleNamespace(torch_device=5), TypeError),
+    ],
+)
 def test_bad_device_is_refused_naming_it(device, error):
     with pytest.raises(error, match="device"):
         WorkspaceManager(device)
@@ -731,10 +783,19 @@ def test_stats_is_a_frozen_consistent_snapshot():
     s = m.stats()
     assert isinstance(s, WorkspaceStats)
     assert (s.device, s.num_ubatches, s.capacities, s.generations, s.locked) == (
-        torch.device("cpu"), 2, (2048, 2048), (2, 2), True)
+        torch.device("cpu"),
+        2,
+        (2048, 2048),
+        (2, 2),
+        True,
+    )
     assert (len(s.growths), s.failed_growths, s.allocations) == (2, 0, 4)
     assert (s.peak_bytes, s.orphaned_bytes, s.orphaned_buffers, s.orphaning_growths) == (
-        4096 + 1024, 1024, 1, 1)
+        4096 + 1024,
+        1024,
+        1,
+        1,
+    )
     assert s.total_bytes == 4096 and "orphaned 0.00 MB in 1 buffer(s)" in s.summary()
     with pytest.raises(FrozenInstanceError):
         s.locked = False
@@ -746,8 +807,9 @@ def test_stats_is_a_frozen_consistent_snapshot():
 
 def test_current_manager_before_init_says_what_to_call():
     assert not is_workspace_manager_initialized()
-    with pytest.raises(WorkspaceNotInitializedError,
-                       match=r"init_workspace_manager\(device, num_ubatches\)"):
+    with pytest.raises(
+        WorkspaceNotInitializedError, match=r"init_workspace_manager\(device, num_ubatches\)"
+    ):
         current_workspace_manager()
     assert issubclass(WorkspaceNotInitializedError, RuntimeError)
 
@@ -794,10 +856,18 @@ def test_reset_forgets_the_singleton():
 
 
 def test_every_public_name_is_exported():
-    for name in ["WorkspaceManager", "WorkspaceLockedError", "WorkspaceNotInitializedError",
-                 "WorkspaceAllocationError", "init_workspace_manager",
-                 "current_workspace_manager", "lock_workspace", "unlock_workspace",
-                 "reset_workspace_manager", "is_workspace_manager_initialized"]:
+    for name in [
+        "WorkspaceManager",
+        "WorkspaceLockedError",
+        "WorkspaceNotInitializedError",
+        "WorkspaceAllocationError",
+        "init_workspace_manager",
+        "current_workspace_manager",
+        "lock_workspace",
+        "unlock_workspace",
+        "reset_workspace_manager",
+        "is_workspace_manager_initialized",
+    ]:
         assert name in workspace.__all__ and hasattr(workspace, name)
 
 

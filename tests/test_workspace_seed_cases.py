@@ -56,8 +56,7 @@ def test_dcp_context_and_query_outputs_alias_the_same_memory():
     num_heads, dcp_world_size, head_size = 8, 4, 64
     n_context, n_query = 48, 16
     ws = current_workspace_manager()
-    (context_out,) = ws.get_simultaneous(
-        ((n_context, num_heads * dcp_world_size, head_size), BF16))
+    (context_out,) = ws.get_simultaneous(((n_context, num_heads * dcp_world_size, head_size), BF16))
     context_out.fill_(1.0)  # the context attention result, consumed before the next call
     (query_out,) = ws.get_simultaneous(((n_query, num_heads, head_size), BF16))
     assert query_out.data_ptr() == context_out.data_ptr()
@@ -77,7 +76,8 @@ def test_fused_moe_shared_region_views_alias_each_other_and_not_workspace2():
     fused_out_shape = (m_full, top_k, k)
     common_numel = max(math.prod(workspace13_shape), math.prod(fused_out_shape))
     common, workspace2 = current_workspace_manager().get_simultaneous(
-        ((common_numel,), BF16), (workspace2_shape, BF16))
+        ((common_numel,), BF16), (workspace2_shape, BF16)
+    )
     workspace13 = resize_cache(common, workspace13_shape)
     fused_out = resize_cache(common, fused_out_shape)
     assert workspace13.data_ptr() == fused_out.data_ptr() == common.data_ptr()
@@ -101,16 +101,18 @@ def test_sparse_indexer_profiles_once_and_allocates_nothing_at_run():
     )
     lock_workspace()
     with record_allocations(ws) as allocations:
-        for step in range(3):  # prefill path: key and scale, sliced per chunk
+        for _step in range(3):  # prefill path: key and scale, sliced per chunk
             k_fp8_full, k_scale_full = ws.get_simultaneous(
                 ((total_seq_lens, head_dim), torch.float8_e4m3fn),
-                ((total_seq_lens, 4), torch.uint8))
+                ((total_seq_lens, 4), torch.uint8),
+            )
             for chunk in (1024, 2048, 4096):
                 k_fp8 = k_fp8_full[:chunk]
                 assert k_fp8.data_ptr() == k_fp8_full.data_ptr()
                 assert k_scale_full[:chunk].shape == (chunk, 4)
             (topk_workspace,) = ws.get_simultaneous(  # decode path: topk only
-                ((radix_topk_workspace,), torch.uint8))
+                ((radix_topk_workspace,), torch.uint8)
+            )
             assert topk_workspace.numel() == radix_topk_workspace
     assert allocations == []
 
@@ -126,7 +128,8 @@ class FlashMLASparseLike:
             current_workspace_manager().get_simultaneous(
                 ((max_tokens, num_heads, head_size), BF16),
                 ((max_tokens, 2 * head_size), BF16),
-            ))
+            )
+        )
 
 
 def test_init_time_reservation_held_as_attribute_is_aliased_by_later_calls():

@@ -30,8 +30,17 @@ pytestmark = pytest.mark.timeout(60)
 
 NUM_THREADS = 8
 JOIN_TIMEOUT_S = 40
-DTYPES = [torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-          torch.float32, torch.float64, torch.bool]
+DTYPES = [
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+]
 
 
 def random_request(rng: random.Random, max_bytes: int) -> tuple:
@@ -96,8 +105,10 @@ class Harness:
 
             return body
 
-        threads = [threading.Thread(target=wrap(fn, k), name=f"ubatch-{k}", daemon=True)
-                   for k, fn in enumerate(targets)]
+        threads = [
+            threading.Thread(target=wrap(fn, k), name=f"ubatch-{k}", daemon=True)
+            for k, fn in enumerate(targets)
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -109,8 +120,14 @@ class Harness:
         assert not self.unequal_after_growth, self.unequal_after_growth[:5]
 
 
-def check_views(manager: WorkspaceManager, k: int, request: tuple, views: list[torch.Tensor],
-                gen_before: int, gen_after: int) -> None:
+def check_views(
+    manager: WorkspaceManager,
+    k: int,
+    request: tuple,
+    views: list[torch.Tensor],
+    gen_before: int,
+    gen_after: int,
+) -> None:
     """Every view: the requested shape and dtype, wholly inside a buffer of slot k that was
     slot k's buffer at some point during the call, and in no other slot's current buffer."""
     assert len(views) == len(request)
@@ -124,13 +141,14 @@ def check_views(manager: WorkspaceManager, k: int, request: tuple, views: list[t
         assert info is not None, "view outside every slot buffer"
         assert info.slot == k, f"view of ubatch {k} lies in slot {info.slot}"
         assert gen_before <= info.generation <= gen_after, (
-            f"slot {k} view from generation {info.generation}, call saw "
-            f"{gen_before}..{gen_after}")
+            f"slot {k} view from generation {info.generation}, call saw {gen_before}..{gen_after}"
+        )
         assert end <= info.data_ptr + info.nbytes, "view runs past its slot buffer"
         assert view.untyped_storage().data_ptr() == info.data_ptr
         for other in others:
             assert end <= other.data_ptr or start >= other.data_ptr + other.nbytes, (
-                f"slot {k} view overlaps slot {other.slot}")
+                f"slot {k} view overlaps slot {other.slot}"
+            )
 
 
 def fill_value(dtype: torch.dtype, k: int) -> int | bool:
@@ -168,6 +186,7 @@ def test_concurrent_ubatches_with_growth_and_lock_windows_keep_every_invariant()
                 for v in views:
                     assert bool((v == fill_value(v.dtype, k)).all()), f"slot {k} data clobbered"
                 served[k] += 1
+
         return run
 
     def locker() -> None:
@@ -211,9 +230,9 @@ def test_simultaneous_first_requests_from_every_ubatch_grow_all_slots_to_the_lar
             barrier.wait()
             gen_before = m.slot_generation(k)
             (v,) = m.get_simultaneous(((sizes[k],), torch.uint8))
-            check_views(m, k, (((sizes[k],), torch.uint8),), [v], gen_before,
-                        m.slot_generation(k))
+            check_views(m, k, (((sizes[k],), torch.uint8),), [v], gen_before, m.slot_generation(k))
             got[k] = v
+
         return run
 
     h.run_threads([worker(k) for k in range(NUM_THREADS)])
@@ -254,6 +273,7 @@ def test_allocation_failures_under_contention_leave_slots_equal_and_nothing_hung
                     failures[k] += 1
                     continue
                 check_views(m, k, request, views, gen_before, m.slot_generation(k))
+
         return run
 
     h.run_threads([worker(k) for k in range(NUM_THREADS)])
@@ -269,7 +289,8 @@ def test_allocation_failures_under_contention_leave_slots_equal_and_nothing_hung
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("num_threads", [16, 32])
 def test_lanes_persistent_resources_and_injected_failures_keep_orphan_accounting_exact(
-        num_threads: int):
+    num_threads: int,
+):
     """Many ubatches x 2 lanes, outside the baton: random requests in random lanes, views held
     across other threads' growths, injected allocation failures and lock windows. Every view
     lies in its own (ubatch, lane) slot, every lane's slots stay equal, persistent resources
@@ -325,6 +346,7 @@ def test_lanes_persistent_resources_and_injected_failures_keep_orphan_accounting
                     assert again is persistent[(k, lane)], "a persistent tensor moved"
                 if rng.random() < 0.3:  # hold some views across later growths
                     held[k] = (held[k] + views)[-3:]
+
         return run
 
     def locker() -> None:
@@ -344,8 +366,10 @@ def test_lanes_persistent_resources_and_injected_failures_keep_orphan_accounting
         stop.set()
         locker_thread.join(5)
     assert not locker_thread.is_alive()
-    print(f"{num_threads} threads x {lanes} lanes: {len(m.growth_history())} growths, "
-          f"{sum(failures)} injected failures, {sum(refusals)} locked refusals")
+    print(
+        f"{num_threads} threads x {lanes} lanes: {len(m.growth_history())} growths, "
+        f"{sum(failures)} injected failures, {sum(refusals)} locked refusals"
+    )
     assert sum(failures) > 0 and m.stats().failed_growths > 0
     for lane in range(lanes):
         assert len(set(m.slot_capacities()[lane::lanes])) == 1

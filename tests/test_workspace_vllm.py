@@ -156,8 +156,9 @@ def test_an_unconfigured_lane_fails_even_for_a_signature_another_lane_cached():
         m.get_simultaneous(((8,), U8))
 
 
-@pytest.mark.parametrize("value, error", [(0, ValueError), (-1, ValueError), (True, TypeError),
-                                          (1.0, TypeError)])
+@pytest.mark.parametrize(
+    "value, error", [(0, ValueError), (-1, ValueError), (True, TypeError), (1.0, TypeError)]
+)
 def test_bad_num_lanes_is_refused_naming_it(value, error):
     with pytest.raises(error, match="num_lanes"):
         WorkspaceManager("cpu", num_lanes=value)
@@ -260,14 +261,18 @@ def test_a_failing_factory_stores_nothing():
     assert m.get_persistent_resource("k", lambda: 5) == 5
 
 
-@pytest.mark.parametrize("call, error, pattern", [
-    (lambda m: m.get_persistent_resource("k", 3), TypeError, "factory must be callable"),
-    (lambda m: m.get_persistent_resource(["unhashable"], object), TypeError, "hashable"),
-    (lambda m: m.get_persistent("k", (-1,), F32), ValueError, "get_persistent: dimension 0"),
-    (lambda m: m.get_persistent("k", (True,), F32), TypeError, "get_persistent: dimension 0"),
-    (lambda m: m.get_persistent("k", (2,), "f32"), TypeError, "get_persistent: the dtype"),
-    (lambda m: m.get_persistent("k", (2,), F32, zero_init=1), TypeError, "zero_init"),
-], ids=["factory", "key", "negative-dim", "bool-dim", "dtype", "zero_init"])
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda m: m.get_persistent_resource("k", 3), TypeError, "factory must be callable"),
+        (lambda m: m.get_persistent_resource(["unhashable"], object), TypeError, "hashable"),
+        (lambda m: m.get_persistent("k", (-1,), F32), ValueError, "get_persistent: dimension 0"),
+        (lambda m: m.get_persistent("k", (True,), F32), TypeError, "get_persistent: dimension 0"),
+        (lambda m: m.get_persistent("k", (2,), "f32"), TypeError, "get_persistent: the dtype"),
+        (lambda m: m.get_persistent("k", (2,), F32, zero_init=1), TypeError, "zero_init"),
+    ],
+    ids=["factory", "key", "negative-dim", "bool-dim", "dtype", "zero_init"],
+)
 def test_bad_persistent_requests_are_refused_naming_the_argument(call, error, pattern):
     m = WorkspaceManager("cpu")
     with pytest.raises(error, match=pattern):
@@ -510,8 +515,9 @@ def test_an_allocation_failure_below_the_bound_orphans_the_callers_held_views_an
     assert m.orphaned_bytes() == 0
 
 
-@pytest.mark.parametrize("shape", [(0, 1 << 62, 4), (1 << 40, 1 << 40, 0)],
-                         ids=["zero-first", "zero-last"])
+@pytest.mark.parametrize(
+    "shape", [(0, 1 << 62, 4), (1 << 40, 1 << 40, 0)], ids=["zero-first", "zero-last"]
+)
 def test_a_zero_size_shape_whose_other_dims_overflow_is_refused_in_our_words(shape):
     m = WorkspaceManager("cpu")
     m.get_simultaneous(((64,), U8))
@@ -521,10 +527,18 @@ def test_a_zero_size_shape_whose_other_dims_overflow_is_refused_in_our_words(sha
     assert unchanged_state(m) == before
 
 
-@pytest.mark.parametrize("dim", [torch.tensor(True), np.array(True), np.bool_(True),
-                                 torch.tensor(1.0), torch.tensor([1]), np.array([1])],
-                         ids=["bool-tensor", "bool-array", "numpy-bool", "float-tensor",
-                              "1-d-tensor", "1-d-array"])
+@pytest.mark.parametrize(
+    "dim",
+    [
+        torch.tensor(True),
+        np.array(True),
+        np.bool_(True),
+        torch.tensor(1.0),
+        torch.tensor([1]),
+        np.array([1]),
+    ],
+    ids=["bool-tensor", "bool-array", "numpy-bool", "float-tensor", "1-d-tensor", "1-d-array"],
+)
 def test_a_dim_that_is_not_an_integer_scalar_is_refused(dim):
     m = WorkspaceManager("cpu")
     m.get_simultaneous(((1, 3), F32))  # cache the int twin: the hot path must not admit it
@@ -532,9 +546,11 @@ def test_a_dim_that_is_not_an_integer_scalar_is_refused(dim):
         m.get_simultaneous(((dim, 3), F32))
 
 
-@pytest.mark.parametrize("dim", [3, np.int64(3), np.int32(3), torch.tensor(3),
-                                 torch.tensor(3, dtype=torch.int32), np.array(3)],
-                         ids=["int", "np-int64", "np-int32", "tensor", "int32-tensor", "array"])
+@pytest.mark.parametrize(
+    "dim",
+    [3, np.int64(3), np.int32(3), torch.tensor(3), torch.tensor(3, dtype=torch.int32), np.array(3)],
+    ids=["int", "np-int64", "np-int32", "tensor", "int32-tensor", "array"],
+)
 def test_integer_scalars_of_every_kind_are_accepted_as_dims(dim):
     m = WorkspaceManager("cpu")
     (v,) = m.get_simultaneous(((dim, 2), F32))

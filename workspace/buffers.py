@@ -63,8 +63,9 @@ class BufferLedger:
         self._orphans: list[FormerBuffer] = []
         self.orphaning_events = 0
 
-    def retire(self, slot: int, generation: int, data_ptr: int, nbytes: int,
-               ref: StorageWeakRef) -> int:
+    def retire(
+        self, slot: int, generation: int, data_ptr: int, nbytes: int, ref: StorageWeakRef
+    ) -> int:
         """Record a buffer the manager has just dropped; return its bytes if it lives on."""
         former = FormerBuffer(slot, generation, data_ptr, nbytes, ref)
         self._history.append(former)

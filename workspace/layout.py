@@ -98,8 +98,7 @@ def _check_pair(
             f"ints, got {_describe(shape)}{hint}"
         )
     dims = tuple(
-        _check_dim(d, f"{who}: dimension {i} of the shape of {where}")
-        for i, d in enumerate(shape)
+        _check_dim(d, f"{who}: dimension {i} of the shape of {where}") for i, d in enumerate(shape)
     )
     if not isinstance(dtype, torch.dtype):
         raise TypeError(

@@ -325,8 +325,9 @@ class WorkspaceManager:
         layout = plan_layout(((shape, dtype),), "get_persistent")
         dims, dtype = layout.key[0]
         if not isinstance(zero_init, (bool, np.bool_)):
-            raise TypeError(f"get_persistent: zero_init must be a bool, got "
-                            f"{type(zero_init).__name__}")
+            raise TypeError(
+                f"get_persistent: zero_init must be a bool, got {type(zero_init).__name__}"
+            )
         device = self._device
 
         def make() -> torch.Tensor:
@@ -418,9 +419,7 @@ class WorkspaceManager:
             layout = self._layouts.get(args)
         except TypeError:  # unhashable (lists): validate, then look up by the normalised key
             layout = None
-        if layout is not None and all(
-            dim.__class__ is int for pair in args for dim in pair[0]
-        ):
+        if layout is not None and all(dim.__class__ is int for pair in args for dim in pair[0]):
             return layout
         layout = plan_layout(args, who)
         if len(self._layouts) >= MAX_CACHED_SIGNATURES:
@@ -500,7 +499,11 @@ class WorkspaceManager:
                 logger.info(
                     "workspace growth by '%s' to %s per slot failed (%s); every slot rolled "
                     "back to %s (%d slots, total %s)",
-                    caller, mb(new_bytes), type(exc).__name__, mb(now), self._num_ubatches,
+                    caller,
+                    mb(new_bytes),
+                    type(exc).__name__,
+                    mb(now),
+                    self._num_ubatches,
                     mb(now * self._num_ubatches),
                 )
             if not isinstance(exc, Exception):
@@ -519,7 +522,11 @@ class WorkspaceManager:
             logger.info(
                 "workspace resized by '%s': %s -> %s per slot (%d slots, total %s; "
                 "orphaned now %s)",
-                caller, mb(old_bytes), mb(new_bytes), self._num_ubatches, mb(total),
+                caller,
+                mb(old_bytes),
+                mb(new_bytes),
+                self._num_ubatches,
+                mb(total),
                 mb(self._ledger.orphaned_bytes()),
             )
 
@@ -546,8 +553,10 @@ class WorkspaceManager:
             or buffer.dim() != 1
             or buffer.numel() < nbytes
         ):
-            raise TypeError(f"_allocate({nbytes}) must return a 1-D uint8 tensor of >= {nbytes} "
-                            f"elements, got {buffer!r:.200}")
+            raise TypeError(
+                f"_allocate({nbytes}) must return a 1-D uint8 tensor of >= {nbytes} "
+                f"elements, got {buffer!r:.200}"
+            )
         self._slots[k] = buffer
         self._generations[k] += 1
         alive = sum(_nbytes(b) for b in self._slots) + self._ledger.orphaned_bytes()
@@ -577,8 +586,10 @@ class WorkspaceManager:
             self._locked = True
             sizes = self.slot_capacities()
         if debug_enabled():
-            logger.info("workspace locked; slot sizes: [%s] MB",
-                        ", ".join(f"{s / float(1 << 20):.2f}" for s in sizes))
+            logger.info(
+                "workspace locked; slot sizes: [%s] MB",
+                ", ".join(f"{s / float(1 << 20):.2f}" for s in sizes),
+            )
 
     def unlock(self) -> None:
         """Allow growth again (e.g. an elastic-EP re-warmup), until the next lock()."""
@@ -586,8 +597,10 @@ class WorkspaceManager:
             self._locked = False
             sizes = self.slot_capacities()
         if debug_enabled():
-            logger.info("workspace unlocked; slot sizes: [%s] MB",
-                        ", ".join(f"{s / float(1 << 20):.2f}" for s in sizes))
+            logger.info(
+                "workspace unlocked; slot sizes: [%s] MB",
+                ", ".join(f"{s / float(1 << 20):.2f}" for s in sizes),
+            )
 
     def is_locked(self) -> bool:
         return self._locked
@@ -676,8 +689,9 @@ class WorkspaceManager:
         """The current buffer of each slot (None before its first growth)."""
         with self._mutex:
             return [
-                None if b is None else BufferLedger.current(k, self._generations[k], b,
-                                                            b.data_ptr())
+                None
+                if b is None
+                else BufferLedger.current(k, self._generations[k], b, b.data_ptr())
                 for k, b in enumerate(self._slots)
             ]
 

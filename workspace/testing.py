@@ -31,9 +31,10 @@ class InjectedAllocationError(RuntimeError):
 
 
 @contextmanager
-def _wrapped(manager: WorkspaceManager,
-             make: Callable[[Callable[[int], torch.Tensor]], Callable[[int], torch.Tensor]]
-             ) -> Iterator[None]:
+def _wrapped(
+    manager: WorkspaceManager,
+    make: Callable[[Callable[[int], torch.Tensor]], Callable[[int], torch.Tensor]],
+) -> Iterator[None]:
     had_own = "_allocate" in vars(manager)
     previous = vars(manager).get("_allocate")
     manager._allocate = make(manager._allocate)  # type: ignore[method-assign]

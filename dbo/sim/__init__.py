@@ -18,10 +18,20 @@ with the reports).
 
 from dbo.sim.cost import comm_time_us, compute_time_us
 from dbo.sim.device import SimDevice, SimEvent, SimMark, SimStream
-from dbo.sim.hardware import B200, H100, H200, H800, PROFILES, HardwareProfile, profile_from_name
 from dbo.sim.graph import GraphReplayError, SimGraph
+from dbo.sim.hardware import B200, H100, H200, H800, PROFILES, HardwareProfile, profile_from_name
 from dbo.sim.races import RaceError
-from dbo.sim.records import COMM, COMPUTE, GRAPH_LAUNCH, HANDOFF, SYNC, Access, OpRecord, OpSite, RaceReport
+from dbo.sim.records import (
+    COMM,
+    COMPUTE,
+    GRAPH_LAUNCH,
+    HANDOFF,
+    SYNC,
+    Access,
+    OpRecord,
+    OpSite,
+    RaceReport,
+)
 
 __all__ = [
     "SimDevice",

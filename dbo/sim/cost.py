@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -140,7 +141,9 @@ def node_dedup_share(
         return 1.0
     if topk_groups > 1 and num_groups >= nodes and num_groups % nodes == 0:
         per_node = num_groups // nodes
-        untouched = math.comb(num_groups - per_node, topk_groups) / math.comb(num_groups, topk_groups)
+        untouched = math.comb(num_groups - per_node, topk_groups) / math.comb(
+            num_groups, topk_groups
+        )
     else:
         untouched = (1 - 1 / nodes) ** top_k
     remote_nodes = nodes * (1 - untouched) * (nodes - 1) / nodes  # own node is one of them
@@ -231,7 +234,9 @@ def _causal_share(s_q: int, s_k: int) -> float:
     return pairs / (s_q * s_k)
 
 
-def _attention_flops(base: Callable[..., int], causal_at: int, *args: Any, out_val: Any = None, **kwargs: Any) -> float:
+def _attention_flops(
+    base: Callable[..., int], causal_at: int, *args: Any, out_val: Any = None, **kwargs: Any
+) -> float:
     flops = base(*args, out_val=out_val, **kwargs)
     causal = args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False)
     if causal:
@@ -239,7 +244,9 @@ def _attention_flops(base: Callable[..., int], causal_at: int, *args: Any, out_v
     return flops
 
 
-def _grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, out_val: Any = None, **kwargs: Any) -> float:
+def _grouped_mm_flops(
+    mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, out_val: Any = None, **kwargs: Any
+) -> float:
     """torch._grouped_mm: each output element is one dot product over the contraction dim
     (a's last dim, except for the 2-D x 2-D form, where groups split the contraction dim and
     each of the G outputs covers a share of it)."""
@@ -337,7 +344,8 @@ for _n in ("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "silu", "
            "zero_", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full", "where",
            "masked_fill", "masked_fill_", "floor_divide", "remainder", "clamp", "clamp_",
            "arange", "minimum", "maximum", "eq", "ne", "lt", "gt", "le", "ge", "abs", "sum",
-           "mean", "amax", "max", "min", "bitwise_and", "logical_not", "lerp", "addcmul"):  # fmt: skip
+           "mean", "amax", "max", "min", "bitwise_and", "logical_not", "lerp",
+           "addcmul"):  # fmt: skip
     _FAMILY.setdefault(f"aten::{_n}", "elementwise")
 
 

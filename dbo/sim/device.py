@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -111,7 +112,7 @@ class _Track:
 class SimStream(Stream):
     """A stream of the simulated device (a handle on one `_Track`)."""
 
-    def __init__(self, device: "SimDevice", track: _Track) -> None:
+    def __init__(self, device: SimDevice, track: _Track) -> None:
         self.device = device
         self.name = track.name
         self._track = track
@@ -134,7 +135,7 @@ class SimStream(Stream):
 class SimEvent(Event):
     """An event of the simulated device: the time and vector clock of its last record."""
 
-    def __init__(self, device: "SimDevice") -> None:
+    def __init__(self, device: SimDevice) -> None:
         self.device = device
         self.time_us: float | None = None  # None until recorded
         self.vc: VectorClock = []
@@ -203,10 +204,10 @@ class SimDevice(Device):
 
     def __init__(
         self,
-        profile: "str | HardwareProfile" = "h200",
+        profile: str | HardwareProfile = "h200",
         *,
         rank: int = 0,
-        tensor_device: "str | torch.device" = "cpu",
+        tensor_device: str | torch.device = "cpu",
         check_races: bool = True,
         capture_stacks: bool = True,
         record_timeline: bool = True,
@@ -238,7 +239,9 @@ class SimDevice(Device):
                 f"{tensor_device!r}"
             )
         if race_action not in ("record", "raise", "warn"):
-            raise ValueError(f"race_action must be 'record', 'raise' or 'warn', got {race_action!r}")
+            raise ValueError(
+                f"race_action must be 'record', 'raise' or 'warn', got {race_action!r}"
+            )
         self.record_timeline = record_timeline
         self.capture_stacks = capture_stacks
         self.race_action = race_action
@@ -246,7 +249,9 @@ class SimDevice(Device):
         # ubatched prefill step (sglang operations_strategy.py: deep_gemm_num_sms), so its
         # GEMMs never share SMs with the comm kernels, and always run on fewer of them.
         if dbo_gemm_sms is not None and not 0 < dbo_gemm_sms <= self.profile.num_sms:
-            raise ValueError(f"dbo_gemm_sms must be in (0, {self.profile.num_sms}], got {dbo_gemm_sms!r}")
+            raise ValueError(
+                f"dbo_gemm_sms must be in (0, {self.profile.num_sms}], got {dbo_gemm_sms!r}"
+            )
         self.dbo_gemm_sms = dbo_gemm_sms
         # Of the bytes a multi-node "ht" region sends off-node, the share that crosses RDMA:
         # DeepEP's normal kernels send a token once per destination node and forward it over
@@ -521,7 +526,12 @@ class SimDevice(Device):
                 start = max(start, self._compute_end)
             elif kind == COMPUTE:
                 start = max(start, self._grid_end)
-            if kind == COMPUTE and self.dbo_gemm_sms is not None and ubatch is not None and name in _GEMMS:
+            if (
+                kind == COMPUTE
+                and self.dbo_gemm_sms is not None
+                and ubatch is not None
+                and name in _GEMMS
+            ):
                 # A ubatch's GEMM on its reserved SMs: slower, but untouched by comm kernels.
                 cost_us = cost_us * self.profile.num_sms / self.dbo_gemm_sms
                 end = start + cost_us
@@ -605,8 +615,14 @@ class SimDevice(Device):
     def _note_wait(self, event: SimEvent, track: _Track) -> None:
         if self.record_timeline:
             self.event_waits.append(
-                EventWait(self.rank, self.current_ubatch(), event.stream_name or "?",
-                          event.time_us or 0.0, track.name, self._seq)
+                EventWait(
+                    self.rank,
+                    self.current_ubatch(),
+                    event.stream_name or "?",
+                    event.time_us or 0.0,
+                    track.name,
+                    self._seq,
+                )
             )
 
     def _host_wait(self, until_us: float, vc: Sequence[int], what: str) -> None:
@@ -744,7 +760,9 @@ class SimDevice(Device):
         nbytes = region.nbytes
         rdma_bytes = None
         if region.mode == "ht" and region.link is None and region.ep_size > profile.gpus_per_node:
-            rdma_bytes = ep_traffic(nbytes, region.ep_size, profile.gpus_per_node)[1] * self.ht_rdma_share
+            rdma_bytes = (
+                ep_traffic(nbytes, region.ep_size, profile.gpus_per_node)[1] * self.ht_rdma_share
+            )
         cost = comm_time_us(
             profile, region.kind, nbytes, region.ep_size, region.mode, region.link,
             rdma_bytes=rdma_bytes,

@@ -16,8 +16,9 @@ grew and was replaced) raises `GraphReplayError` naming the buffer and the op.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,7 +41,7 @@ class _Op:
     kwargs: dict
     out: Any
     name: str
-    stream: "SimStream"
+    stream: SimStream
     ubatch: int | None
     cost_us: float
     flops: float
@@ -52,20 +53,20 @@ class _Op:
 
 @dataclass
 class _Record:
-    event: "SimEvent"
-    stream: "SimStream"
+    event: SimEvent
+    stream: SimStream
 
 
 @dataclass
 class _Wait:
-    stream: "SimStream"
-    event: "SimEvent"
+    stream: SimStream
+    event: SimEvent
 
 
 @dataclass
 class _Comm:
-    region: "_CommRegion"
-    event: "SimEvent"
+    region: _CommRegion
+    event: SimEvent
     ubatch: int | None
     ops: list[tuple[Any, tuple, dict, Any]] = field(default_factory=list)
 
@@ -95,7 +96,7 @@ def _rerun(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
 class SimGraph:
     """One captured step; a context manager while capturing, then `replay()` at will."""
 
-    def __init__(self, device: "SimDevice") -> None:
+    def __init__(self, device: SimDevice) -> None:
         self.device = device
         self.items: list[_Op | _Record | _Wait | _Comm] = []
         self.notes: list[str] = []  # things a real CUDA graph would refuse (host syncs)
@@ -106,7 +107,7 @@ class SimGraph:
 
     # ----------------------------------------------------------------------------- capture
 
-    def __enter__(self) -> "SimGraph":
+    def __enter__(self) -> SimGraph:
         if self._captured:
             raise RuntimeError("this graph was captured already; make a new one")
         self.device.begin_capture(self)
@@ -126,20 +127,32 @@ class SimGraph:
             self.notes.append(f"host read {record.name} during capture (not replayed as a sync)")
         self.items.append(
             _Op(
-                func, args, kwargs, out, record.name, self.device.current_stream(),
-                record.ubatch, cost_us, record.flops, record.bytes, list(reads), list(writes),
+                func,
+                args,
+                kwargs,
+                out,
+                record.name,
+                self.device.current_stream(),
+                record.ubatch,
+                cost_us,
+                record.flops,
+                record.bytes,
+                list(reads),
+                list(writes),
                 dict(record.args),
             )  # fmt: skip
         )
 
-    def on_record(self, event: "SimEvent", stream: "SimStream") -> None:
+    def on_record(self, event: SimEvent, stream: SimStream) -> None:
         self.items.append(_Record(event, stream))
 
-    def on_wait(self, stream: "SimStream", event: "SimEvent") -> None:
+    def on_wait(self, stream: SimStream, event: SimEvent) -> None:
         self.items.append(_Wait(stream, event))
 
-    def on_comm(self, region: "_CommRegion", event: "SimEvent") -> None:
-        self.items.append(_Comm(region, event, self.device.current_ubatch(), list(region.graph_ops)))
+    def on_comm(self, region: _CommRegion, event: SimEvent) -> None:
+        self.items.append(
+            _Comm(region, event, self.device.current_ubatch(), list(region.graph_ops))
+        )
 
     @property
     def num_ops(self) -> int:
@@ -167,7 +180,7 @@ class SimGraph:
                     f"comm::{item.region.kind} (ubatch {item.ubatch}, stream "
                     f"{item.region.stream.name!r})"
                 )
-                for func, args, kwargs, out in item.ops:
+                for _func, args, kwargs, out in item.ops:
                     add(_tensor_list((*args, *kwargs.values(), out)), where)
         return pointers
 

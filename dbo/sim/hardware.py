@@ -105,7 +105,9 @@ class HardwareProfile:
     # flow (signalling, barriers): assumption, order of magnitude only.
     nvlink_latency_us: float = 5.0
     rdma_latency_us: float = 10.0
-    ll_send_us: float = 2.5  # device time of the tiny "send" kernel of a low-latency op (assumption)
+    ll_send_us: float = (
+        2.5  # device time of the tiny "send" kernel of a low-latency op (assumption)
+    )
     # Fixed time of one low-latency (DeepEP LL-style) dispatch or combine on top of its bytes
     # over the link: launching the send, the per-expert count/flag message that follows the
     # data and the receiver polls for (a second network latency), and the receive-side unpack
@@ -117,7 +119,9 @@ class HardwareProfile:
     # SMs a high-throughput comm kernel occupies while it runs. DeepEP's README example sets
     # `Buffer.set_num_sms(24)` for its normal (high-throughput) kernels.
     comm_sms: int = 24
-    max_comm_sm_share: float = 0.9  # assumption: concurrent comm kernels never starve compute completely
+    max_comm_sm_share: float = (
+        0.9  # assumption: concurrent comm kernels never starve compute completely
+    )
     # Measured kernel table (dbo/sim/tables/<name>.csv, or a path to one) pricing the ops it
     # covers; None: the roofline prices every op (an uncalibrated profile).
     kernel_table: str | None = None
@@ -195,10 +199,10 @@ class HardwareProfile:
 
 
 def _host_costs(table: str) -> dict:
-    """A table's host figures (and its overlap rates) as profile fields. The table keeps them apart (a bare launch per
-    op kind, the Python between ops); the profile's launch_us is a whole eager elementwise op,
-    Python included, and each kind a multiple of it, so `replace(profile, launch_us=...)`
-    rescales every kind at once."""
+    """A table's host figures (and its overlap rates) as profile fields. The table keeps them
+    apart (a bare launch per op kind, the Python between ops); the profile's launch_us is a
+    whole eager elementwise op, Python included, and each kind a multiple of it, so
+    `replace(profile, launch_us=...)` rescales every kind at once."""
     host = load_table(table).host
     if "launch_us" not in host:
         return {}
@@ -207,7 +211,8 @@ def _host_costs(table: str) -> dict:
     fields = {
         "launch_us": round(whole, 2),
         "host_op_scale": {
-            k: round((bare * v + python) / whole, 3) for k, v in host.get("host_op_scale", {}).items()
+            k: round((bare * v + python) / whole, 3)
+            for k, v in host.get("host_op_scale", {}).items()
         },
     }
     if "handoff_us" in host:
@@ -267,7 +272,7 @@ B200 = HardwareProfile(
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H200, H100, H800, B200)}
 
 
-def profile_from_name(name: "str | HardwareProfile") -> HardwareProfile:
+def profile_from_name(name: str | HardwareProfile) -> HardwareProfile:
     """Look a profile up by name (case-insensitive); a HardwareProfile passes through."""
     if isinstance(name, HardwareProfile):
         return name

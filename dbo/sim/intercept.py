@@ -10,8 +10,9 @@ writes) is computed once and cached; race bookkeeping is skipped where there is 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -48,7 +49,9 @@ class OpInfo:
 
     __slots__ = ("kind", "name", "flop_fn", "writes")
 
-    def __init__(self, kind: int, name: str, flop_fn: Any, writes: tuple[tuple[int, str], ...]) -> None:
+    def __init__(
+        self, kind: int, name: str, flop_fn: Any, writes: tuple[tuple[int, str], ...]
+    ) -> None:
         self.kind = kind
         self.name = name
         self.flop_fn = flop_fn
@@ -120,7 +123,7 @@ def _cost_dtype(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> torch.dtyp
 class SimDispatchMode(TorchDispatchMode):
     """Runs every op and places each kernel on the thread's current stream of `device`."""
 
-    def __init__(self, device: "SimDevice") -> None:
+    def __init__(self, device: SimDevice) -> None:
         super().__init__()
         self.device = device
 
@@ -152,7 +155,9 @@ class SimDispatchMode(TorchDispatchMode):
         return out
 
 
-def issue_op(device: "SimDevice", tls: Any, func: Any, info: OpInfo, args: tuple, kwargs: dict, out: Any) -> None:
+def issue_op(
+    device: SimDevice, tls: Any, func: Any, info: OpInfo, args: tuple, kwargs: dict, out: Any
+) -> None:
     """Cost one executed kernel and place it (or fold it into the thread's comm region)."""
     ins: list[torch.Tensor] = []
     _tensors(args, ins)
@@ -226,7 +231,7 @@ class HostReadMode(TorchFunctionMode):
     which on a GPU waits for the current stream. On a CPU tensor most of these never reach the
     dispatcher, hence a function mode."""
 
-    def __init__(self, device: "SimDevice") -> None:
+    def __init__(self, device: SimDevice) -> None:
         super().__init__()
         self.device = device
 
@@ -241,7 +246,7 @@ class HostReadMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _carry_profiler_range(device: "SimDevice", func: Any, args: tuple) -> None:
+def _carry_profiler_range(device: SimDevice, func: Any, args: tuple) -> None:
     """`torch.profiler.record_function` enters and exits through these ops: carry them into
     the trace as named host ranges (`dbo.sim.ranges`)."""
     what = profiler_range_op(func)
@@ -253,7 +258,7 @@ def _carry_profiler_range(device: "SimDevice", func: Any, args: tuple) -> None:
         close_range(device)
 
 
-def enter_modes(device: "SimDevice", stack: ExitStack) -> None:
+def enter_modes(device: SimDevice, stack: ExitStack) -> None:
     """Enter both modes in the calling thread; `stack.close()` leaves them."""
     stack.enter_context(SimDispatchMode(device))
     stack.enter_context(HostReadMode(device))

@@ -153,7 +153,10 @@ def plot_runs(
     if not everything:
         ax.text(0.5, 0.5, "no ops", ha="center", va="center", transform=ax.transAxes)
     ax.legend(
-        handles=_legend(runs, lanes), loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8,
+        handles=_legend(runs, lanes),
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        fontsize=8,
         frameon=False,
     )
     ax.set_title(title if title is not None else f"DBO timeline: {span:.1f} us")
@@ -181,8 +184,9 @@ def _lane_label(lane: Lane) -> str:
     return f"rank {rank} · {track}" if label is None else f"{label} · rank {rank} · {track}"
 
 
-def _draw_bars(ax: Any, runs: Sequence[TraceRun], lanes: list[Lane], t0: float,
-               width: float) -> None:
+def _draw_bars(
+    ax: Any, runs: Sequence[TraceRun], lanes: list[Lane], t0: float, width: float
+) -> None:
     index = {(k, rank, track): i for i, (k, _, rank, track) in enumerate(lanes)}
     per_lane: list[dict[Style, list[Interval]]] = [{} for _ in lanes]
     for k, run in enumerate(runs):
@@ -219,8 +223,16 @@ def _draw_races(ax: Any, runs: Sequence[TraceRun], lanes: list[Lane]) -> None:
         for r in _race_records(run):
             lane = index[(k, r.rank, track_of(r))]
             mid = (r.start_us + r.end_us) / 2
-            ax.plot([mid], [lane], marker="X", color=_RACE_COLOR, markersize=11,
-                    markeredgecolor="black", linestyle="none", zorder=5)
+            ax.plot(
+                [mid],
+                [lane],
+                marker="X",
+                color=_RACE_COLOR,
+                markersize=11,
+                markeredgecolor="black",
+                linestyle="none",
+                zorder=5,
+            )
 
 
 def _draw_run_separators(ax: Any, lanes: list[Lane]) -> None:
@@ -250,6 +262,15 @@ def _legend(runs: Sequence[TraceRun], lanes: list[Lane]) -> list[Any]:
             "held;\nthe recv hook waits on it)"
         )))  # fmt: skip
     if any(run.races for run in runs):
-        handles.append(Line2D([], [], marker="X", color=_RACE_COLOR, markeredgecolor="black",
-                              linestyle="none", label="race: the two unordered ops"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                marker="X",
+                color=_RACE_COLOR,
+                markeredgecolor="black",
+                linestyle="none",
+                label="race: the two unordered ops",
+            )
+        )
     return handles

@@ -127,6 +127,7 @@ class RaceReport:
             lines.append("  The memory was allocated outside the simulated device's view.")
         return "\n".join(lines)
 
+
 @dataclass(frozen=True, slots=True)
 class EventWait:
     """A stream waited on an event: drawn in the trace as a flow arrow from the op the event

@@ -36,9 +36,10 @@ and ends at that rank's own last op. The top-level time fields are those of the 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from dbo.sim.records import COMM, COMPUTE, OpRecord, RaceReport
 

@@ -161,11 +161,9 @@ def _assign_lanes(spans: Sequence[tuple[float, float, int]]) -> list[int]:
     lanes = [0] * len(spans)
     for i in order:
         start, end, _ = spans[i]
-        for lane, busy_until in enumerate(lane_end):
-            if start >= busy_until:
-                break
-        else:
-            lane = len(lane_end)
+        free = (k for k, busy_until in enumerate(lane_end) if start >= busy_until)
+        lane = next(free, len(lane_end))
+        if lane == len(lane_end):
             lane_end.append(start)
         lanes[i] = lane
         lane_end[lane] = max(lane_end[lane], end)
@@ -230,7 +228,7 @@ def parse_window(text: str) -> WindowSpec:
     """`START:END` in virtual microseconds, or `layers=A:B` (MoE layers A to B-1, from 0)."""
     body, unit = text, "us"
     if text.startswith("layers="):
-        body, unit = text[len("layers="):], "layers"
+        body, unit = text[len("layers=") :], "layers"
     start, sep, end = body.partition(":")
     try:
         if not sep:
@@ -313,8 +311,10 @@ def chrome_trace_runs(
         events += layout.race_events()
         num_races += len(run.races)
     # Sorted by time (longest first on ties) so parents precede children for both viewers.
-    ops = sorted((e for e in events if e["ph"] == "X"),
-                 key=lambda e: (e["ts"], -e["dur"], e["pid"], e["tid"]))
+    ops = sorted(
+        (e for e in events if e["ph"] == "X"),
+        key=lambda e: (e["ts"], -e["dur"], e["pid"], e["tid"]),
+    )
     instants = [e for e in events if e["ph"] != "X"]
     other: dict[str, Any] = {"generator": "dbo-sim", "time_unit": "us", "num_races": num_races}
     if window is not None:
@@ -427,11 +427,27 @@ class _Layout:
             common = {"name": "event", "cat": "event-wait", "id": flow_id}
             spid, stid = self.where[(source.rank, source.seq)]
             tpid, ttid = self.where[(target.rank, target.seq)]
-            out.append({**common, "ph": "s", "pid": spid, "tid": stid, "ts": float(source.start_us),
-                        "args": {"record_stream": wait.record_stream, "record_us": wait.record_us}})
-            out.append({**common, "ph": "f", "bp": "e", "pid": tpid, "tid": ttid,
-                        "ts": float(target.start_us),
-                        "args": {"wait_stream": wait.wait_stream, "ubatch": wait.ubatch}})
+            out.append(
+                {
+                    **common,
+                    "ph": "s",
+                    "pid": spid,
+                    "tid": stid,
+                    "ts": float(source.start_us),
+                    "args": {"record_stream": wait.record_stream, "record_us": wait.record_us},
+                }
+            )
+            out.append(
+                {
+                    **common,
+                    "ph": "f",
+                    "bp": "e",
+                    "pid": tpid,
+                    "tid": ttid,
+                    "ts": float(target.start_us),
+                    "args": {"wait_stream": wait.wait_stream, "ubatch": wait.ubatch},
+                }
+            )
         return out
 
     # -- races ------------------------------------------------------------------------------
@@ -469,8 +485,9 @@ class _Layout:
         return out
 
 
-def race_sites(records: Sequence[OpRecord], race: RaceReport
-               ) -> tuple[OpRecord | None, OpRecord | None]:
+def race_sites(
+    records: Sequence[OpRecord], race: RaceReport
+) -> tuple[OpRecord | None, OpRecord | None]:
     """The records of a race's two sites: the earliest match (op, ubatch, stream) of the
     second site, and the latest match of the first that starts no later (a race report
     carries no time, so this is the first place the pair can have met)."""
@@ -584,13 +601,26 @@ def runs_from_trace(trace: Mapping[str, Any]) -> list[TraceRun]:
         if e["ph"] == "X" and e.get("cat") in _OP_KINDS:
             records[label].append(_record_from_event(e))
         elif e["ph"] == "X" and str(e.get("cat", "")).startswith("range."):
-            ranges[label].append(HostRange(args["rank"], args["ubatch"], e["name"], e["ts"],
-                                           e["ts"] + e["dur"], args["source"]))
+            ranges[label].append(
+                HostRange(
+                    args["rank"],
+                    args["ubatch"],
+                    e["name"],
+                    e["ts"],
+                    e["ts"] + e["dur"],
+                    args["source"],
+                )
+            )
         elif e["ph"] == "i" and e.get("cat") == "race":
-            races[label].append(RaceReport(int(args["storage"], 16), _site(args["first"]),
-                                           _site(args["second"])))
-    return [TraceRun(label, sorted(records[label], key=lambda r: r.seq), races[label], (),
-                     ranges[label]) for label in order]
+            races[label].append(
+                RaceReport(int(args["storage"], 16), _site(args["first"]), _site(args["second"]))
+            )
+    return [
+        TraceRun(
+            label, sorted(records[label], key=lambda r: r.seq), races[label], (), ranges[label]
+        )
+        for label in order
+    ]
 
 
 def _record_from_event(e: Mapping[str, Any]) -> OpRecord:
@@ -607,5 +637,12 @@ def _record_from_event(e: Mapping[str, Any]) -> OpRecord:
 
 def _site(args: Mapping[str, Any]) -> OpSite:
     start, end = args["byte_range"]
-    return OpSite(args["op"], args["ubatch"], args["stream"], start, end, args["is_write"],
-                  tuple(args["stack"]))
+    return OpSite(
+        args["op"],
+        args["ubatch"],
+        args["stream"],
+        start,
+        end,
+        args["is_write"],
+        tuple(args["stack"]),
+    )

@@ -30,7 +30,9 @@ import dbo
 from dbo.devices import resolve_device
 from dbo.streams import Device
 
-NO_GPU_MESSAGE = "no CUDA GPU present: nothing to measure (`--device sim` measures the handoff alone)"
+NO_GPU_MESSAGE = (
+    "no CUDA GPU present: nothing to measure (`--device sim` measures the handoff alone)"
+)
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,12 @@ def calibrate(device_name: str, *, quick: bool = False) -> HostCosts:
     else:
         add = mm = None  # the simulated device charges launches; there is nothing real to time
     handoff = measure_handoff_us(device, yields=2000 // scale)
-    return HostCosts(device=str(device.torch_device) if device.kind == "cuda" else "sim", elementwise_launch_us=add, matmul_launch_us=mm, handoff_us=handoff)
+    return HostCosts(
+        device=str(device.torch_device) if device.kind == "cuda" else "sim",
+        elementwise_launch_us=add,
+        matmul_launch_us=mm,
+        handoff_us=handoff,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0] + " Needs a CUDA GPU unless --device sim.",
     )
     parser.add_argument(
-        "--device", choices=["cuda", "sim"], default="cuda",
+        "--device",
+        choices=["cuda", "sim"],
+        default="cuda",
         help="where to measure: cuda (default; needs a GPU) or sim (the handoff alone)",
     )
     parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")

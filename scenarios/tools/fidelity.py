@@ -35,8 +35,9 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from dbo._json import json_safe
 from dbo.sim import SimDevice
@@ -70,11 +71,17 @@ SGLANG_BLOG = (
 )
 SGLANG_STRATEGY = "sglang srt/batch_overlap/operations_strategy.py (TBO 'blog' strategies)"
 DEEPEP_README = "deepseek-ai/DeepEP README, V1 'Performance' tables (now docs/legacy.md)"
-VLLM_DBO = "vLLM maintainers on DBO (pays only when comm outweighs GEMMs; eager decode is launch bound)"
+VLLM_DBO = (
+    "vLLM maintainers on DBO (pays only when comm outweighs GEMMs; eager decode is launch bound)"
+)
 
 # DeepEP V1 low-latency kernels, H800 + CX7 400 Gb/s: 128 tokens, hidden 7168, top-8, FP8
 # dispatch, BF16 combine. EP -> (dispatch us, combine us).
-DEEPEP_LL_PUBLISHED: dict[int, tuple[float, float]] = {8: (77.0, 114.0), 64: (173.0, 314.0), 256: (194.0, 360.0)}
+DEEPEP_LL_PUBLISHED: dict[int, tuple[float, float]] = {
+    8: (77.0, 114.0),
+    64: (173.0, 314.0),
+    256: (194.0, 360.0),
+}
 DEEPEP_HIDDEN, DEEPEP_TOPK, DEEPEP_LL_TOKENS, DEEPEP_NORMAL_TOKENS = 7168, 8, 128, 4096
 # DeepEP normal kernels: intranode EP 8 dispatch 153 GB/s, combine 158 GB/s (NVLink);
 # internode EP 16/32/64: 43-58 GB/s (RDMA), 4096 tokens, top-4 groups of top-8 experts.
@@ -159,16 +166,36 @@ class FidelityReport:
         }
 
 
-def _pp_row(key: str, what: str, published: float, simulated: float, assumptions: str, source: str, note: str = "") -> FidelityRow:
+def _pp_row(
+    key: str,
+    what: str,
+    published: float,
+    simulated: float,
+    assumptions: str,
+    source: str,
+    note: str = "",
+) -> FidelityRow:
     delta = simulated - published
-    met = abs(delta) <= GAIN_TOLERANCE_PP and math.copysign(1, simulated) == math.copysign(1, published)
+    met = abs(delta) <= GAIN_TOLERANCE_PP and math.copysign(1, simulated) == math.copysign(
+        1, published
+    )
     return FidelityRow(
         key, what, f"{published:+.1f}%", simulated, "%", delta, "pp",
-        f"within {GAIN_TOLERANCE_PP:g} pp, same sign", met, assumptions, source, "" if met else note,
+        f"within {GAIN_TOLERANCE_PP:g} pp, same sign", met, assumptions, source,
+        "" if met else note,
     )  # fmt: skip
 
 
-def _range_pp_row(key: str, what: str, lo: float, hi: float, simulated: float, assumptions: str, source: str, note: str = "") -> FidelityRow:
+def _range_pp_row(
+    key: str,
+    what: str,
+    lo: float,
+    hi: float,
+    simulated: float,
+    assumptions: str,
+    source: str,
+    note: str = "",
+) -> FidelityRow:
     delta = 0.0 if lo <= simulated <= hi else (simulated - hi if simulated > hi else simulated - lo)
     met = abs(delta) <= GAIN_TOLERANCE_PP and simulated > 0
     return FidelityRow(
@@ -178,7 +205,17 @@ def _range_pp_row(key: str, what: str, lo: float, hi: float, simulated: float, a
     )  # fmt: skip
 
 
-def _rel_row(key: str, what: str, published: float, simulated: float, unit: str, assumptions: str, source: str, note: str = "", calibration: bool = False) -> FidelityRow:
+def _rel_row(
+    key: str,
+    what: str,
+    published: float,
+    simulated: float,
+    unit: str,
+    assumptions: str,
+    source: str,
+    note: str = "",
+    calibration: bool = False,
+) -> FidelityRow:
     delta = (simulated / published - 1.0) * 100.0
     met = abs(delta) <= KERNEL_TOLERANCE * 100
     return FidelityRow(
@@ -221,7 +258,9 @@ def _dispatch_bytes_per_copy(hidden: int) -> int:
     return hidden + hidden // 128 * 4
 
 
-def deepep_ll_us(kind: str, ep_size: int, profile: HardwareProfile = H800, *, tokens: int = DEEPEP_LL_TOKENS) -> float:
+def deepep_ll_us(
+    kind: str, ep_size: int, profile: HardwareProfile = H800, *, tokens: int = DEEPEP_LL_TOKENS
+) -> float:
     """Simulated DeepEP low-latency dispatch or combine time: every (token, expert) copy bound
     for another rank is one message; in-node peers over NVLink, the rest over RDMA."""
     per_copy = _dispatch_bytes_per_copy(DEEPEP_HIDDEN) if kind == "dispatch" else DEEPEP_HIDDEN * 2
@@ -229,7 +268,9 @@ def deepep_ll_us(kind: str, ep_size: int, profile: HardwareProfile = H800, *, to
     return comm_time_us(profile, kind, nbytes, ep_size, mode="ll")
 
 
-def _normal_bandwidth_gbps(kind: str, ep_size: int, profile: HardwareProfile) -> tuple[float, float]:
+def _normal_bandwidth_gbps(
+    kind: str, ep_size: int, profile: HardwareProfile
+) -> tuple[float, float]:
     """(simulated bandwidth in GB/s, bytes it counts) of a DeepEP normal dispatch/combine of
     4096 tokens: NVLink bytes within a node; RDMA bytes (one copy per remote node, with
     DeepEP's test routing: groups = nodes, top-4 groups) across nodes."""
@@ -240,7 +281,9 @@ def _normal_bandwidth_gbps(kind: str, ep_size: int, profile: HardwareProfile) ->
     nodes = ep_size // profile.gpus_per_node
     share = node_dedup_share(DEEPEP_TOPK, ep_size, profile.gpus_per_node, nodes, min(nodes, 4))
     rdma = nbytes * (ep_size - profile.gpus_per_node) / (ep_size - 1) * share
-    return rdma / comm_time_us(profile, kind, nbytes, ep_size, mode="ht", rdma_bytes=rdma) / 1e3, rdma
+    return rdma / comm_time_us(
+        profile, kind, nbytes, ep_size, mode="ht", rdma_bytes=rdma
+    ) / 1e3, rdma
 
 
 def deepep_rows(profile: HardwareProfile = H800) -> list[FidelityRow]:
@@ -249,7 +292,10 @@ def deepep_rows(profile: HardwareProfile = H800) -> list[FidelityRow]:
         for kind, published in (("dispatch", dispatch), ("combine", combine)):
             note = ""
             if ep == 8 and kind == "dispatch":
-                note = "calibration: ll_latency_us (35 us) is this figure minus its NVLink transfer time"
+                note = (
+                    "calibration: ll_latency_us (35 us) is this figure minus its NVLink "
+                    "transfer time"
+                )
             elif ep > profile.gpus_per_node:
                 note = (
                     "calibration: rdma_efficiency (0.92) was read off DeepEP's low-latency "
@@ -257,8 +303,14 @@ def deepep_rows(profile: HardwareProfile = H800) -> list[FidelityRow]:
                 )
             rows.append(
                 _rel_row(
-                    f"deepep-ll-{kind}-ep{ep}", f"DeepEP LL {kind}, EP {ep}, 128 tok",
-                    published, deepep_ll_us(kind, ep, profile), "us", "H800", DEEPEP_README, note,
+                    f"deepep-ll-{kind}-ep{ep}",
+                    f"DeepEP LL {kind}, EP {ep}, 128 tok",
+                    published,
+                    deepep_ll_us(kind, ep, profile),
+                    "us",
+                    "H800",
+                    DEEPEP_README,
+                    note,
                     calibration=bool(note),
                 )  # fmt: skip
             )
@@ -266,10 +318,16 @@ def deepep_rows(profile: HardwareProfile = H800) -> list[FidelityRow]:
         bw, _ = _normal_bandwidth_gbps(kind, 8, profile)
         rows.append(
             _rel_row(
-                f"deepep-normal-nvlink-{kind}", f"DeepEP normal {kind} NVLink bw, EP 8",
-                published, bw, "GB/s", "H800", DEEPEP_README,
+                f"deepep-normal-nvlink-{kind}",
+                f"DeepEP normal {kind} NVLink bw, EP 8",
+                published,
+                bw,
+                "GB/s",
+                "H800",
+                DEEPEP_README,
                 "calibration: nvlink_efficiency 0.8 comes from DeepEP's '~160 GB/s NVLink "
-                "maximum', stated beside this figure", calibration=True,
+                "maximum', stated beside this figure",
+                calibration=True,
             )  # fmt: skip
         )
     lo, hi = DEEPEP_RDMA_PUBLISHED
@@ -279,10 +337,19 @@ def deepep_rows(profile: HardwareProfile = H800) -> list[FidelityRow]:
     delta = 0.0 if lo <= bw <= hi else ((bw / hi - 1) * 100 if bw > hi else (bw / lo - 1) * 100)
     rows.append(
         FidelityRow(
-            "deepep-normal-rdma", "DeepEP normal dispatch RDMA bw, EP 32", f"{lo:g}-{hi:g} GB/s (EP 16-64)",
-            bw, "GB/s", delta, "%", f"within {KERNEL_TOLERANCE:.0%} of the range", inside, "H800",
+            "deepep-normal-rdma",
+            "DeepEP normal dispatch RDMA bw, EP 32",
+            f"{lo:g}-{hi:g} GB/s (EP 16-64)",
+            bw,
+            "GB/s",
+            delta,
+            "%",
+            f"within {KERNEL_TOLERANCE:.0%} of the range",
+            inside,
+            "H800",
             DEEPEP_README,
-            f"calibration, not a check: rdma_efficiency 0.92 was taken inside this range (mid {mid:g})",
+            "calibration, not a check: rdma_efficiency 0.92 was taken inside this range (mid "
+            f"{mid:g})",
             calibration=True,
         )  # fmt: skip
     )
@@ -315,7 +382,17 @@ def _times(records: Sequence[OpRecord], host_us: float = 0.0) -> StepTimes:
     s = summarize(records)
     gemm = sum(r.end_us - r.start_us for r in records if r.kind == COMPUTE and r.name in GEMM_OPS)
     ops = sum(1 for r in records if r.kind in (COMPUTE, COMM))
-    return StepTimes(s.step_us, s.compute_us, s.comm_us, s.exposed_comm_us, s.host_bound_fraction, gemm, ops, host_us, s.fallback_fraction)
+    return StepTimes(
+        s.step_us,
+        s.compute_us,
+        s.comm_us,
+        s.exposed_comm_us,
+        s.host_bound_fraction,
+        gemm,
+        ops,
+        host_us,
+        s.fallback_fraction,
+    )
 
 
 def simulate_step(
@@ -323,7 +400,7 @@ def simulate_step(
     batch: Batch,
     mode: str,
     *,
-    profile: "str | HardwareProfile",
+    profile: str | HardwareProfile,
     num_ubatches: int | None,
     graph: bool = False,
     timeout_s: float = 300.0,
@@ -365,9 +442,15 @@ def simulate_step(
         reset_workspace_manager()
 
 
-def _gain(config: ModelConfig, batch: Batch, mode: str, *, profile: Any, graph: bool, **opts: Any) -> tuple[float, StepTimes, StepTimes]:
-    serial = simulate_step(config, batch, mode, profile=profile, num_ubatches=None, graph=graph, **opts)
-    ubatched = simulate_step(config, batch, mode, profile=profile, num_ubatches=2, graph=graph, **opts)
+def _gain(
+    config: ModelConfig, batch: Batch, mode: str, *, profile: Any, graph: bool, **opts: Any
+) -> tuple[float, StepTimes, StepTimes]:
+    serial = simulate_step(
+        config, batch, mode, profile=profile, num_ubatches=None, graph=graph, **opts
+    )
+    ubatched = simulate_step(
+        config, batch, mode, profile=profile, num_ubatches=2, graph=graph, **opts
+    )
     return (serial.step_us / ubatched.step_us - 1.0) * 100.0, serial, ubatched
 
 
@@ -380,19 +463,24 @@ def _deepseek(ep_size: int, quick: bool) -> ModelConfig:
     return config
 
 
-def sglang_rows(quick: bool = False, *, on_point: Callable[[str], None] | None = None) -> tuple[list[FidelityRow], dict[str, str], dict[str, Any]]:
+def sglang_rows(
+    quick: bool = False, *, on_point: Callable[[str], None] | None = None
+) -> tuple[list[FidelityRow], dict[str, str], dict[str, Any]]:
     """SGLang's TBO gains on DeepSeek-V3 / H100, prefill (DeepEP normal) and decode (LL)."""
     rows: list[FidelityRow] = []
     extra: dict[str, Any] = {}
     profile = STEP_PROFILE
     comm_sms = profile.comm_sms
-    share = node_dedup_share(8, SGLANG_PREFILL_EP, profile.gpus_per_node, DSV3_GROUPS, DSV3_TOPK_GROUPS)
+    share = node_dedup_share(
+        8, SGLANG_PREFILL_EP, profile.gpus_per_node, DSV3_GROUPS, DSV3_TOPK_GROUPS
+    )
     prefill_opts = {"dbo_gemm_sms": profile.num_sms - comm_sms, "ht_rdma_share": share}
     assumptions = {
         "P": (
             f"{_describe(profile)}. SGLang prefill: EP {SGLANG_PREFILL_EP} (4 nodes), 288 experts "
             f"(9 per rank), {SGLANG_PROMPT}-token prompts, eager (no graphs), DeepEP normal "
-            f"kernels on {comm_sms} SMs and, under TBO, GEMMs capped at {profile.num_sms - comm_sms} "
+            f"kernels on {comm_sms} SMs and, under TBO, GEMMs capped at "
+            f"{profile.num_sms - comm_sms} "
             f"SMs ({SGLANG_STRATEGY}); RDMA carries one copy per remote node ({share:.3f} of the "
             f"off-node expert copies, DeepSeek-V3 top-{DSV3_TOPK_GROUPS} of {DSV3_GROUPS} groups)"
         ),
@@ -405,17 +493,30 @@ def sglang_rows(quick: bool = False, *, on_point: Callable[[str], None] | None =
     prefill = _deepseek(SGLANG_PREFILL_EP, quick)
     for tokens in SGLANG_PREFILL_TOKENS:
         batch = Batch.prefill(tokens // SGLANG_PROMPT, SGLANG_PROMPT)
-        gain, serial, ubatched = _gain(prefill, batch, "ht", profile=profile, graph=False, **prefill_opts)
+        gain, serial, ubatched = _gain(
+            prefill, batch, "ht", profile=profile, graph=False, **prefill_opts
+        )
         ratio = serial.comm_us / max(serial.compute_us, 1e-9)
         hidden = 1 - ubatched.exposed_comm_us / max(ubatched.comm_us, 1e-9)
-        extra[f"prefill-{tokens}"] = {"serial": asdict(serial), "dbo": asdict(ubatched), "comm_over_compute": ratio}
+        extra[f"prefill-{tokens}"] = {
+            "serial": asdict(serial),
+            "dbo": asdict(ubatched),
+            "comm_over_compute": ratio,
+        }
         rows.append(
             _range_pp_row(
-                f"sglang-prefill-{tokens}", f"SGLang TBO prefill gain, {tokens // 1024}K tok/dev",
-                *SGLANG_PREFILL_GAIN, gain, "P", SGLANG_BLOG,
-                f"serial comm/compute = {ratio:.2f} and TBO hides {hidden:.0%} of the comm; with that "
-                f"overlap, +27-35% needs comm/compute ~0.4-0.55, i.e. compute 1.3-1.8x slower than this "
-                f"DeepGEMM-class roofline (attention kernel efficiency, EP load imbalance, elementwise "
+                f"sglang-prefill-{tokens}",
+                f"SGLang TBO prefill gain, {tokens // 1024}K tok/dev",
+                *SGLANG_PREFILL_GAIN,
+                gain,
+                "P",
+                SGLANG_BLOG,
+                f"serial comm/compute = {ratio:.2f} and TBO hides {hidden:.0%} of the comm; "
+                "with that "
+                "overlap, +27-35% needs comm/compute ~0.4-0.55, i.e. compute 1.3-1.8x slower "
+                "than this "
+                "DeepGEMM-class roofline (attention kernel efficiency, EP load imbalance, "
+                "elementwise "
                 f"work the model leaves out), or less overlap than the simulated schedule gets",
             )  # fmt: skip
         )
@@ -429,8 +530,12 @@ def sglang_rows(quick: bool = False, *, on_point: Callable[[str], None] | None =
         growth = ubatched.compute_us / max(serial.compute_us, 1e-9)
         rows.append(
             _pp_row(
-                f"sglang-decode-{tokens}", f"SGLang TBO decode gain, {tokens} tok/dev",
-                published, gain, "D", SGLANG_BLOG,
+                f"sglang-decode-{tokens}",
+                f"SGLang TBO decode gain, {tokens} tok/dev",
+                published,
+                gain,
+                "D",
+                SGLANG_BLOG,
                 f"TBO multiplies compute by {growth:.2f} (weights read twice, twice the kernels); "
                 f"the published loss implies more per-ubatch cost than the roofline and a fixed "
                 f"{profile.kernel_fixed_us:g} us per kernel give",
@@ -441,7 +546,9 @@ def sglang_rows(quick: bool = False, *, on_point: Callable[[str], None] | None =
     return rows, assumptions, extra
 
 
-def vllm_rows(quick: bool = False, *, on_point: Callable[[str], None] | None = None) -> tuple[list[FidelityRow], dict[str, str], dict[str, Any]]:
+def vllm_rows(
+    quick: bool = False, *, on_point: Callable[[str], None] | None = None
+) -> tuple[list[FidelityRow], dict[str, str], dict[str, Any]]:
     """The vLLM maintainers' two observations, shown on the decode setup of the SGLang rows."""
     rows: list[FidelityRow] = []
     extra: dict[str, Any] = {}
@@ -458,12 +565,25 @@ def vllm_rows(quick: bool = False, *, on_point: Callable[[str], None] | None = N
     implied_us = busy_us * VLLM_EAGER_STEP_MS / VLLM_EAGER_GPU_BUSY_MS / max(eager.num_ops, 1)
     rows.append(
         FidelityRow(
-            "vllm-eager-host-bound", "vLLM: eager DBO decode host-bound share", f"{published:.1f}% (11.8 of 55.6 ms busy)",
-            sim_eager, "%", sim_eager - published, "pp", "> 50% (launch bound)", sim_eager > 50.0, "V", VLLM_DBO,
-            "" if sim_eager > 50.0 else (
-                f"at {profile.launch_us:g} us of host time per launched op the host just keeps up with "
+            "vllm-eager-host-bound",
+            "vLLM: eager DBO decode host-bound share",
+            f"{published:.1f}% (11.8 of 55.6 ms busy)",
+            sim_eager,
+            "%",
+            sim_eager - published,
+            "pp",
+            "> 50% (launch bound)",
+            sim_eager > 50.0,
+            "V",
+            VLLM_DBO,
+            ""
+            if sim_eager > 50.0
+            else (
+                f"at {profile.launch_us:g} us of host time per launched op the host just keeps "
+                "up with "
                 f"DeepSeek-V3's per-GPU decode work ({busy_us / 1e3:.1f} ms busy per step); vLLM's "
-                f"ratio on this step would need ~{implied_us:.0f} us per op (Python layers around each "
+                f"ratio on this step would need ~{implied_us:.0f} us per op (Python layers "
+                "around each "
                 f"kernel), or a lighter per-GPU step than theirs is known to be"
             ),
         )  # fmt: skip
@@ -479,21 +599,41 @@ def vllm_rows(quick: bool = False, *, on_point: Callable[[str], None] | None = N
     sweep_batch = Batch.decode(128, SGLANG_DECODE_CONTEXT)
     points = []
     for factor in (8.0, 4.0, 2.0, 1.0, 0.5, 0.25):
-        p = replace(profile, name=f"h100-links-x{factor:g}", rdma_gbps=profile.rdma_gbps * factor, nvlink_total_gbps=profile.nvlink_total_gbps * factor)
+        p = replace(
+            profile,
+            name=f"h100-links-x{factor:g}",
+            rdma_gbps=profile.rdma_gbps * factor,
+            nvlink_total_gbps=profile.nvlink_total_gbps * factor,
+        )
         gain, serial, _ = _gain(sweep_config, sweep_batch, "ll", profile=p, graph=True)
         ratio = serial.comm_us / max(serial.gemm_us, 1e-9)
         points.append((ratio, gain, factor))
     points.sort()
-    extra["gain_vs_comm_over_gemm"] = [{"comm_over_gemm": r, "gain_pct": g, "link_factor": f} for r, g, f in points]
+    extra["gain_vs_comm_over_gemm"] = [
+        {"comm_over_gemm": r, "gain_pct": g, "link_factor": f} for r, g, f in points
+    ]
     cross = _crossing(points)
     low = [g for r, g, _ in points if r < 0.5]
     high = [g for r, g, _ in points if r > 2.0]
-    met = cross is not None and 0.5 <= cross <= 2.0 and all(g < 0 for g in low) and all(g > 0 for g in high)
+    met = (
+        cross is not None
+        and 0.5 <= cross <= 2.0
+        and all(g < 0 for g in low)
+        and all(g > 0 for g in high)
+    )
     rows.append(
         FidelityRow(
-            "vllm-gain-vs-comm", "vLLM: DBO gain sign vs comm/GEMM", "pays only when comm > GEMM",
-            cross if cross is not None else math.nan, "x", None, "",
-            "gain crosses 0 at comm/GEMM in [0.5, 2]", met, "V", VLLM_DBO,
+            "vllm-gain-vs-comm",
+            "vLLM: DBO gain sign vs comm/GEMM",
+            "pays only when comm > GEMM",
+            cross if cross is not None else math.nan,
+            "x",
+            None,
+            "",
+            "gain crosses 0 at comm/GEMM in [0.5, 2]",
+            met,
+            "V",
+            VLLM_DBO,
             "" if met else "the crossing falls outside comm/GEMM 0.5-2",
         )  # fmt: skip
     )
@@ -520,7 +660,9 @@ def _crossing(points: Sequence[tuple[float, float, float]]) -> float | None:
     return None
 
 
-def run_fidelity(quick: bool = False, *, on_point: Callable[[str], None] | None = None) -> FidelityReport:
+def run_fidelity(
+    quick: bool = False, *, on_point: Callable[[str], None] | None = None
+) -> FidelityReport:
     start = time.monotonic()
     rows = deepep_rows()
     assumptions = {"H800": _describe(H800) + ". DeepEP's benchmark settings (see the row)"}
@@ -558,7 +700,9 @@ def format_table(report: FidelityReport) -> str:
     lines_rows = [header]
     for r in report.rows:
         met = ("yes" if r.met else "NO") + (" (cal)" if r.calibration else "")
-        lines_rows.append((r.what, r.published, _fmt_value(r), _fmt_delta(r), r.target, met, r.assumptions))
+        lines_rows.append(
+            (r.what, r.published, _fmt_value(r), _fmt_delta(r), r.target, met, r.assumptions)
+        )
     widths = [max(len(row[i]) for row in lines_rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in lines_rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -589,7 +733,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="fewer layers and points (seconds, for CI)")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer layers and points (seconds, for CI)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

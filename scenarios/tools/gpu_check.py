@@ -49,19 +49,30 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 import dbo
-from scenarios.tools.fidelity import simulate_step
 from scenarios.model import Batch, ModelConfig, MoEModel
 from scenarios.steps import serial_step, ubatched_step
+from scenarios.tools.fidelity import simulate_step
 from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
 
-__all__ = ["CheckCase", "Timing", "CaseResult", "cases", "simulate_case", "measure_case", "virtual_timer", "format_case", "main"]
+__all__ = [
+    "CheckCase",
+    "Timing",
+    "CaseResult",
+    "cases",
+    "simulate_case",
+    "measure_case",
+    "virtual_timer",
+    "format_case",
+    "main",
+]
 
 NO_GPU_MESSAGE = "no CUDA GPU present: nothing to measure (the simulated half runs with --sim-only)"
 VARIANTS = ("serial-eager", "dbo-eager", "serial-graph", "dbo-graph")
@@ -156,8 +167,15 @@ class CaseResult:
 
         t = self.timings
         out: dict[str, dict[str, float | None]] = {}
-        for label, slow, fast in (("dbo_vs_serial_eager", "serial-eager", "dbo-eager"), ("dbo_vs_serial_graph", "serial-graph", "dbo-graph"), ("graph_vs_eager_dbo", "dbo-eager", "dbo-graph")):
-            out[label] = {"gpu": pct(t[slow].gpu_median_us, t[fast].gpu_median_us), "sim": pct(t[slow].sim_us, t[fast].sim_us)}
+        for label, slow, fast in (
+            ("dbo_vs_serial_eager", "serial-eager", "dbo-eager"),
+            ("dbo_vs_serial_graph", "serial-graph", "dbo-graph"),
+            ("graph_vs_eager_dbo", "dbo-eager", "dbo-graph"),
+        ):
+            out[label] = {
+                "gpu": pct(t[slow].gpu_median_us, t[fast].gpu_median_us),
+                "sim": pct(t[slow].sim_us, t[fast].sim_us),
+            }
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,7 +185,10 @@ class CaseResult:
             "mode": c.mode,
             "tokens": c.batch.num_tokens,
             "context": c.batch.context_lens[0] if c.batch.context_lens else 0,
-            "config": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(c.config).items()},
+            "config": {
+                k: (str(v) if isinstance(v, torch.dtype) else v)
+                for k, v in asdict(c.config).items()
+            },
             "timings": {k: v.to_dict() for k, v in self.timings.items()},
             "gains_pct": self.gains(),
             "wall_s": self.wall_s,
@@ -186,7 +207,14 @@ def simulate_case(case: CheckCase, profile: str = SIM_PROFILE) -> dict[str, Timi
         ubatches = 2 if variant.startswith("dbo") else None
         timing = Timing()
         try:
-            times = simulate_step(config, case.batch, case.mode, profile=profile, num_ubatches=ubatches, graph=variant.endswith("graph"))
+            times = simulate_step(
+                config,
+                case.batch,
+                case.mode,
+                profile=profile,
+                num_ubatches=ubatches,
+                graph=variant.endswith("graph"),
+            )
             timing.sim_us = times.step_us
             timing.sim_host_us = times.host_us
             timing.sim_host_bound = times.host_bound_fraction
@@ -235,7 +263,9 @@ def virtual_timer(device: Any) -> Timer:
     return time_us
 
 
-def measure_case(case: CheckCase, *, reps: int, warmup: int, device: Any = None, timer: Timer | None = None) -> dict[str, Timing]:
+def measure_case(
+    case: CheckCase, *, reps: int, warmup: int, device: Any = None, timer: Timer | None = None
+) -> dict[str, Timing]:
     """The case's four variants on the GPU. The engine's life cycle: eager warm-up of both
     schedules (the workspace grows to its largest need), lock, then time; graphs are captured
     after the lock and replayed. `device` (default `dbo.CudaDevice()`) and `timer` (default
@@ -258,7 +288,10 @@ def measure_case(case: CheckCase, *, reps: int, warmup: int, device: Any = None,
         lock_workspace()
         for variant, fn in (("serial-eager", serial), ("dbo-eager", ubatched)):
             _run(timings[variant], lambda fn=fn: timer(fn, reps))
-        _run(timings["serial-graph"], lambda: _time_graph(device, _serial_capture(device, serial), reps, warmup, timer))
+        _run(
+            timings["serial-graph"],
+            lambda: _time_graph(device, _serial_capture(device, serial), reps, warmup, timer),
+        )
         _run(timings["dbo-graph"], lambda: _time_graph(device, ubatched, reps, warmup, timer))
     finally:
         reset_workspace_manager()
@@ -290,7 +323,9 @@ def _serial_capture(device: Any, step: Callable[[], None]) -> Callable[[Any], No
     return capture
 
 
-def _time_graph(device: Any, capture: Callable[[Any], None], reps: int, warmup: int, timer: Timer = _time_us) -> list[float]:
+def _time_graph(
+    device: Any, capture: Callable[[Any], None], reps: int, warmup: int, timer: Timer = _time_us
+) -> list[float]:
     """Capture one step into a CUDA graph (`capture(graph)`: the DBO step passes it to
     `run_ubatches(graph=...)`), then time replays of it."""
     graph = device.graph()
@@ -317,7 +352,8 @@ def load_reference(path: str | Path, layers: int) -> dict[str, dict[str, list[fl
         got = case.get("config", {}).get("num_layers")
         if got != layers:
             raise ValueError(
-                f"--against {path}: case {name!r} was measured with {got} layers, not --layers {layers}"
+                f"--against {path}: case {name!r} was measured with {got} layers, not --layers "
+                f"{layers}"
             )
     return {
         name: {v: list(case["timings"][v]["gpu_us"]) for v in VARIANTS if v in case["timings"]}
@@ -360,14 +396,28 @@ def _ms(us: float | None) -> str:
 
 def format_case(result: CaseResult, gpu_name: str) -> str:
     c = result.case
-    what = f"{c.name}: {c.batch.num_tokens} tokens" + (f", context {c.batch.context_lens[0]}" if c.batch.is_decode else "") + f", mode {c.mode}, {c.config.num_layers} layers"
+    what = (
+        f"{c.name}: {c.batch.num_tokens} tokens"
+        + (f", context {c.batch.context_lens[0]}" if c.batch.is_decode else "")
+        + f", mode {c.mode}, {c.config.num_layers} layers"
+    )
     lines = [f"{what} -- {gpu_name} vs simulated {SIM_PROFILE}"]
     header = ("variant", "GPU ms (median)", "GPU min-max", "n", "sim ms", "sim host ms", "sim/GPU")
     rows = [header]
     for v in VARIANTS:
         t = result.timings[v]
         spread = f"{_ms(min(t.gpu_us))}-{_ms(max(t.gpu_us))}" if t.gpu_us else "-"
-        rows.append((v, _ms(t.gpu_median_us), spread, str(len(t.gpu_us)), _ms(t.sim_us), _ms(t.sim_host_us), "-" if t.ratio is None else f"{t.ratio:.2f}"))
+        rows.append(
+            (
+                v,
+                _ms(t.gpu_median_us),
+                spread,
+                str(len(t.gpu_us)),
+                _ms(t.sim_us),
+                _ms(t.sim_host_us),
+                "-" if t.ratio is None else f"{t.ratio:.2f}",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
     for label, g in result.gains().items():
@@ -375,12 +425,15 @@ def format_case(result: CaseResult, gpu_name: str) -> str:
     ahead = [v for v in ("serial-eager", "dbo-eager") if _device_bound(result.timings[v])]
     if ahead:
         lines.append(
-            f"  sim: {' and '.join(ahead)} issued within the simulated step (host ms < sim ms): the "
+            f"  sim: {' and '.join(ahead)} issued within the simulated step (host ms < sim ms): "
+            "the "
             f"simulated host stays ahead of the device, so replay has no launch time to remove"
         )
     fallback = [t.sim_fallback for t in result.timings.values() if t.sim_fallback is not None]
     if fallback:
-        lines.append(f"  sim: {max(fallback):.1%} of device time priced by the roofline (the rest measured)")
+        lines.append(
+            f"  sim: {max(fallback):.1%} of device time priced by the roofline (the rest measured)"
+        )
     for check, met, detail in validate(result):
         lines.append(f"  {'met ' if met else 'MISS'} {check}: {detail}")
     for v in VARIANTS:
@@ -398,13 +451,21 @@ def _pct(value: float | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scenarios.tools.gpu_check", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="out/gpu_check.json", help="JSON report path (default out/gpu_check.json)")
-    p.add_argument("--reps", type=int, default=10, help="timed repetitions per variant (median reported)")
+    p = argparse.ArgumentParser(
+        prog="python -m scenarios.tools.gpu_check", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--out", default="out/gpu_check.json", help="JSON report path (default out/gpu_check.json)"
+    )
+    p.add_argument(
+        "--reps", type=int, default=10, help="timed repetitions per variant (median reported)"
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")
     p.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
     p.add_argument("--only", choices=["prefill", "decode"], help="run one case")
-    p.add_argument("--sim-only", action="store_true", help="the simulated half alone (no GPU needed)")
+    p.add_argument(
+        "--sim-only", action="store_true", help="the simulated half alone (no GPU needed)"
+    )
     p.add_argument(
         "--against",
         metavar="FILE",
@@ -421,7 +482,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     on_gpu = not args.sim_only
     if on_gpu and args.against:
-        print("gpu_check: --against needs --sim-only (on a GPU, it measures itself)", file=sys.stderr)
+        print(
+            "gpu_check: --against needs --sim-only (on a GPU, it measures itself)", file=sys.stderr
+        )
         return 2
     if on_gpu and not torch.cuda.is_available():
         print(f"gpu_check: {NO_GPU_MESSAGE}", file=sys.stderr)
@@ -450,10 +513,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 measured = measure_case(case, reps=args.reps, warmup=args.warmup)
             except Exception as error:  # noqa: BLE001 - e.g. out of memory: report and go on
                 traceback.print_exc(file=sys.stderr)
-                measured = {v: Timing(error=f"gpu: {type(error).__name__}: {error}") for v in VARIANTS}
+                measured = {
+                    v: Timing(error=f"gpu: {type(error).__name__}: {error}") for v in VARIANTS
+                }
             for v in VARIANTS:
                 timings[v].gpu_us = measured[v].gpu_us
-                timings[v].error = "; ".join(e for e in (timings[v].error, measured[v].error) if e) or None
+                timings[v].error = (
+                    "; ".join(e for e in (timings[v].error, measured[v].error) if e) or None
+                )
         result = CaseResult(case, timings, time.monotonic() - start)
         failed |= any(t.error for t in timings.values())
         results.append(result)

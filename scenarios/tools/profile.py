@@ -78,12 +78,16 @@ __all__ = [
     "write_table",
 ]
 
-NO_GPU_MESSAGE = "profile: no CUDA GPU present: nothing to time (kernel tables are measured on the GPU they describe)"
+NO_GPU_MESSAGE = (
+    "profile: no CUDA GPU present: nothing to time (kernel tables are measured on the GPU "
+    "they describe)"
+)
 CALLS_PER_GRAPH = 20
 FIELDS = ("op", "m", "n", "k", "groups", "dtype", "us", "flops", "bytes", "tflops", "gbps")
 # Table op that each simulator family is written as (dbo.sim.tables reads them back).
 _TABLE_OP = {
-    "mm": "mm", "grouped_mm": "grouped_mm", "sdpa_causal": "sdpa_causal", "sdpa_decode": "sdpa_decode",
+    "mm": "mm", "grouped_mm": "grouped_mm",
+    "sdpa_causal": "sdpa_causal", "sdpa_decode": "sdpa_decode",
     "copy": "copy", "elementwise": "add", "index_select": "index_select", "index_add": "index_add",
     "norm": "rms_norm", "sort_topk": "router_softmax_topk256",
 }  # fmt: skip
@@ -285,7 +289,8 @@ def profile_calls(
             us = timer(call)
         except Exception as error:  # noqa: BLE001 - one unsupported shape must not end the run
             print(
-                f"profile: {call.name} {[tuple(t.shape) for t in call.ins]}: {type(error).__name__}: {error}",
+                f"profile: {call.name} {[tuple(t.shape) for t in call.ins]}: "
+                f"{type(error).__name__}: {error}",
                 file=sys.stderr,
             )
             continue
@@ -600,7 +605,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-from-trace",
         nargs="+",
         metavar="TRACE",
-        help="derive host costs from these profiler traces (names with 'dbo' are the DBO ones) instead of timing kernels",
+        help="derive host costs from these profiler traces (names with 'dbo' are the DBO ones) "
+        "instead of timing kernels",
     )
     p.add_argument(
         "--bare-op-us",
@@ -628,7 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.host_from_trace:
         if args.bare_op_us is None or args.bare_op_us <= 0:
             print(
-                "profile: --host-from-trace needs --bare-op-us (calibrate_host's eager add_ time on that host)",
+                "profile: --host-from-trace needs --bare-op-us (calibrate_host's eager add_ "
+                "time on that host)",
                 file=sys.stderr,
             )
             return 2

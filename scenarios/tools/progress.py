@@ -29,7 +29,9 @@ class Progress:
         filled = int(width * self.done / self.total)
         bar = "#" * filled + "-" * (width - filled)
         elapsed = time.monotonic() - self.start
-        self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {note[:40]:<40}")
+        self.stream.write(
+            f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {note[:40]:<40}"
+        )
         self.stream.flush()
 
     def close(self) -> None:

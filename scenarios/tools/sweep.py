@@ -225,7 +225,9 @@ def plot_sweep(path: Path, points: Sequence[SweepPoint]) -> Path:
         pts = [p for p in points if p.phase == phase]
         if not pts:
             continue
-        ax.plot([p.tokens_per_device for p in pts], [(p.speedup - 1) * 100 for p in pts], marker="o")
+        ax.plot(
+            [p.tokens_per_device for p in pts], [(p.speedup - 1) * 100 for p in pts], marker="o"
+        )
         ax.axhline(0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per device")
@@ -235,7 +237,12 @@ def plot_sweep(path: Path, points: Sequence[SweepPoint]) -> Path:
     for phase, _ in phases:
         pts = [p for p in points if p.phase == phase and p.compute_us > 0]
         if pts:
-            ax.plot([p.comm_compute_ratio for p in pts], [(p.speedup - 1) * 100 for p in pts], "o", label=phase)
+            ax.plot(
+                [p.comm_compute_ratio for p in pts],
+                [(p.speedup - 1) * 100 for p in pts],
+                "o",
+                label=phase,
+            )
     ax.axhline(0, color="grey", linewidth=0.8)
     ax.set_xlabel("comm time / compute time (DBO run)")
     ax.set_ylabel("DBO gain over serial (%)")

@@ -32,9 +32,12 @@ def window_type(text: str) -> WindowSpec:
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--window", type=window_type, default=None, metavar="START:END|layers=A:B",
+        "--window",
+        type=window_type,
+        default=None,
+        metavar="START:END|layers=A:B",
         help="also write NAME.window.{trace.json,png}: only virtual microseconds START to END, "
-             "or MoE layers A to B-1",
+        "or MoE layers A to B-1",
     )
 
 
@@ -59,9 +62,17 @@ def write_windowed(results: Sequence[Any], spec: WindowSpec | None) -> list[str]
             print(f"{result.scenario}: no window drawn: {error}", file=sys.stderr)
             continue
         stem = path.name.removesuffix(".trace.json")
-        trace = write_chrome_trace_runs(path.with_name(f"{stem}.window.trace.json"), runs,
-                                        window=window, metadata={"scenario": result.scenario})
-        png = plot_runs(path.with_name(f"{stem}.window.png"), runs, window=window,
-                        title=f"{result.scenario}: {window.start_us:.1f} to {window.end_us:.1f} us")
+        trace = write_chrome_trace_runs(
+            path.with_name(f"{stem}.window.trace.json"),
+            runs,
+            window=window,
+            metadata={"scenario": result.scenario},
+        )
+        png = plot_runs(
+            path.with_name(f"{stem}.window.png"),
+            runs,
+            window=window,
+            title=f"{result.scenario}: {window.start_us:.1f} to {window.end_us:.1f} us",
+        )
         written += [str(trace), str(png)]
     return written

@@ -67,24 +67,46 @@ def _seconds(text: str) -> float:
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("forward", metavar="MODULE:FORWARD",
-                   help="the step to verify: forward(batch) -> output (MODULE: dotted name or "
-                        ".py path)")
-    p.add_argument("--inputs", required=True, metavar="MODULE:FACTORY",
-                   help="a callable with no arguments that returns the batch")
+    p.add_argument(
+        "forward",
+        metavar="MODULE:FORWARD",
+        help="the step to verify: forward(batch) -> output (MODULE: dotted name or .py path)",
+    )
+    p.add_argument(
+        "--inputs",
+        required=True,
+        metavar="MODULE:FACTORY",
+        help="a callable with no arguments that returns the batch",
+    )
     p.add_argument("-n", "--ubatches", type=_ubatches, default=2, help="ubatches (default 2)")
-    p.add_argument("--device", choices=["sim", "cuda"], default="sim",
-                   help="simulated GPU (default) or real CUDA streams")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="write a Chrome trace and a PNG of both runs here")
+    p.add_argument(
+        "--device",
+        choices=["sim", "cuda"],
+        default="sim",
+        help="simulated GPU (default) or real CUDA streams",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="write a Chrome trace and a PNG of both runs here",
+    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--window", type=window_type, default=None, metavar="START:END|layers=A:B",
-                   help="draw only virtual microseconds START to END, or MoE layers A to B-1 "
-                        "(with --out)")
+    p.add_argument(
+        "--window",
+        type=window_type,
+        default=None,
+        metavar="START:END|layers=A:B",
+        help="draw only virtual microseconds START to END, or MoE layers A to B-1 (with --out)",
+    )
     p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute tolerance (default 0)")
     p.add_argument("--rtol", type=_tolerance, default=0.0, help="relative tolerance (default 0)")
-    p.add_argument("--timeout", type=_seconds, default=60.0,
-                   help="seconds before a stuck ubatched step is ended (default 60)")
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds before a stuck ubatched step is ended (default 60)",
+    )
     # One line on a bad command line, as every dbo-sim verb answers, not argparse's usage block.
     p.error = _exit_usage  # type: ignore[method-assign]
     p.set_defaults(func=_verb)
@@ -93,10 +115,13 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the `verify` verb to dbo-sim's subcommands."""
-    return _configure(sub.add_parser(
-        "verify", help="verify your own forward under DBO (serial vs ubatched, races, errors)",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    ))
+    return _configure(
+        sub.add_parser(
+            "verify",
+            help="verify your own forward under DBO (serial vs ubatched, races, errors)",
+            description=__doc__.split("\n\n")[0] if __doc__ else None,
+        )
+    )
 
 
 def load_attribute(spec: str, what: str) -> Any:
@@ -158,16 +183,22 @@ def run(args: argparse.Namespace) -> int:
     if args.window is not None and args.out is None:
         raise UsageError("--window narrows the trace and PNG: give --out DIR too")
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda needs a CUDA GPU, and none is present here; use "
-                         "--device sim")
+        raise UsageError(
+            "--device cuda needs a CUDA GPU, and none is present here; use --device sim"
+        )
     try:
         batch = factory()
     except Exception as error:  # noqa: BLE001 - nothing can be verified without inputs
         raise UsageError(f"--inputs {args.inputs} raised {type(error).__name__}: {error}") from None
     try:
         report = verify(
-            forward, batch, num_ubatches=args.ubatches, device=args.device, atol=args.atol,
-            rtol=args.rtol, timeout=args.timeout,
+            forward,
+            batch,
+            num_ubatches=args.ubatches,
+            device=args.device,
+            atol=args.atol,
+            rtol=args.rtol,
+            timeout=args.timeout,
         )
     except (TypeError, ValueError) as error:
         if _raised_by_verify(error):

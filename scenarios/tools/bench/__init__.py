@@ -7,8 +7,8 @@ samples (median, min, max, and the values), the ratio (the median of per-repetit
 each repetition sampling ours and the baseline back to back), and, where the project has one,
 a target and whether it was met.
 
-The parts: `figures` (the records), `timing` (how a sample is taken), `baselines` (the plain per-call
-workspace, a do-nothing device), `registry` (the one list of benchmarks, `@benchmark`), the
+The parts: `figures` (the records), `timing` (how a sample is taken), `baselines` (the plain
+per-call workspace, a do-nothing device), `registry` (the one list of benchmarks, `@benchmark`), the
 benchmarks themselves (`workspace`, `baton`, `simulator`, `races`, `scaling`), and `report` (running
 them, the table and `bench.json`). A new benchmark is one `@benchmark(...)` function in one of
 those modules; this package imports them in run order.
@@ -24,6 +24,7 @@ from scenarios.tools.bench import baton  # noqa: F401
 from scenarios.tools.bench import simulator  # noqa: F401
 from scenarios.tools.bench import races  # noqa: F401
 from scenarios.tools.bench import scaling  # noqa: F401
+
 # isort: on
 from scenarios.tools.bench.baselines import PerCallWorkspace
 from scenarios.tools.bench.figures import Figure, Stats, Target

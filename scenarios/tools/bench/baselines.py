@@ -1,5 +1,6 @@
-"""What our code is measured against: the plain per-call workspace algorithm, the request shapes both
-serve, and a device whose streams and events do nothing (the runtime with no simulator)."""
+"""What our code is measured against: the plain per-call workspace algorithm, the request
+shapes both serve, and a device whose streams and events do nothing (the runtime with no
+simulator)."""
 
 from __future__ import annotations
 

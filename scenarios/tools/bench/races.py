@@ -58,7 +58,8 @@ class RaceBench:
             f"per intercepted op: plain {self.plain_ns / 1e3:.2f} us, unchecked "
             f"{self.unchecked_ns / 1e3:.2f} us, checked {self.checked_ns / 1e3:.2f} us; "
             f"checker {self.checker_ns / 1e3:.2f} us/op; checked/unchecked {self.ratio:.2f}x "
-            f"({self.rounds} rounds x {_ops(self.list_op)} ops{' with a list op' if self.list_op else ''}, "
+            f"({self.rounds} rounds x {_ops(self.list_op)} "
+            f"ops{' with a list op' if self.list_op else ''}, "
             f"median of {self.reps}); fastest "
             f"samples: checker {(self.best_checked_ns - self.best_unchecked_ns) / 1e3:.2f} "
             f"us/op, checked/unchecked {self.best_checked_ns / self.best_unchecked_ns:.2f}x"
@@ -180,9 +181,7 @@ def bench_race_checker(plan: Plan) -> list[Figure]:
             baseline=unchecked,
             baseline_what="the same mix on SimDevice(check_races=False)",
             targets=[
-                Target(
-                    "ratio", "<=", _MAX_CHECKED_OVER_UNCHECKED, "<= 1.5x the checker's old cost"
-                )
+                Target("ratio", "<=", _MAX_CHECKED_OVER_UNCHECKED, "<= 1.5x the checker's old cost")
             ],
             extra={
                 "checker_ns_per_op": checked.median - unchecked.median,
