@@ -9,6 +9,7 @@ from dbo.devices import (
     current_device,
     current_stream,
     get_default_device,
+    record_stream,
     set_default_device,
     use_device,
 )
@@ -33,6 +34,7 @@ from dbo.ubatching import (
     make_ubatch_contexts,
     set_forward_context,
 )
+
 # Last: dbo.verify imports the workspace package, which imports dbo.ubatching above.
 from dbo.verify import VerifyError, VerifyReport, verify
 
@@ -50,6 +52,7 @@ __all__ = [
     "current_device",
     "current_stream",
     "get_default_device",
+    "record_stream",
     "set_default_device",
     "stream_context",
     "use_device",

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from dbo.sim import SimDevice
 from dbo.streams import CudaDevice, Device, Stream
 
@@ -25,6 +27,7 @@ __all__ = [
     "get_default_device",
     "use_device",
     "resolve_device",
+    "record_stream",
 ]
 
 _DEFAULT_DEVICE: Device | None = None
@@ -96,3 +99,17 @@ def resolve_device(device: Device | str | None, **sim_options: Any) -> Device:
         f"device must be 'sim', 'cuda', 'cuda:N' or a dbo.streams.Device, got {device!r}"
     )
 
+
+def record_stream(tensor: torch.Tensor, stream: Stream | None = None) -> None:
+    """`Tensor.record_stream` for any device: `stream` (default: the calling thread's current
+    stream) uses `tensor`, so its memory is not reused before that stream's work at the free.
+    The stream's own device applies it, so the same line serves CUDA and the simulator."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"record_stream takes a torch.Tensor, got {type(tensor).__name__}")
+    if stream is None:
+        stream = current_stream()
+    elif not isinstance(stream, Stream):
+        raise TypeError(
+            f"record_stream takes a dbo Stream (device.Stream()), got {type(stream).__name__}"
+        )
+    stream.device.record_stream(tensor, stream)

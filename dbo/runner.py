@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -102,8 +103,10 @@ def run_ubatches(
         )
     try:
         return _run_step(
-            fn, inputs, device, timeout, forward_contexts, compute_stream, comm_stream,
-            schedule, graph,
+            _StepRequest(
+                fn, inputs, device, timeout, forward_contexts, compute_stream, comm_stream,
+                schedule, graph,
+            )
         )
     finally:
         _STEP_LOCK.release()
@@ -173,115 +176,148 @@ def _wait_until(event: threading.Event, deadline: float) -> bool:
     return True
 
 
-def _run_step(
-    fn: Callable[[Any], Any],
-    inputs: list[Any],
-    device: Device,
-    timeout: float,
-    forward_contexts: list[Any] | None,
-    compute_stream: Stream | None,
-    comm_stream: Stream | None,
-    schedule: str,
-    graph: Any,
-) -> list[Any]:
-    num = len(inputs)
-    default_compute, default_comm = device.ubatch_streams()
-    compute_stream = compute_stream or default_compute
-    comm_stream = comm_stream or default_comm
-    barrier = threading.Barrier(num + 1)
-    contexts = make_ubatch_contexts(
-        num,
-        compute_stream,
-        comm_stream,
-        forward_contexts if forward_contexts is not None else [None] * num,
-        barrier,
-        schedule,
-    )
-    step = contexts[0].step
-    outputs: list[Any] = [None] * num
-    returned = [False] * num  # set only once a ubatch's fn returned and its context exited
-    remaining = [num]
-    all_done = threading.Event()
-    done_lock = threading.Lock()
+@dataclass(frozen=True)
+class _StepRequest:
+    """One validated `run_ubatches` call."""
 
-    def on_done() -> None:
-        with done_lock:
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                all_done.set()
+    fn: Callable[[Any], Any]
+    inputs: list[Any]
+    device: Device
+    timeout: float
+    forward_contexts: list[Any] | None
+    compute_stream: Stream | None
+    comm_stream: Stream | None
+    schedule: str
+    graph: Any
 
-    deadline = time.monotonic() + timeout
-    launch_stream = device.current_stream()
-    # The ubatches' streams start after whatever the launcher issued before the step.
-    compute_stream.wait_stream(launch_stream)
-    comm_stream.wait_stream(launch_stream)
-    workers = _WORKERS.acquire(num)
-    threads = [w.thread for w in workers]
-    gave_up = [False]  # the launcher ended the step itself (timeout, interrupt)
 
-    def on_timeout(where: str) -> None:
-        if step.error is None:
-            gave_up[0] = True
-            step.abort(_timeout_error(step, threads, timeout, where))
+class _Launch:
+    """The launcher's side of one step, in its phases: `__init__` builds the contexts and
+    takes worker threads, `run` hands each thread its ubatch and releases the ring (inside
+    the graph capture, if any), `unwind` waits for the threads to leave, `result` returns the
+    outputs or raises the one error the step ends with."""
 
-    launcher_error: BaseException | None = None
-    launcher_first = False
-    capturing = False
-    try:
+    def __init__(self, request: _StepRequest) -> None:
+        self.request = request
+        device, num = request.device, len(request.inputs)
+        default_compute, default_comm = device.ubatch_streams()
+        self.compute_stream = request.compute_stream or default_compute
+        self.comm_stream = request.comm_stream or default_comm
+        self.barrier = threading.Barrier(num + 1)
+        contexts = request.forward_contexts
+        self.contexts = make_ubatch_contexts(
+            num, self.compute_stream, self.comm_stream,
+            contexts if contexts is not None else [None] * num, self.barrier, request.schedule,
+        )  # fmt: skip
+        self.step = self.contexts[0].step
+        self.outputs: list[Any] = [None] * num
+        self.returned = [False] * num  # set only once a ubatch's fn returned and exited
+        self.remaining = num
+        self.all_done = threading.Event()
+        self.done_lock = threading.Lock()
+        self.deadline = time.monotonic() + request.timeout
+        self.launch_stream = device.current_stream()
+        # The ubatches' streams start after whatever the launcher issued before the step.
+        self.compute_stream.wait_stream(self.launch_stream)
+        self.comm_stream.wait_stream(self.launch_stream)
+        self.workers = _WORKERS.acquire(num)
+        self.threads = [w.thread for w in self.workers]
+        self.gave_up = False  # the launcher ended the step itself (timeout, interrupt)
+        self.launcher_error: BaseException | None = None
+        self.launcher_first = False
+        self.capturing = False
+
+    def on_done(self) -> None:
+        with self.done_lock:
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.all_done.set()
+
+    def on_timeout(self, where: str) -> None:
+        if self.step.error is None:
+            self.gave_up = True
+            self.step.abort(_timeout_error(self.step, self.threads, self.request.timeout, where))
+
+    def run(self) -> None:
+        """Submit every ubatch, wait for all to be ready, then release the ring."""
+        request = self.request
         try:
-            for ctx, worker in zip(contexts, workers):
+            for ctx, worker in zip(self.contexts, self.workers):
                 worker.submit(
-                    on_done, _ubatch_main, ctx, fn, inputs[ctx.id], outputs, returned, device
-                )
+                    self.on_done, _ubatch_main, ctx, request.fn, request.inputs[ctx.id],
+                    self.outputs, self.returned, request.device,
+                )  # fmt: skip
             try:
-                barrier.wait(timeout=_barrier_timeout(deadline))
+                self.barrier.wait(timeout=_barrier_timeout(self.deadline))
             except threading.BrokenBarrierError:
-                on_timeout("at the ready barrier")  # no-op if a ubatch broke it by failing
-            if step.error is None:
-                if graph is not None:
-                    # Entered only now, with every thread parked at its baton: their per-thread
-                    # set-up (device scope, handles) happened before capture, as in vLLM.
-                    graph.capture_stream = compute_stream
-                    with graph:
-                        capturing = True
-                        _release_and_wait(
-                            step, comm_stream, compute_stream, all_done, deadline, on_timeout
-                        )
-                else:
-                    _release_and_wait(
-                        step, comm_stream, compute_stream, all_done, deadline, on_timeout
-                    )
-        except BaseException as error:  # noqa: BLE001 - re-raised below, after the peers go
+                self.on_timeout("at the ready barrier")  # no-op if a ubatch broke it by failing
+            if self.step.error is None:
+                self._release()
+        except BaseException as error:  # noqa: BLE001 - re-raised by result(), after the peers go
             # The launcher's own failure: without an abort the parked ubatches would wait for
             # a baton that never comes, holding their worker threads forever.
-            launcher_error, launcher_first = error, step.error is None
-            if launcher_first:
-                step.abort(UBatchError(f"the launcher failed: {_describe(error)}"))
-        # Peers wake promptly after an abort; a thread stuck in user code cannot be stopped,
-        # so it is left behind (and never reused) instead of hanging the caller. After a
-        # ubatch failed, its peers' unwinding (their finally blocks) finishes before the
-        # caller sees the error; after the launcher gave up, only a short grace is given.
-        interrupted = launcher_error is not None and not isinstance(launcher_error, Exception)
-        if gave_up[0] or interrupted:
-            _wait_until(all_done, time.monotonic() + _UNWIND_GRACE_S)
-        else:
-            _wait_until(all_done, deadline)
+            self.launcher_error, self.launcher_first = error, self.step.error is None
+            if self.launcher_first:
+                self.step.abort(UBatchError(f"the launcher failed: {_describe(error)}"))
+
+    def _release(self) -> None:
+        graph = self.request.graph
+        args = (self.step, self.comm_stream, self.compute_stream, self.all_done, self.deadline,
+                self.on_timeout)  # fmt: skip
+        if graph is None:
+            _release_and_wait(*args)
+            return
+        # Entered only now, with every thread parked at its baton: their per-thread set-up
+        # (device scope, handles) happened before capture, as in vLLM.
+        graph.capture_stream = self.compute_stream
+        with graph:
+            self.capturing = True
+            _release_and_wait(*args)
+
+    @property
+    def interrupted(self) -> bool:
+        error = self.launcher_error
+        return error is not None and not isinstance(error, Exception)
+
+    def unwind(self) -> None:
+        """Wait for the ubatch threads to leave, then give them back to the pool.
+
+        Peers wake promptly after an abort; a thread stuck in user code cannot be stopped, so
+        it is left behind (and never reused) instead of hanging the caller. After a ubatch
+        failed, its peers' unwinding (their finally blocks) finishes before the caller sees
+        the error; after the launcher gave up, only a short grace is given."""
+        try:
+            if self.gave_up or self.interrupted:
+                _wait_until(self.all_done, time.monotonic() + _UNWIND_GRACE_S)
+            else:
+                _wait_until(self.all_done, self.deadline)
+        finally:
+            self.step.close()
+            _WORKERS.release(self.workers)
+
+    def result(self) -> list[Any]:
+        failure = self.step.error if self.step.error is not None else self.launcher_error
+        if failure is None and not all(self.returned):
+            failure = _lost_outputs(self.returned)
+        if failure is not None:
+            if self.capturing:
+                _refuse_replay(self.request.graph, failure)
+            # The launcher's own error if it came first, an interrupt always; else the step's.
+            if self.launcher_error is not None and (self.launcher_first or self.interrupted):
+                raise self.launcher_error
+            raise failure
+        self.launch_stream.wait_stream(self.compute_stream)
+        self.launch_stream.wait_stream(self.comm_stream)
+        return self.outputs
+
+
+def _run_step(request: _StepRequest) -> list[Any]:
+    launch = _Launch(request)
+    try:
+        launch.run()
     finally:
-        step.close()
-        _WORKERS.release(workers)
-    failure = step.error if step.error is not None else launcher_error
-    if failure is None and not all(returned):
-        failure = _lost_outputs(returned)
-    if failure is not None:
-        if capturing:
-            _refuse_replay(graph, failure)
-        # The launcher's own error if it came first, an interrupt always; else the step's.
-        if launcher_error is not None and (launcher_first or interrupted):
-            raise launcher_error
-        raise failure
-    launch_stream.wait_stream(compute_stream)
-    launch_stream.wait_stream(comm_stream)
-    return outputs
+        launch.unwind()
+    return launch.result()
 
 
 def _lost_outputs(returned: list[bool]) -> UBatchError:

@@ -174,6 +174,12 @@ class Device(ABC):
         """A capture of device work: enter it, issue work, exit; then `replay()` it."""
         raise NotImplementedError(f"{type(self).__name__} cannot capture graphs")
 
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """`tensor` is used on `stream`: when it is freed, the caching allocator must not hand
+        its memory on before the work issued on `stream` by then is done. The default does
+        nothing: a device without a caching allocator frees nothing early."""
+        self.check_stream(stream)
+
     def check_stream(self, stream: Stream, what: str = "stream") -> Stream:
         if not isinstance(stream, Stream) or stream.device is not self:
             raise TypeError(
@@ -266,6 +272,9 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        tensor.record_stream(self.check_stream(stream).raw)  # type: ignore[attr-defined]
 
     def graph(self) -> GraphCapture:
         return _CudaGraphCapture(self)

@@ -23,11 +23,16 @@ from typing import Any, NoReturn
 import torch
 
 from dbo.sim import profile_from_name
+from scenarios import distributed
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
+from scenarios.tools import bench as bench_tool
 from scenarios.tools import calibrate_host, gpu_check, race_check, trace_window, verify_cli
+from scenarios.tools import fidelity as fidelity_tool
+from scenarios.tools import profile as profile_tool
+from scenarios.tools import stress as stress_tool
+from scenarios.tools import sweep as sweep_tool
 from scenarios.tools.progress import Progress
-from scenarios.tools.sweep import DECODE_CONTEXT
 
 # The scenarios' smallest batches split into at most this many ubatches with a real token each.
 MAX_UBATCHES = 8
@@ -245,8 +250,6 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from scenarios import distributed
-
     across_ranks = args.ranks > 1 or distributed.launched_by_torchrun()
     names = args.names or [
         n
@@ -339,30 +342,28 @@ def _report(args: argparse.Namespace, opts: RunOptions, results: Sequence[Scenar
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from scenarios.tools import sweep
-
-    decode = args.decode or sweep.DECODE_TOKENS
-    prefill = args.prefill or sweep.PREFILL_TOKENS
-    problem = sweep.check_points(decode, prefill, args.ubatches)
+    decode = args.decode or sweep_tool.DECODE_TOKENS
+    prefill = args.prefill or sweep_tool.PREFILL_TOKENS
+    problem = sweep_tool.check_points(decode, prefill, args.ubatches)
     if problem is not None:
         raise UsageError(problem)
     opts = _options(args)
     out = Path(args.out)
     _writable_dir(out)
-    sink = sweep.CsvSink(out / "sweep.csv")
+    sink = sweep_tool.CsvSink(out / "sweep.csv")
     if not args.json:
         layers = f"{args.layers} of 61 layers" if args.layers else "61 layers"
         print(
             f"DeepSeek-V3 ({layers}), {args.ubatches} ubatches; decode: one-token requests over a "
             f"{args.context}-token context each (--context); prefill: "
-            f"{sweep.describe_prefill(prefill)}"
+            f"{sweep_tool.describe_prefill(prefill)}"
         )
         print(
             f"{'phase':8} {'tokens':>7} {'serial us':>10} {'dbo us':>10} {'gain':>7} "
             f"{'overlap':>8} {'comm/compute':>13}"
         )
 
-    def on_point(p: sweep.SweepPoint) -> None:
+    def on_point(p: sweep_tool.SweepPoint) -> None:
         sink.write(p)
         if args.json:
             print(json.dumps(p.to_dict()), flush=True)
@@ -374,9 +375,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    points: list[sweep.SweepPoint] = []
+    points: list[sweep_tool.SweepPoint] = []
     try:
-        points = sweep.run_sweep(
+        points = sweep_tool.run_sweep(
             opts, decode_tokens=decode, prefill_tokens=prefill, num_layers=args.layers,
             context_len=args.context, on_point=on_point,
         )
@@ -384,14 +385,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise Interrupted(f"the sweep points that finished are above and in {sink.path}") from None
     finally:
         sink.close()
-    png_path = sweep.plot_sweep(out / "sweep.png", points)
+    png_path = sweep_tool.plot_sweep(out / "sweep.png", points)
     if args.json:
         return 0
     print()
     for phase in ("decode", "prefill"):
         phase_points = [p for p in points if p.phase == phase]
         if phase_points:
-            start = sweep.pays_from(phase_points)
+            start = sweep_tool.pays_from(phase_points)
             where = "at no point tried" if start is None else f"from {start} tokens per device"
             print(f"{phase}: DBO pays {where}")
     print(f"\nwrote {sink.path} and {png_path}")
@@ -399,8 +400,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_stress(args: argparse.Namespace) -> int:
-    from scenarios.tools.stress import run_stress
-
     progress = Progress(args.iterations, f"stress x{args.threads}", enabled=False if args.json else None)
     last = [0]
 
@@ -409,7 +408,7 @@ def cmd_stress(args: argparse.Namespace) -> int:
         last[0] = i
 
     try:
-        report = run_stress(
+        report = stress_tool.run_stress(
             args.threads,
             args.iterations,
             lanes=args.lanes,
@@ -445,10 +444,8 @@ def cmd_stress(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from scenarios.tools.bench import main as bench_main
-
     _writable_dir(Path(args.out))
-    return bench_main(args)
+    return bench_tool.main(args)
 
 
 def cmd_gpu_check(args: argparse.Namespace) -> int:
@@ -465,15 +462,11 @@ def cmd_calibrate_host(args: argparse.Namespace) -> int:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    from scenarios.tools.fidelity import run_command
-
-    return run_command(args)
+    return fidelity_tool.run_command(args)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from scenarios.tools.profile import main as profile_main
-
-    return profile_main(args.profile_args)
+    return profile_tool.main(args.profile_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -506,8 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill", type=_positive_int, nargs="+", help="prefill tokens per device to try"
     )
     sweep.add_argument(
-        "--context", type=_positive_int, default=DECODE_CONTEXT,
-        help=f"KV-cache tokens per decode request (default {DECODE_CONTEXT}, as dsv3-decode-ll)",
+        "--context", type=_positive_int, default=sweep_tool.DECODE_CONTEXT,
+        help=f"KV-cache tokens per decode request (default {sweep_tool.DECODE_CONTEXT}, as dsv3-decode-ll)",
     )
     sweep.add_argument(
         "--layers",

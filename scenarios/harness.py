@@ -106,8 +106,11 @@ def run_step(
     mode: str,
     timeout_s: float = 60.0,
     warmups: int = 1,
+    graph: bool = False,
 ) -> StepRun:
-    """Warm up, lock the workspace, and measure one step (serial when num_ubatches is None)."""
+    """Warm up, lock the workspace, and measure one step (serial when num_ubatches is None):
+    run eagerly, or (`graph`) captured once after the lock and measured as one replay, as an
+    engine runs decode."""
     if num_ubatches is None:
         step = serial_step(model, x, device, mode=mode)
     else:
@@ -115,7 +118,16 @@ def run_step(
             model, x, device, mode=mode, num_ubatches=num_ubatches, timeout_s=timeout_s
         )
     prepare(device.torch_device, step.num_ubatches, [step.output], rounds=warmups)
-    return measure(step.output, device)
+    if not graph:
+        return measure(step.output, device)
+    captured = device.graph()
+    output = step.capture(captured)
+
+    def replay() -> torch.Tensor:
+        captured.replay()
+        return output
+
+    return measure(replay, device)
 
 
 def measure(step: Callable[[], torch.Tensor], device: Device) -> StepRun:
@@ -149,20 +161,22 @@ def compare_serial_dbo(
     opts: RunOptions,
     *,
     tolerance: float = 1e-9,
+    graph: bool = False,
 ) -> Comparison:
-    """The overlap-correctness check: same outputs, no race, and what the overlap buys."""
+    """The overlap-correctness check: same outputs, no race, and what the overlap buys;
+    with `graph`, both steps are measured as replays of a captured graph."""
     if opts.device != "sim" and config.tensor_device == "cpu":
         config = config.with_(tensor_device=opts.device)  # real streams need the tensors there
     model = MoEModel(config, batch)
     x = model.inputs()
     serial = run_step(
         model, x, device=new_device(opts, config.tensor_device), num_ubatches=None, mode=mode,
-        timeout_s=opts.timeout_s,
+        timeout_s=opts.timeout_s, graph=graph,
     )
     model = MoEModel(config, batch)  # a fresh KV cache, so both runs start from the same state
     ubatched = run_step(
         model, x, device=new_device(opts, config.tensor_device),
-        num_ubatches=opts.num_ubatches, mode=mode, timeout_s=opts.timeout_s,
+        num_ubatches=opts.num_ubatches, mode=mode, timeout_s=opts.timeout_s, graph=graph,
     )
     if config.tensor_device == "meta":
         match, diff = True, 0.0  # shapes only: there are no values to compare

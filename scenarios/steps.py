@@ -61,13 +61,13 @@ class Step:
         out = self()
         return out if self.slices is None else torch.cat(out)
 
-    def capture(self, graph: Any) -> None:
-        """Record one step into `graph`; the serial step captures on the current stream."""
+    def capture(self, graph: Any) -> torch.Tensor:
+        """Record one step into `graph` and return the whole batch's output tensor, which
+        every `graph.replay()` refills; the serial step captures on the current stream."""
         if self.slices is None:
             with graph:
-                self._serial()
-        else:
-            self(graph)
+                return self._serial()
+        return torch.cat(self(graph))
 
     def _serial(self) -> torch.Tensor:
         scope = self.device.thread_scope(None) if self.thread_scope else nullcontext()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dbo.sim import SimDevice
-from dbo.sim.cost import OpCall
+from dbo.sim.cost import OpCall, add_op_observer, remove_op_observer
 from dbo.sim.tables import load_table
 from scenarios.model import Batch
 from scenarios.tools import gpu_check, profile
@@ -210,3 +210,74 @@ def test_overlap_rates_take_the_largest_solo_time_not_above_the_kernel(tmp_path)
 def test_traces_without_kernels_side_by_side_give_no_overlap_rates(tmp_path) -> None:
     events = [_kernel("gemm", 0, 100, 7), _kernel("scatter", 100, 50, 9)]
     assert profile.overlap_rates_from_traces([_trace(tmp_path / "d-dbo.json.gz", events)]) == {}
+
+
+# -- which model is recorded ------------------------------------------------------------------
+
+
+def test_a_preset_is_recorded_with_the_overrides_given() -> None:
+    (case,) = profile.plan_cases(
+        "tiny", hidden=32, experts=16, top_k=2, layers=1, tokens=8, mode="decode"
+    )
+    c = case.config
+    assert (c.name, c.hidden, c.num_experts, c.top_k, c.num_layers) == ("tiny", 32, 16, 2, 1)
+    assert c.dtype == torch.bfloat16  # tiny's float64 is for CPU value checks
+    assert (case.mode, case.batch) == ("ll", Batch.decode(8, profile.DECODE_CONTEXT))
+
+
+def test_by_default_gpu_checks_model_and_batches_are_recorded() -> None:
+    expected = [(c.mode, c.batch, c.config.with_(num_layers=1)) for c in gpu_check.cases(1)]
+    assert [(c.mode, c.batch, c.config) for c in profile.plan_cases()] == expected
+
+
+def test_the_default_layers_reach_the_first_moe_layer() -> None:
+    (case,) = profile.plan_cases("deepseek-v3", mode="prefill", tokens=64)
+    assert case.config.num_layers == case.config.num_dense_layers + 1
+    assert case.batch == Batch.prefill(profile.PREFILL_REQUESTS, 16)
+
+
+def test_the_recorded_calls_follow_the_chosen_configuration() -> None:
+    cases = profile.plan_cases(
+        "tiny", hidden=32, experts=16, top_k=2, layers=1, tokens=8, mode="decode"
+    )
+    rows = [profile.table_row(c, 1.0) for c in profile.distinct_calls(profile.model_calls(cases))]
+    rows = [r for r in rows if r is not None]
+    ops = {r["op"] for r in rows}
+    assert "sdpa_decode" in ops and "sdpa_causal" not in ops  # decode only
+    grouped = [r for r in rows if r["op"] == "grouped_mm"]
+    assert grouped and all(r["groups"] == 16 // 8 for r in grouped)  # experts per EP rank
+    assert all(32 in (r["n"], r["k"]) for r in grouped)  # the hidden size given
+    assert {r["dtype"] for r in rows if r["op"] == "mm"} == {"bf16"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--config", "tiny2"], "unknown --config 'tiny2'; choose one of gpu-check, deepseek-v3"),
+        (["--experts", "0"], "--experts must be >= 1"),
+        (["--config", "tiny", "--top-k", "9"], "--top-k 9 exceeds the 8 experts"),
+        (["--tokens", "6", "--mode", "prefill"], "multiple of 4"),
+    ],
+)
+def test_bad_model_options_are_refused_before_any_work(argv, says, tmp_path, capsys) -> None:
+    out = tmp_path / "x.csv"
+    assert profile.main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "no CUDA GPU" not in err
+    assert not out.exists()
+
+
+def test_a_models_own_ops_observed_on_the_simulator_profile_into_rows() -> None:
+    # The module docstring's recipe for a model that is not a ModelConfig.
+    device = SimDevice("h200", tensor_device="meta")
+    x = torch.empty(64, 128, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(128, 256, dtype=torch.bfloat16, device="meta")
+    calls: list[OpCall] = []
+    add_op_observer(calls.append)
+    try:
+        with device.thread_scope(None):
+            torch.relu(x @ w)
+    finally:
+        remove_op_observer(calls.append)
+    rows = profile.profile_calls(calls, sim_timer)
+    assert ("mm", 64, 256, 128) in [(r["op"], r["m"], r["n"], r["k"]) for r in rows]

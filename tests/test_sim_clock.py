@@ -224,3 +224,55 @@ def test_on_one_gpu_dbo_gains_nothing(graph: bool) -> None:
 def test_a_profile_replaced_with_another_launch_cost_rescales_every_kind() -> None:
     slow = replace(H200, launch_us=2 * H200.launch_us)
     assert slow.eager_host_us("gemm") == pytest.approx(2 * H200.eager_host_us("gemm"))
+
+
+def _add_times(profile: str = "h200") -> list[tuple[str, float]]:
+    d = SimDevice(profile, tensor_device="meta")
+    a = torch.ones(4, device="meta")
+    with d.thread_scope(None):
+        a + a  # aten::add.Tensor
+        torch.ops.aten.add.Scalar(a, 1.0)
+    return [(r.name, r.dur_us) for r in d.timeline]
+
+
+def test_a_cost_registered_for_one_overload_by_name_prices_that_overload_only() -> None:
+    register_op_cost("aten::add.Tensor")(lambda call, profile: 11.0)
+    try:
+        (_, tensor_us), (_, scalar_us) = _add_times()
+    finally:
+        unregister_op_cost("aten::add.Tensor")
+    assert tensor_us == pytest.approx(11.0) and scalar_us != pytest.approx(11.0)
+
+
+def test_a_cost_registered_for_an_op_name_prices_every_overload() -> None:
+    register_op_cost("aten::add")(lambda call, profile: 12.0)
+    try:
+        assert [us for _, us in _add_times()] == pytest.approx([12.0, 12.0])
+    finally:
+        unregister_op_cost("aten::add")
+
+
+@pytest.mark.parametrize("bad", ["aten::mmm", "aten::add.Tensorr", "nosuchlib::op"])
+def test_registering_a_cost_for_an_op_torch_does_not_know_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="no op .* is registered with torch"):
+        register_op_cost(bad)
+
+
+def test_registering_a_cost_for_an_unknown_profile_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown hardware profile 'h2OO'.*h200"):
+        register_op_cost("aten::mm", profile="h2OO")
+
+
+@pytest.mark.parametrize("bad", [-5.0, math.nan, math.inf, OpCost(-1.0, "mine")])
+def test_a_cost_function_returning_an_impossible_time_is_named_when_the_op_is_priced(
+    bad: object,
+) -> None:
+    def broken(call, profile):
+        return bad
+
+    register_op_cost("aten::add")(broken)
+    try:
+        with pytest.raises(ValueError, match="cost function .*broken priced aten::add"):
+            _add_times()
+    finally:
+        unregister_op_cost("aten::add")

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import dbo
+from dbo import runner
 from dbo.sim import RaceError, SimDevice
+from dbo.sim.races import user_stack
 from workspace import current_workspace_manager, init_workspace_manager, reset_workspace_manager
 
 
@@ -669,3 +671,103 @@ def test_low_latency_staging_freed_after_the_send_is_not_an_allocator_hazard() -
         recv.sum()
         del y
     assert d.races == []
+
+
+def _storage_at_dead_key(d: SimDevice, compute: object, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A new tensor (allocated unplaced) whose storage object likely takes the address, and
+    so the key, of a tiny temporary the checker saw and that just died, not yet reaped.
+    Returns the tensor and whether the key was in fact reused."""
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        tiny = x.sum()  # seen by the checker as the sum's output
+    key = tiny.untyped_storage()._cdata
+    del tiny  # dead: its record waits on the dead list
+    z = torch.empty(1024)  # outside the scope: no placement, no reap in between
+    return z, z.untyped_storage()._cdata == key
+
+
+def test_a_new_storage_at_a_dead_storages_key_is_checked_as_new() -> None:
+    reused = 0
+    for _ in range(5):
+        d, compute, comm = setup()
+        x = torch.randn(1024)
+        z, hit = _storage_at_dead_key(d, compute, x)
+        reused += hit
+        with d.thread_scope(0):
+            d.set_stream(comm)
+            z.fill_(1.0)  # comm writes z...
+            d.set_stream(compute)
+            z.fill_(2.0)  # ...and compute too, unordered: a race however z was registered
+        assert len(d.races) == 1, f"race missed (storage key reused: {hit})"
+    assert reused, "the allocator never reused the dead key: the test proves nothing here"
+
+
+def test_a_new_allocation_at_a_dead_storages_key_takes_the_freed_blocks_hazard() -> None:
+    reused = 0
+    for _ in range(5):
+        d, compute, comm = setup()
+        x = torch.randn(1024)
+        with d.thread_scope(0):
+            d.set_stream(compute)
+            y = x * 2
+            comm.wait_event(compute.record_event())
+            d.set_stream(comm)
+            y.add_(1.0)  # comm writes y; nothing orders compute after it
+            d.set_stream(compute)
+        del y  # the allocator hands y's block on with comm's write pending
+        z, hit = _storage_at_dead_key(d, compute, x)
+        reused += hit
+        d.note_allocation(z)  # allocated on compute: gets y's block
+        with d.thread_scope(0):
+            z.fill_(2.0)
+        assert len(d.races) == 1, f"allocator hazard missed (storage key reused: {hit})"
+        assert d.races[0].first.op == "aten::add_"
+    assert reused, "the allocator never reused the dead key: the test proves nothing here"
+
+
+@pytest.mark.timeout(30)
+def test_a_race_reports_user_stacks_without_the_ubatch_runtimes_frames() -> None:
+    d = SimDevice("h200")
+    bufs = [torch.zeros(64), torch.zeros(64)]
+
+    def step(u: int) -> None:
+        bufs[u].add_(1.0)
+        dbo.dbo_switch_to_comm()  # bug: no wait for the compute above
+        with dbo.current_device().comm_region("dispatch", nbytes=256, ep_size=8):
+            bufs[u].clone()
+        dbo.dbo_switch_to_compute_sync()
+
+    dbo.run_ubatches(step, [0, 1], device=d)
+    assert d.races
+    for race in d.races:
+        for site in (race.first, race.second):
+            assert site.stack and site.stack[-1].endswith(":step")
+            assert not any(f.startswith(("dbo/runner.py", "dbo/ubatching.py")) for f in site.stack)
+
+
+@pytest.mark.timeout(30)
+def test_a_user_stack_with_only_runtime_frames_keeps_the_innermost_one() -> None:
+    # A frame of the runtime's own file, on a thread with no user code below it.
+    namespace: dict = {"user_stack": user_stack}
+    source = "def runtime_issue(out):\n    out.append(user_stack(skip=1))\n"
+    exec(compile(source, runner.__file__, "exec"), namespace)  # noqa: S102 -- a fixed source
+    got: list = []
+    t = threading.Thread(target=namespace["runtime_issue"], args=(got,))
+    t.start()
+    t.join()
+    assert got == [((runner.__file__, 2, "runtime_issue"),)]
+
+
+def test_a_storage_resized_to_new_memory_is_tracked_at_that_memory() -> None:
+    d, compute, _ = setup()
+    with d.thread_scope(0):
+        d.set_stream(compute)
+        y = torch.zeros(256) + 1
+        old = y.data_ptr()
+        y.resize_(1 << 16)  # reallocates the same storage object elsewhere
+        assert y.data_ptr() != old
+        y.fill_(1.0)
+    checker = d.race_checker
+    assert checker.ops_at(y.data_ptr()) == ["aten::fill_"]
+    assert checker.ops_at(old) == []  # the old memory went back to the allocator
+    assert checker.num_blocks == 1

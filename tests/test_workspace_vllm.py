@@ -133,7 +133,7 @@ def test_lock_applies_to_every_lane_and_unlock_restores_growth():
 
 
 def test_a_negative_lane_is_refused_before_entering():
-    with pytest.raises(ValueError, match="non-negative"), use_workspace_lane(-1):
+    with pytest.raises(ValueError, match=">= 0"), use_workspace_lane(-1):
         pass
 
 

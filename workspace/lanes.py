@@ -8,11 +8,12 @@ restored on exit whatever the block raises. Lane 0 is the default everywhere.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
+
+from dbo._checks import as_int
 
 __all__ = ["current_workspace_lane", "use_workspace_lane"]
 
@@ -23,17 +24,7 @@ current_workspace_lane = _workspace_lane.get
 
 
 def _check_lane(lane: Any) -> int:
-    if isinstance(lane, bool):
-        raise TypeError(f"workspace lane must be an int >= 0, got bool {lane!r}")
-    try:
-        value = operator.index(lane)
-    except TypeError:
-        raise TypeError(
-            f"workspace lane must be an int >= 0, got {type(lane).__name__} {lane!r}"
-        ) from None
-    if value < 0:
-        raise ValueError(f"workspace lane must be non-negative, got {value}")
-    return value
+    return as_int("workspace lane", lane)
 
 
 @contextmanager

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 __all__ = ["ALIGNMENT", "Region", "Layout", "round_up", "plan_layout"]
 
 # Every region starts on a 256-byte boundary: the widest alignment a GPU kernel's vector

@@ -71,7 +71,6 @@ real device: on `meta` every data_ptr is 0, so it returns None there.
 
 from __future__ import annotations
 
-import operator
 import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -156,17 +155,7 @@ def _check_num_ubatches(num_ubatches: Any) -> int:
 
 
 def _check_num_lanes(num_lanes: Any) -> int:
-    if isinstance(num_lanes, bool):
-        raise TypeError(f"num_lanes must be an int >= 1, got bool {num_lanes!r}")
-    try:
-        value = operator.index(num_lanes)
-    except TypeError:
-        raise TypeError(
-            f"num_lanes must be an int >= 1, got {type(num_lanes).__name__} {num_lanes!r}"
-        ) from None
-    if value < 1:
-        raise ValueError(f"num_lanes must be at least one, got {value}")
-    return value
+    return as_int("num_lanes", num_lanes, minimum=1)
 
 
 def _check_alloc_context(alloc_context: Any) -> Callable[[], AbstractContextManager]:

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from dbo.sim.hardware import HardwareProfile
+from dbo.sim.hardware import PROFILES, HardwareProfile
 from dbo.sim.tables import KernelTable, load_table
 
 __all__ = [
@@ -391,50 +391,86 @@ class OpCost:
 
 # An op cost function: (call, profile) -> us, an OpCost, or None ("not mine: ask the next").
 OpCostFn = Callable[[OpCall, HardwareProfile], "float | OpCost | None"]
-# (profile name or None for every profile, op name) -> a user's cost function.
+# (profile name or None for every profile, op key) -> a user's cost function. An op key is
+# "ns::name" (every overload) or "ns::name.overload" (that overload only).
 _REGISTRY: dict[tuple[str | None, str], OpCostFn] = {}
 # op name -> the built-in entry (the kernel-table families), asked after the user's entries.
 _BUILTIN: dict[str, OpCostFn] = {}
 
 
-def _op_name(op: Any) -> str:
+def _op_key(op: Any) -> str:
+    """The registry key of an op overload, packet or "ns::name[.overload]" string; a string
+    must name an op torch knows, so a typo fails here instead of never matching."""
     if isinstance(op, str):
-        return op if "::" in op else f"aten::{op}"
-    schema = getattr(op, "_schema", None)
-    if schema is not None:
-        return schema.name
-    packet = getattr(op, "overloadpacket", op)
-    qual = getattr(packet, "_qualified_op_name", None)
-    if qual is None:
-        raise TypeError(f"cannot name op {op!r}: give an aten op, overload or 'aten::name'")
-    return qual
+        return _resolve_op_string(op)
+    if isinstance(op, torch._ops.OpOverload):
+        return f"{op._schema.name}.{op._overloadname}"
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name
+    raise TypeError(
+        f"cannot name op {op!r}: give an op (torch.ops.aten.mm), an overload "
+        "(torch.ops.aten.add.Tensor) or a string ('aten::mm', 'aten::add.Tensor')"
+    )
 
 
-def register_op_cost(*ops: Any, profile: str | None = None) -> Callable[[OpCostFn], OpCostFn]:
-    """Decorator: `fn(call, profile)` prices `ops` (aten ops, overloads or "aten::name"
-    strings), for every hardware profile or, with `profile="h200"`, for that one only (a
-    per-device override wins over a general entry). Returning None hands the op to the next
-    entry (general, then the roofline)."""
+def _resolve_op_string(text: str) -> str:
+    qualified = text if "::" in text else f"aten::{text}"
+    namespace, _, rest = qualified.partition("::")
+    name, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+        if overload:
+            getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        raise ValueError(
+            f"no op {text!r} is registered with torch: give 'ns::name' for every overload of an "
+            "op (e.g. 'aten::add') or 'ns::name.overload' for one (e.g. 'aten::add.Tensor'); "
+            "a custom op must be defined before its cost is registered"
+        ) from None
+    return qualified
+
+
+def _profile_key(profile: Any) -> str | None:
+    """The registry's profile name: None (every profile), a known profile's name, or the
+    name of a HardwareProfile given as an object (a user's own profile)."""
+    if profile is None:
+        return None
+    if isinstance(profile, HardwareProfile):
+        return profile.name
+    if isinstance(profile, str) and profile.lower() in PROFILES:
+        return profile.lower()
+    raise ValueError(
+        f"unknown hardware profile {profile!r}: give one of {', '.join(sorted(PROFILES))}, "
+        "a HardwareProfile, or None for every profile"
+    )
+
+
+def register_op_cost(*ops: Any, profile: Any = None) -> Callable[[OpCostFn], OpCostFn]:
+    """Decorator: `fn(call, profile)` prices `ops` (ops, overloads, "ns::name" strings for
+    every overload or "ns::name.overload" for one), for every hardware profile or, with
+    `profile="h200"` (or a HardwareProfile), for that one only. A per-device entry wins over
+    a general one, an overload's over its op's. Returning None hands the op to the next entry
+    (general, then the roofline). Ops and profile are checked here, before any pricing."""
     if not ops:
         raise ValueError("register_op_cost needs at least one op")
-    names = [_op_name(op) for op in ops]
-    key_profile = profile.lower() if isinstance(profile, str) else profile
+    keys = [_op_key(op) for op in ops]
+    key_profile = _profile_key(profile)
 
     def decorator(fn: OpCostFn) -> OpCostFn:
         if not callable(fn):
             raise TypeError(f"register_op_cost decorates a function, got {fn!r}")
-        for name in names:
-            _REGISTRY[(key_profile, name)] = fn
+        for key in keys:
+            _REGISTRY[(key_profile, key)] = fn
         return fn
 
     return decorator
 
 
-def unregister_op_cost(*ops: Any, profile: str | None = None) -> None:
+def unregister_op_cost(*ops: Any, profile: Any = None) -> None:
     """Remove entries added by `register_op_cost` (the built-in table entries stay)."""
-    key_profile = profile.lower() if isinstance(profile, str) else profile
+    key_profile = _profile_key(profile)
     for op in ops:
-        _REGISTRY.pop((key_profile, _op_name(op)), None)
+        _REGISTRY.pop((key_profile, _op_key(op)), None)
 
 
 def kernel_table(profile: HardwareProfile) -> KernelTable | None:
@@ -446,8 +482,12 @@ def op_cost(call: OpCall, profile: HardwareProfile) -> OpCost:
     """What one op costs on `profile`: a user entry for this profile, else a user entry for
     every profile, else the built-in kernel-table entry, else the roofline (source
     "roofline"). An entry returning None passes the op on."""
+    overload = getattr(call.func, "_overloadname", None)
+    exact = f"{call.name}.{overload}" if overload is not None else None
     entries = (
+        _REGISTRY.get((profile.name, exact)) if exact else None,
         _REGISTRY.get((profile.name, call.name)),
+        _REGISTRY.get((None, exact)) if exact else None,
         _REGISTRY.get((None, call.name)),
         _BUILTIN.get(call.name),
     )
@@ -457,8 +497,26 @@ def op_cost(call: OpCall, profile: HardwareProfile) -> OpCost:
         got = fn(call, profile)
         if got is None:
             continue
-        return got if isinstance(got, OpCost) else OpCost(float(got), f"user:{call.name}")
+        return _checked_cost(got, fn, call)
     return OpCost(compute_time_us(profile, call.flops, call.nbytes, call.dtype), ROOFLINE)
+
+
+def _checked_cost(got: Any, fn: OpCostFn, call: OpCall) -> OpCost:
+    """A cost function's answer as an OpCost; a time the clock cannot take (negative: the op
+    would end before it starts; nan or inf) is the cost function's bug, named here."""
+    cost = got if isinstance(got, OpCost) else None
+    us = cost.us if cost is not None else got
+    try:
+        us = float(us)
+    except (TypeError, ValueError):
+        us = math.nan
+    if not (math.isfinite(us) and us >= 0.0):
+        who = getattr(fn, "__qualname__", repr(fn))
+        raise ValueError(
+            f"the cost function {who} priced {call.name} at {got!r}: an op's device time "
+            "must be a finite number of microseconds >= 0 (or None to pass the op on)"
+        )
+    return cost if cost is not None else OpCost(us, f"user:{call.name}")
 
 
 def _table_cost(call: OpCall, profile: HardwareProfile) -> OpCost | None:

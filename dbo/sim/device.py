@@ -53,7 +53,9 @@ from dbo.sim.cost import (
     ep_traffic,
     host_family,
 )
+from dbo.sim.graph import SimGraph
 from dbo.sim.hardware import HardwareProfile, profile_from_name
+from dbo.sim.intercept import enter_modes
 from dbo.sim.races import RaceChecker, RaceReport, user_stack
 from dbo.sim.ranges import device_scope
 from dbo.sim.records import (
@@ -348,8 +350,6 @@ class SimDevice(Device):
         entered_here = tls.modes is None
         try:
             if entered_here:
-                from dbo.sim.intercept import enter_modes
-
                 tls.modes = ExitStack()
                 tls.modes.enter_context(device_scope(self))
                 enter_modes(self, tls.modes)
@@ -864,8 +864,6 @@ class SimDevice(Device):
 
     def graph(self) -> Any:
         """Capture the ops of a step for replay: `with device.graph() as g: ...; g.replay()`."""
-        from dbo.sim.graph import SimGraph
-
         return SimGraph(self)
 
     def add_buffer_owner(self, owner: Any) -> None:

@@ -12,6 +12,9 @@ Memory. Histories are keyed by memory, not by storage object: every live storage
 one block of addresses, and storages whose bytes overlap (`torch.from_dlpack`, a second
 storage over the same allocation) share one block. When the last storage of a block dies,
 the block leaves the address index, so a later allocation at the same address starts clean.
+A storage is known by its StorageImpl's address, which a new storage may take the moment the
+old one dies: dead records are reaped before every lookup, and a record answers only for the
+very storage object it was made for.
 
 Allocator hazards. Freed memory is handed on as the CUDA caching allocator would: to the next
 allocation of the same rounded size on the stream that allocated it. Accesses to the freed
@@ -60,6 +63,10 @@ MEET_BUDGET = 512
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SKIP_FILES = ("threading.py", "contextlib.py", "weakref.py")
+# The runtime's own frames (ubatch threads' loops, the yield and switch calls): they are the
+# same in every report, so a user stack shows them only when nothing of the user's is there.
+_DBO_DIR = os.path.dirname(_SIM_DIR.rstrip(os.sep)) + os.sep
+_RUNTIME_FILES = frozenset(_DBO_DIR + name for name in ("runner.py", "ubatching.py"))
 
 Dims = tuple[tuple[int, int], ...]  # (count, byte stride), largest stride first
 
@@ -73,16 +80,23 @@ class RaceError(RuntimeError):
 
 
 def user_stack(depth: int = 4, skip: int = 1) -> tuple[tuple[str, int, str], ...]:
-    """The innermost `depth` frames outside torch, dbo.sim and stdlib context plumbing, as raw
-    (file, line, function) tuples, innermost last. Raw so that capturing stays cheap; format
-    only when a race is reported."""
+    """The innermost `depth` frames of the user's code (outside torch, dbo.sim, the ubatch
+    runtime and stdlib context plumbing), as raw (file, line, function) tuples, innermost
+    last; the innermost runtime frame alone when no user frame is on the stack. Raw so that
+    capturing stays cheap; format only when a race is reported."""
     frames: list[tuple[str, int, str]] = []
+    runtime: tuple[str, int, str] | None = None
     f = sys._getframe(skip)
     while f is not None and len(frames) < depth:
         filename = f.f_code.co_filename
-        if not (filename.startswith((_TORCH_DIR, _SIM_DIR)) or filename.endswith(_SKIP_FILES)):
+        if filename in _RUNTIME_FILES:
+            if runtime is None:
+                runtime = (filename, f.f_lineno, f.f_code.co_name)
+        elif not (filename.startswith((_TORCH_DIR, _SIM_DIR)) or filename.endswith(_SKIP_FILES)):
             frames.append((filename, f.f_lineno, f.f_code.co_name))
         f = f.f_back
+    if not frames and runtime is not None:
+        return (runtime,)
     frames.reverse()
     return tuple(frames)
 
@@ -235,20 +249,29 @@ class _Block:
         self.start = start
         self.end = end
         self.entries: list[_Entry] = []
-        self.storages: set[int] = set()
+        self.storages: set[_Storage] = set()  # by identity: a dead one's key may be reused
         self.alloc_track: _Track | None = None  # set when the allocation was seen
         self.alloc_stack: Any = None
         self.recorded: list[_Track] = []  # streams named by record_stream
 
 
 class _Storage:
-    __slots__ = ("base", "block", "key", "nbytes")
+    """One live storage object. `key` (the StorageImpl's address) is reused as soon as the
+    storage dies, so a record found by key counts only while `ref` still names the object."""
 
-    def __init__(self, key: int, base: int, nbytes: int, block: _Block) -> None:
+    __slots__ = ("base", "block", "finalizer", "key", "nbytes", "ref")
+
+    def __init__(self, key: int, base: int, nbytes: int, block: _Block, st: Any) -> None:
         self.key = key
         self.base = base
         self.nbytes = nbytes
         self.block = block
+        self.ref = weakref.ref(st)
+        self.finalizer: Any = None
+
+    def names(self, st: Any) -> bool:
+        """True while this record describes the storage object `st`."""
+        return self.ref() is st and self.base == st.data_ptr() and self.nbytes == st.nbytes()
 
 
 class _Freed:
@@ -345,20 +368,28 @@ class RaceChecker:
 
     def _storage(self, st: Any) -> tuple[_Storage, bool]:
         """The live record of a storage object, registering it on first sight."""
+        # Reap first: a new storage can take the address (and so the key) of one that died
+        # since the last reap, and that dead record must not answer for it.
+        if self._dead:
+            self._reap()
         key = st._cdata
         rec = self._storages.get(key)
         if rec is not None:
-            return rec, False
-        if self._dead:
+            if rec.names(st):
+                return rec, False
+            # The object's memory changed under it (`resize_` reallocates in place): the old
+            # memory was freed, so the record dies now, as its finalizer would have said.
+            rec.finalizer.detach()
+            _on_death(self._dead, rec)
             self._reap()
         base, nbytes = st.data_ptr(), st.nbytes()
         block = self._block_for(base, base + max(nbytes, 1))
-        rec = _Storage(key, base, nbytes, block)
-        block.storages.add(key)
+        rec = _Storage(key, base, nbytes, block, st)
+        block.storages.add(rec)
         self._storages[key] = rec
         # The callback holds the dead list, not the checker: a long-lived tensor must not
         # keep its device alive.
-        weakref.finalize(st, _on_death, self._dead, rec)
+        rec.finalizer = weakref.finalize(st, _on_death, self._dead, rec)
         return rec, True
 
     def _block_for(self, start: int, end: int) -> _Block:
@@ -380,8 +411,8 @@ class RaceChecker:
             block.recorded.extend(other.recorded)
             block.alloc_track = block.alloc_track or other.alloc_track
             block.alloc_stack = block.alloc_stack or other.alloc_stack
-            for key in other.storages:
-                self._storages[key].block = block
+            for rec in other.storages:
+                rec.block = block
         block.start, block.end = min(block.start, start), max(block.end, end)
         self._starts[j:i] = [block.start]
         self._blocks[j:i] = [block]
@@ -393,7 +424,7 @@ class RaceChecker:
             if self._storages.get(rec.key) is rec:
                 del self._storages[rec.key]
             block = rec.block
-            block.storages.discard(rec.key)
+            block.storages.discard(rec)
             if block.storages:
                 continue
             i = bisect.bisect_left(self._starts, block.start)
@@ -501,11 +532,9 @@ class RaceChecker:
                 self._add_tensor(part, w, name, found, fresh)
             return
         key = st._cdata
-        rec = self._storages.get(key)
-        if rec is None:
-            rec = self._storage(st)[0]
-            if fresh is not None:
-                fresh.append(key)
+        new = self._storage(st)[1]
+        if new and fresh is not None:
+            fresh.append(key)
         slot_key = (key, *fp)
         slot = found.get(slot_key)
         if slot is None:

@@ -15,7 +15,21 @@ One job: measure what the simulator's cost model needs from a real device. Two p
   (`overlap_rates_from_traces`), written as the table's `-host.json`.
 
     python -m scenarios.tools.profile --out my-gpu.csv [--layers 2] [--reps 5]
+    python -m scenarios.tools.profile --config deepseek-v3 --mode decode --tokens 256 --out x.csv
     python -m scenarios.tools.profile --host-from-trace a-serial.json.gz b-dbo.json.gz --out x.csv
+
+Which model is recorded: `--config` names gpu_check's model (the default, with its prefill
+and decode batches) or a `scenarios.model` preset; `--hidden`, `--layers`, `--experts`,
+`--top-k`, `--tokens` and `--mode prefill|decode|both` override it, checked before any work.
+With a model of your own, record its ops and time them from Python:
+
+    calls = record_calls(my_config, Batch.prefill(4, 1024), "ht", num_ubatches=2)
+    rows = profile_calls(calls, time_call_cuda)  # or any (OpCall) -> us timer
+    write_table(rows, "my-gpu.csv")
+
+`record_calls` runs `scenarios.model.MoEModel` for a `ModelConfig`; for another model, register
+an observer (`dbo.sim.cost.add_op_observer(calls.append)`) around one step of it on a
+`SimDevice` with meta tensors, and pass the observed calls to `profile_calls` the same way.
 
 Without a CUDA GPU the kernel part says so on stderr and exits 2 before any work; everything
 up to the CUDA calls (recording, shape reduction, materializing the inputs, the row format)
@@ -43,7 +57,9 @@ import dbo
 from dbo.sim import SimDevice
 from dbo.sim.cost import OpCall, add_op_observer, host_family, op_family, remove_op_observer
 from dbo.split import split_batch
-from scenarios.model import Batch, ModelConfig, MoEModel
+from scenarios.model import PRESETS, Batch, ModelConfig, MoEModel
+from scenarios.tools import gpu_check
+from scenarios.tools.gpu_check import CheckCase
 from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
 
 __all__ = [
@@ -52,7 +68,9 @@ __all__ = [
     "host_costs_from_traces",
     "main",
     "materialize",
+    "model_calls",
     "overlap_rates_from_traces",
+    "plan_cases",
     "profile_calls",
     "record_calls",
     "table_row",
@@ -279,12 +297,81 @@ def profile_calls(
     return rows
 
 
-def model_calls(layers: int) -> list[OpCall]:
-    """The gpu_check model's ops (prefill and decode, serial and 2-ubatch DBO)."""
-    from scenarios.tools.gpu_check import cases  # the model gpu_check checks: one definition
+GPU_CHECK = "gpu-check"  # the default configuration: gpu_check's model and batches
+MODES = {"prefill": "ht", "decode": "ll"}  # step kind -> the model's comm mode
+PREFILL_REQUESTS = 4  # --tokens of prefill are split into this many equal prompts
+DECODE_CONTEXT = 1024  # KV-cache tokens per decode request (gpu_check's decode batch)
 
+
+def config_names() -> list[str]:
+    return [GPU_CHECK, *sorted(PRESETS)]
+
+
+def plan_cases(
+    config: str = GPU_CHECK,
+    *,
+    layers: int | None = None,
+    hidden: int | None = None,
+    experts: int | None = None,
+    top_k: int | None = None,
+    tokens: int | None = None,
+    mode: str = "both",
+) -> list[CheckCase]:
+    """The steps to record: a named configuration (gpu_check's model and batches, or a
+    `scenarios.model` preset) with overrides. Raises ValueError on a bad choice, before any
+    work. `layers` defaults to enough to see every kind of layer (the dense ones and one MoE
+    layer): distinct shapes repeat per layer. A float64 preset (made for value checks on the
+    CPU) is recorded in bf16, the dtype its kernels would run in on a GPU."""
+    if config not in config_names():
+        known = ", ".join(config_names())
+        raise ValueError(f"unknown --config {config!r}; choose one of {known}")
+    if mode not in ("both", *MODES):
+        raise ValueError(f"--mode must be prefill, decode or both, got {mode!r}")
+    for flag, value in (("layers", layers), ("hidden", hidden), ("experts", experts),
+                        ("top-k", top_k), ("tokens", tokens)):  # fmt: skip
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {value}")
+    if config == GPU_CHECK:
+        base = {c.mode: c for c in gpu_check.cases(1)}
+        model = base["ht"].config
+    else:
+        base = {}
+        model = PRESETS[config]
+    default_layers = min(model.num_layers, model.num_dense_layers + 1)
+    changes: dict[str, Any] = {"num_layers": layers or default_layers}
+    if model.dtype == torch.float64:  # a preset for CPU value checks: GPUs run it in bf16
+        changes["dtype"] = torch.bfloat16
+    if hidden is not None:
+        changes["hidden"] = hidden
+    if experts is not None:
+        changes["num_experts"] = experts
+    if top_k is not None:
+        changes["top_k"] = top_k
+    model = model.with_(**changes)
+    if model.top_k > model.num_experts:
+        raise ValueError(f"--top-k {model.top_k} exceeds the {model.num_experts} experts")
+    if tokens is not None and mode != "decode" and tokens % PREFILL_REQUESTS:
+        raise ValueError(
+            f"--tokens of a prefill must be a multiple of {PREFILL_REQUESTS} (its prompts)"
+        )
+    steps = [m for m in MODES if mode in ("both", m)]
+    out = []
+    for step in steps:
+        comm_mode = MODES[step]
+        if tokens is None and comm_mode in base:
+            batch = base[comm_mode].batch
+        elif step == "prefill":
+            batch = Batch.prefill(PREFILL_REQUESTS, (tokens or 4096) // PREFILL_REQUESTS)
+        else:
+            batch = Batch.decode(tokens or 128, DECODE_CONTEXT)
+        out.append(CheckCase(step, model, batch, comm_mode))
+    return out
+
+
+def model_calls(cases: Sequence[CheckCase]) -> list[OpCall]:
+    """The ops of each case's step, serial and 2-ubatch DBO."""
     calls: list[OpCall] = []
-    for case in cases(layers):
+    for case in cases:
         for ubatches in (None, 2):
             calls += record_calls(case.config, case.batch, case.mode, num_ubatches=ubatches)
     return calls
@@ -487,11 +574,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="table to write (default kernels.csv; host costs go to <stem>-host.json)",
     )
     p.add_argument(
+        "--config",
+        default=GPU_CHECK,
+        help=f"model to record: {', '.join(config_names())} (default {GPU_CHECK})",
+    )
+    p.add_argument(
         "--layers",
         type=int,
-        default=1,
-        help="model layers to record (distinct shapes repeat per layer)",
+        default=None,
+        help="model layers to record (default: the dense layers and one MoE layer; distinct "
+        "shapes repeat per layer)",
     )
+    p.add_argument("--hidden", type=int, help="override the model's hidden size")
+    p.add_argument("--experts", type=int, help="override the number of routed experts")
+    p.add_argument("--top-k", type=int, help="override the experts each token is routed to")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        help=f"tokens per step (prefill: {PREFILL_REQUESTS} equal prompts; decode: one per "
+        f"request, {DECODE_CONTEXT} tokens of context); default: gpu_check's batches",
+    )
+    p.add_argument("--mode", default="both", choices=("prefill", "decode", "both"))
     p.add_argument("--reps", type=int, default=5, help="timed graph replays per shape (median)")
     p.add_argument(
         "--host-from-trace",
@@ -510,8 +613,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.layers < 1 or args.reps < 1:
-        print("profile: --layers and --reps must be >= 1", file=sys.stderr)
+    if args.reps < 1:
+        print("profile: --reps must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        cases = plan_cases(
+            args.config, layers=args.layers, hidden=args.hidden, experts=args.experts,
+            top_k=args.top_k, tokens=args.tokens, mode=args.mode,
+        )  # fmt: skip
+    except ValueError as error:
+        print(f"profile: {error}", file=sys.stderr)
         return 2
     out = Path(args.out)
     if args.host_from_trace:
@@ -538,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(NO_GPU_MESSAGE, file=sys.stderr)
         return 2
-    calls = model_calls(args.layers)
+    calls = model_calls(cases)
     print(
         f"profile: {len(distinct_calls(calls))} distinct kernels on {torch.cuda.get_device_name()}",
         flush=True,

@@ -75,13 +75,6 @@ def _tensor(device: Device, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, device=device.torch_device)
 
 
-def _record_stream(device: Device, t: torch.Tensor, stream: Any) -> None:
-    if isinstance(device, SimDevice):
-        device.record_stream(t, stream)
-    else:
-        t.record_stream(stream.raw)
-
-
 # -------------------------------------------------------------------- the four seeded bugs
 
 
@@ -240,7 +233,7 @@ def _allocator_reuse(record: bool) -> Callable[[Device], None]:
             device.set_stream(comm)
             y.sum()  # the comm stream reads y
             if record:
-                _record_stream(device, y, comm)
+                dbo.record_stream(y, comm)  # the same line on CUDA and the simulator
             device.set_stream(compute)
             del y  # freed while the read may still be queued
             z = x + 1  # same size on compute: handed y's block
