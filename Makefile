@@ -8,7 +8,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: run test bench install clean
+.PHONY: run test lint bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ run: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The formatter and linter configuration lives in pyproject.toml ([tool.ruff]).
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: install
 	$(PY) -m scenarios bench
