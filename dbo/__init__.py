@@ -35,9 +35,6 @@ from dbo.ubatching import (
     set_forward_context,
 )
 
-# Last: dbo.verify imports the workspace package, which imports dbo.ubatching above.
-from dbo.verify import VerifyError, VerifyReport, verify
-
 __all__ = [
     "UBatchError",
     "UBatchTimeoutError",
@@ -76,3 +73,18 @@ __all__ = [
     "VerifyReport",
     "VerifyError",
 ]
+
+
+# `dbo.verify` (module `dbo.verification`) sits a layer above both this package's runtime and
+# `workspace` (it initialises a workspace for the user), while `workspace` imports
+# `dbo.ubatching`: importing it here would make `dbo` and `workspace` import each other. It is
+# loaded on first use instead.
+_VERIFY_NAMES = ("verify", "VerifyReport", "VerifyError")
+
+
+def __getattr__(name: str):
+    if name in _VERIFY_NAMES:
+        from dbo import verification  # the layer above; see _VERIFY_NAMES
+
+        return getattr(verification, name)
+    raise AttributeError(f"module 'dbo' has no attribute {name!r}")

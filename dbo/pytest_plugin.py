@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 
 import workspace
+from dbo._checks import as_int
 from dbo.sim import SimDevice
-from dbo.verify import VerifyReport, verify
+from dbo.verification import VerifyReport, verify
 
 __all__ = ["dbo_verify", "dbo_workspace", "sim_device"]
 
@@ -41,8 +42,7 @@ def dbo_workspace(request: pytest.FixtureRequest) -> Iterator[workspace.Workspac
     """The process-wide workspace manager for N ubatches (default 2; parametrize indirectly
     to change it), on the CPU tensors the simulated device computes with; reset after."""
     num = getattr(request, "param", DEFAULT_NUM_UBATCHES)
-    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-        raise ValueError(f"dbo_workspace: the ubatch count must be an int >= 1, got {num!r}")
+    as_int("dbo_workspace's ubatch count", num, minimum=1)
     workspace.reset_workspace_manager()  # a test never inherits another test's manager
     manager = workspace.init_workspace_manager("cpu", num)
     try:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from dbo._json import finite_or_none
+from dbo._json import json_safe
 from scenarios.harness import RunOptions
 
 if TYPE_CHECKING:  # for the annotation only: distributed imports this module
@@ -57,9 +57,7 @@ class ScenarioResult:
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        # Top-level fields only: details keep what the scenario put there.
-        fields = self.__dict__.items()
-        return {k: finite_or_none(v) if isinstance(v, float) else v for k, v in fields}
+        return json_safe(dict(self.__dict__))
 
 
 RunHalf = Callable[[RunOptions], ScenarioResult]

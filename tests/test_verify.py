@@ -269,9 +269,9 @@ def test_report_to_dict_is_json():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_ubatches": 1}, "num_ubatches must be an int >= 2"),
-        ({"num_ubatches": True}, "num_ubatches must be an int >= 2"),
-        ({"warmup": -1}, "warmup must be an int >= 0"),
+        ({"num_ubatches": 1}, r"num_ubatches .* must be >= 2"),
+        ({"num_ubatches": True}, r"num_ubatches .* must be an integer"),
+        ({"warmup": -1}, r"warmup .* must be >= 0"),
         ({"atol": float("nan")}, "atol must be a finite number"),
         ({"rtol": -1.0}, "rtol must be a finite number"),
         ({"timeout": 0}, "timeout must be a positive number"),

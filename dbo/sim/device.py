@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from dbo._checks import as_int
 from dbo.sim.cost import (
     COMM_MODES,
     GEMM_OPS,
@@ -334,23 +335,21 @@ class SimDevice(Device):
             tls.suspended = 0  # >0: ops run without being placed (graph replay, internals)
         return tls
 
-    _state = thread_state
-
     def current_stream(self) -> SimStream:
-        return self._state().stream
+        return self.thread_state().stream
 
     def set_stream(self, stream: Stream) -> None:
-        self._state().stream = self.check_stream(stream)
+        self.thread_state().stream = self.check_stream(stream)
 
     def current_ubatch(self) -> int | None:
-        ubatches = self._state().ubatches
+        ubatches = self.thread_state().ubatches
         return ubatches[-1] if ubatches else None
 
     @contextmanager
     def thread_scope(self, ubatch_id: int | None = None) -> Iterator[None]:
         """Attribute this thread's ops to `ubatch_id` and intercept them (dispatch mode for
         placement, function mode for host reads). Nested scopes only change the attribution."""
-        tls = self._state()
+        tls = self.thread_state()
         tls.ubatches.append(ubatch_id)
         entered_here = tls.modes is None
         try:
@@ -368,7 +367,7 @@ class SimDevice(Device):
     @contextmanager
     def suspended(self) -> Iterator[None]:
         """Run the block's torch ops unplaced (bookkeeping that is no device work)."""
-        tls = self._state()
+        tls = self.thread_state()
         tls.suspended += 1
         try:
             yield
@@ -505,7 +504,7 @@ class SimDevice(Device):
         kernels on two streams share the SMs: together no faster than one after the other);
         `fresh` storages were just allocated.
         """
-        tls = self._state()
+        tls = self.thread_state()
         if track is None:
             track = (stream or tls.stream)._track
         if ubatch == "current":
@@ -590,7 +589,7 @@ class SimDevice(Device):
         event = self._check_event(event)
         stream = self.check_stream(stream)
         self._record_on_track(event, stream._track)  # type: ignore[attr-defined]
-        if self._graph is not None and not self._state().replaying:
+        if self._graph is not None and not self.thread_state().replaying:
             self._graph.on_record(event, stream)
 
     def _record_on_track(self, event: SimEvent, track: _Track) -> None:
@@ -609,7 +608,7 @@ class SimDevice(Device):
                 track.free_at = max(track.free_at, event.time_us)  # type: ignore[arg-type]
                 _join(track.vc, event.vc)
                 self._note_wait(event, track)
-        if self._graph is not None and not self._state().replaying:
+        if self._graph is not None and not self.thread_state().replaying:
             self._graph.on_wait(stream, event)
 
     def _note_wait(self, event: SimEvent, track: _Track) -> None:
@@ -634,7 +633,7 @@ class SimDevice(Device):
             if until_us > self._host_us:
                 start = self._host_us
                 self._host_us = until_us
-                tls = self._state()
+                tls = self.thread_state()
                 self._append(
                     OpRecord(
                         seq=self._seq,
@@ -698,7 +697,7 @@ class SimDevice(Device):
         with self._lock:
             start = self._host_us
             self._host_us += cost_us
-            tls = self._state()
+            tls = self.thread_state()
             self._append(
                 OpRecord(
                     seq=self._seq,
@@ -730,12 +729,10 @@ class SimDevice(Device):
         themselves, but their accesses belong to the comm op (see Device.comm_region)."""
         if mode not in COMM_MODES:
             raise ValueError(f"mode must be one of {COMM_MODES}, got {mode!r}")
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
-            raise ValueError(f"ep_size must be a positive int, got {ep_size!r}")
+        nbytes = as_int("nbytes", nbytes)
+        ep_size = as_int("ep_size", ep_size, minimum=1)
         comm_link(self.profile, ep_size, link)  # validates `link`
-        tls = self._state()
+        tls = self.thread_state()
         if tls.comm is not None:
             raise RuntimeError(
                 f"comm_region({kind!r}) entered inside comm_region({tls.comm.kind!r}); "
@@ -771,7 +768,7 @@ class SimDevice(Device):
         args: dict[str, Any] = {"mode": region.mode, "ep_size": region.ep_size, "link": which}
         name = f"comm::{region.kind}"
         # A replayed graph writes the storages it captured: nothing is freshly allocated.
-        fresh = () if self._state().replaying else region.fresh
+        fresh = () if self.thread_state().replaying else region.fresh
         with self._lock:
             if region.mode == "ht":
                 share = profile.comm_sms / profile.num_sms
@@ -795,7 +792,7 @@ class SimDevice(Device):
                     writes=region.writes, args=args, launch=False, not_before=send.end_us,
                 )  # fmt: skip
                 self._record_on_track(event, link)
-        if self._graph is not None and not self._state().replaying:
+        if self._graph is not None and not self.thread_state().replaying:
             self._graph.on_comm(region, event)
 
     def _place_local(self, region: _CommRegion, event: SimEvent) -> None:
@@ -807,7 +804,7 @@ class SimDevice(Device):
         if region.op_fallback_us:
             args["fallback_us"] = region.op_fallback_us
         host = sum(profile.eager_host_us(host_family(n)) for n in region.op_names)
-        fresh = () if self._state().replaying else region.fresh
+        fresh = () if self.thread_state().replaying else region.fresh
         with self._lock:
             self.place_op(
                 f"comm::{region.kind}", region.op_us, kind=COMM, stream=region.stream,
@@ -815,7 +812,7 @@ class SimDevice(Device):
                 args=args, host_us=host, full_grid=True,
             )  # fmt: skip
             self._record_on_track(event, region.stream._track)
-        if self._graph is not None and not self._state().replaying:
+        if self._graph is not None and not self.thread_state().replaying:
             self._graph.on_comm(region, event)
 
     # ------------------------------------------------- internals for intercept, graph, checker

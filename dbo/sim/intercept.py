@@ -250,7 +250,7 @@ def _carry_profiler_range(device: SimDevice, func: Any, args: tuple) -> None:
     """`torch.profiler.record_function` enters and exits through these ops: carry them into
     the trace as named host ranges (`dbo.sim.ranges`)."""
     what = profiler_range_op(func)
-    if what is None or device._state().suspended:
+    if what is None or device.thread_state().suspended:
         return
     if what == ENTER:
         open_range(device, str(args[0]) if args else "?", "record_function")

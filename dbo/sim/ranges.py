@@ -52,7 +52,7 @@ def profiler_range_op(func: Any) -> str | None:
 
 
 def _open_stack(device: SimDevice) -> list[tuple[str, float, int | None, str]]:
-    tls = device._state()
+    tls = device.thread_state()
     stack = getattr(tls, "host_range_stack", None)
     if stack is None:
         stack = tls.host_range_stack = []

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import torch
 
 from dbo.sim.trace import WindowSpec
-from dbo.verify import VerifyReport, verify
+from dbo.verification import VerifyReport, verify
 from scenarios.tools.trace_window import window_type
 
 __all__ = ["add_parser", "load_attribute", "main", "run"]
@@ -242,7 +242,7 @@ def _raised_by_verify(error: BaseException) -> bool:
     innermost = None
     tb = error.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_globals.get("__name__") == "dbo.verify":
+        if tb.tb_frame.f_globals.get("__name__") == "dbo.verification":
             innermost = tb.tb_frame.f_code.co_name
         tb = tb.tb_next
     return innermost in _CHECKS

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 import workspace
+from dbo._checks import as_int
+from dbo._json import json_safe
 from dbo.devices import resolve_device, use_device
 from dbo.errors import YieldMismatchError
 from dbo.runner import merge_outputs, run_ubatches
@@ -154,24 +156,26 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON types only: races as their descriptions, the error as its type and text."""
-        return {
-            "ok": self.ok,
-            "outputs_match": self.outputs_match,
-            "max_abs_diff": self.max_abs_diff,
-            "mismatch": self.mismatch,
-            "races": {run: [r.describe() for r in found] for run, found in self.races.items()},
-            "error": None if self.error is None else _error_text(self.error),
-            "error_type": None if self.error is None else type(self.error).__name__,
-            "yield_counts": self.yield_counts,
-            "step_us_serial": self.step_us_serial,
-            "step_us_dbo": self.step_us_dbo,
-            "speedup": None if math.isnan(self.speedup) else self.speedup,
-            "roofline_fraction": self.roofline_fraction,
-            "num_ubatches": self.num_ubatches,
-            "device": self.device,
-            "trace": self.trace,
-            "timeline_png": self.timeline_png,
-        }
+        return json_safe(
+            {
+                "ok": self.ok,
+                "outputs_match": self.outputs_match,
+                "max_abs_diff": self.max_abs_diff,
+                "mismatch": self.mismatch,
+                "races": {run: [r.describe() for r in found] for run, found in self.races.items()},
+                "error": None if self.error is None else _error_text(self.error),
+                "error_type": None if self.error is None else type(self.error).__name__,
+                "yield_counts": self.yield_counts,
+                "step_us_serial": self.step_us_serial,
+                "step_us_dbo": self.step_us_dbo,
+                "speedup": self.speedup,
+                "roofline_fraction": self.roofline_fraction,
+                "num_ubatches": self.num_ubatches,
+                "device": self.device,
+                "trace": self.trace,
+                "timeline_png": self.timeline_png,
+            }
+        )
 
 
 def _yes_no(flag: bool) -> str:
@@ -224,16 +228,11 @@ def _check_args(
         raise TypeError(
             f"forward must be callable (forward(batch) -> output), got {type(forward).__name__}"
         )
-    if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int) or num_ubatches < 2:
-        raise ValueError(
-            f"num_ubatches must be an int >= 2 (DBO needs two ubatches or more), "
-            f"got {num_ubatches!r}"
-        )
+    as_int("num_ubatches (DBO needs two ubatches or more)", num_ubatches, minimum=2)
     for name, fn in (("split", split), ("merge", merge)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0 (steps run before measuring), got {warmup!r}")
+    as_int("warmup (steps run before measuring)", warmup)
     for name, tol in (("atol", atol), ("rtol", rtol)):
         if (
             isinstance(tol, bool)
