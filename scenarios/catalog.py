@@ -53,7 +53,7 @@ __all__ = [
 def run_scenario(name: str, opts: RunOptions) -> ScenarioResult:
     """Run one scenario; an unexpected exception is a failed verdict, never a crash."""
     if name not in SCENARIOS:
-        raise ValueError(f"unknown scenario {name!r}; `python -m scenarios list` shows them")
+        raise ValueError(f"unknown scenario {name!r}; `dbo-sim list` shows them")
     run = SCENARIOS[name].run
     if run is None:
         raise ValueError(f"scenario {name!r} runs only across ranks; pass --ranks N")
@@ -73,7 +73,9 @@ def run_scenario(name: str, opts: RunOptions) -> ScenarioResult:
     return result
 
 
-def _from_comparison(name: str, c: Comparison, **details: Any) -> ScenarioResult:
+def result_from_comparison(name: str, c: Comparison, **details: Any) -> ScenarioResult:
+    """A serial-vs-DBO comparison as a scenario verdict: outputs match, no race, nothing
+    allocated in the measured step; `details` land in the JSON report."""
     races = len(c.dbo.races) + len(c.serial.races)
     summary = c.dbo.summary
     passed = c.outputs_match and races == 0 and c.dbo.allocations_during_step == 0
@@ -123,7 +125,7 @@ TINY_PREFILL = Batch(query_start_loc=(0, 40, 70, 128, 160), context_lens=(0, 0, 
 )
 def _moe_decode_ll(opts: RunOptions) -> ScenarioResult:
     c = compare_serial_dbo("moe-decode-ll", preset("tiny"), TINY_DECODE, "ll", opts)
-    return _from_comparison("moe-decode-ll", c, mode="ll", tokens=TINY_DECODE.num_tokens)
+    return result_from_comparison("moe-decode-ll", c, mode="ll", tokens=TINY_DECODE.num_tokens)
 
 
 @scenario(
@@ -135,14 +137,14 @@ def _moe_decode_ll(opts: RunOptions) -> ScenarioResult:
 )
 def _moe_prefill_ht(opts: RunOptions) -> ScenarioResult:
     c = compare_serial_dbo("moe-prefill-ht", preset("tiny"), TINY_PREFILL, "ht", opts)
-    return _from_comparison("moe-prefill-ht", c, mode="ht", tokens=TINY_PREFILL.num_tokens)
+    return result_from_comparison("moe-prefill-ht", c, mode="ht", tokens=TINY_PREFILL.num_tokens)
 
 
 @scenario("three-ubatches", "The prefill workload split into 3 ubatches round the ring", cuda=True)
 def _three_ubatches(opts: RunOptions) -> ScenarioResult:
     three = RunOptions(**{**opts.__dict__, "num_ubatches": 3})
     c = compare_serial_dbo("three-ubatches", preset("tiny"), TINY_PREFILL, "ht", three)
-    return _from_comparison("three-ubatches", c, num_ubatches=3)
+    return result_from_comparison("three-ubatches", c, num_ubatches=3)
 
 
 # The same schedules at DeepSeek-V3 size on `meta` tensors: timing only (no values), to show
@@ -157,7 +159,7 @@ DSV3_DECODE = Batch.decode(num_requests=256, context_len=2048)  # 256 tokens per
 )
 def _dsv3_prefill(opts: RunOptions) -> ScenarioResult:
     c = compare_serial_dbo("dsv3-prefill-ht", preset("deepseek-v3"), DSV3_PREFILL, "ht", opts)
-    return _from_comparison("dsv3-prefill-ht", c, mode="ht", tokens=DSV3_PREFILL.num_tokens)
+    return result_from_comparison("dsv3-prefill-ht", c, mode="ht", tokens=DSV3_PREFILL.num_tokens)
 
 
 @scenario(
@@ -171,7 +173,7 @@ def _dsv3_decode(opts: RunOptions) -> ScenarioResult:
     c = compare_serial_dbo(
         "dsv3-decode-ll", preset("deepseek-v3"), DSV3_DECODE, "ll", opts, graph=True
     )
-    return _from_comparison(
+    return result_from_comparison(
         "dsv3-decode-ll", c, mode="ll", tokens=DSV3_DECODE.num_tokens, graph_replay=True
     )
 

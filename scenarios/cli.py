@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import torch
 
 from dbo.sim import profile_from_name
+from dbo.sim.hardware import PROFILES
 from scenarios import distributed
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
@@ -174,7 +175,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile",
         default="h200",
-        help="hardware profile of the simulated device: h200, h100, h800, b200",
+        help=f"hardware profile of the simulated device: {', '.join(PROFILES)}",
     )
     p.add_argument("--out", default="out", help="folder for traces, timelines, CSV (default: out/)")
     p.add_argument("--no-artifacts", action="store_true", help="write no trace or PNG files")
@@ -275,9 +276,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     ]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
-        raise UsageError(
-            f"unknown scenario(s) {', '.join(unknown)}; `python -m scenarios list` shows them"
-        )
+        raise UsageError(f"unknown scenario(s) {', '.join(unknown)}; `dbo-sim list` shows them")
     sim_only = [n for n in names if args.device != "sim" and not SCENARIOS[n].cuda]
     if sim_only and not across_ranks:
         raise UsageError(

@@ -3,7 +3,7 @@
 A full-size step (61 layers, tens of thousands of ops) draws as a barcode; the window redraws
 each written trace from the file, keeping only the ops that overlap a time range
 (`START:END`, virtual microseconds) or a run of MoE layers (`layers=A:B`, counted by the
-dispatches of the first ubatch), into `NAME.window.trace.json` and `NAME.window.png` beside
+dispatches of the first ubatch), into `NAME.nN.rR.window.trace.json` and `.window.png` beside
 the full ones.
 """
 
@@ -36,8 +36,8 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
         type=window_type,
         default=None,
         metavar="START:END|layers=A:B",
-        help="also write NAME.window.{trace.json,png}: only virtual microseconds START to END, "
-        "or MoE layers A to B-1",
+        help="also write NAME.nN.rR.window.{trace.json,png}: only virtual microseconds START "
+        "to END, or MoE layers A to B-1",
     )
 
 
