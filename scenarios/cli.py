@@ -15,9 +15,10 @@ import math
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NoReturn
 
 import torch
@@ -34,6 +35,7 @@ from scenarios.tools import profile as profile_tool
 from scenarios.tools import stress as stress_tool
 from scenarios.tools import sweep as sweep_tool
 from scenarios.tools.progress import Progress
+from scenarios.tools.usage import UsageError, writable_dir
 
 # The scenarios' smallest batches split into at most this many ubatches with a real token each.
 MAX_UBATCHES = 8
@@ -42,10 +44,6 @@ MAX_STRESS_THREADS = 1024
 MAX_STRESS_LANES = 64  # slots are threads x lanes; vLLM's engines use a handful of lanes
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
-
-
-class UsageError(Exception):
-    """A bad command line: `main` prints it after "dbo-sim: " and exits 2."""
 
 
 class Interrupted(Exception):
@@ -102,27 +100,6 @@ def _timeout(text: str) -> float:
     return value
 
 
-def _writable_dir(path: Path, flag: str = "--out", shown: Path | None = None) -> None:
-    """Create `path` if needed and prove a file can be written there, before any work."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as error:
-        why = error.strerror or type(error).__name__
-        where = "this folder" if shown is None else f"its folder {path}"
-        raise UsageError(
-            f"{flag} {shown or path}: cannot create or write {where} ({why}); choose another"
-        ) from None
-
-
-def _writable_file(path: Path, flag: str = "--out") -> None:
-    """`path` can be written as a file: its folder is writable and it is not a folder."""
-    if path.is_dir():
-        raise UsageError(f"{flag} {path}: is a folder; give a file name")
-    _writable_dir(path.parent, flag, shown=path)
-
-
 def _version() -> str:
     try:
         return importlib.metadata.version("dbo-sim")
@@ -148,7 +125,7 @@ def _options(args: argparse.Namespace) -> RunOptions:
     except ValueError as error:
         raise UsageError(f"--profile: {error}") from None
     if not args.no_artifacts:
-        _writable_dir(Path(args.out))
+        writable_dir(Path(args.out))
     return RunOptions(
         num_ubatches=args.ubatches,
         device=args.device,
@@ -370,7 +347,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise UsageError(problem)
     opts = _options(args)
     out = Path(args.out)
-    _writable_dir(out)
+    writable_dir(out)
     sink = sweep_tool.CsvSink(out / "sweep.csv")
     if not args.json:
         layers = f"{args.layers} of 61 layers" if args.layers else "61 layers"
@@ -476,30 +453,145 @@ def cmd_stress(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    _writable_dir(Path(args.out))
-    return bench_tool.main(args)
+def _list_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object per scenario and line")
 
 
-def cmd_gpu_check(args: argparse.Namespace) -> int:
-    if not args.sim_only and not torch.cuda.is_available():
-        raise UsageError(gpu_check.NO_GPU_MESSAGE)
-    _writable_file(Path(args.out))
-    return gpu_check.main(args.tool_argv)
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("names", nargs="*", help="scenario names (see `list`)")
+    _add_common(p)
+    p.add_argument(
+        "--ranks",
+        type=_positive_int,
+        default=1,
+        help="run across this many local processes (gloo on 127.0.0.1), one rank each; "
+        "torchrun sets the ranks itself",
+    )
+    trace_window.add_argument(p)
 
 
-def cmd_calibrate_host(args: argparse.Namespace) -> int:
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError(calibrate_host.NO_GPU_MESSAGE)
-    return calibrate_host.main(args.tool_argv)
+def _sweep_arguments(p: argparse.ArgumentParser) -> None:
+    _add_common(p)
+    p.add_argument(
+        "--decode", type=_positive_int, nargs="+", help="decode tokens per device to try"
+    )
+    p.add_argument(
+        "--prefill", type=_positive_int, nargs="+", help="prefill tokens per device to try"
+    )
+    p.add_argument(
+        "--context",
+        type=_positive_int,
+        default=sweep_tool.DECODE_CONTEXT,
+        help=f"KV-cache tokens per decode request (default {sweep_tool.DECODE_CONTEXT}, "
+        "as dsv3-decode-ll)",
+    )
+    p.add_argument(
+        "--layers",
+        type=_positive_int,
+        default=None,
+        help="fewer layers than DeepSeek-V3's 61 (faster); dense and MoE layers kept in proportion",
+    )
 
 
-def cmd_fidelity(args: argparse.Namespace) -> int:
-    return fidelity_tool.run_command(args)
+def _stress_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads",
+        type=_int_in(1, MAX_STRESS_THREADS),
+        default=8,
+        help="ubatch threads (default 8)",
+    )
+    p.add_argument("--iterations", type=_positive_int, default=2000, help="requests per thread")
+    p.add_argument(
+        "--lanes",
+        type=_int_in(1, MAX_STRESS_LANES),
+        default=1,
+        help="workspace lanes each thread spreads its requests over (default 1)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--timeout",
+        type=_timeout,
+        default=120.0,
+        help="seconds for the whole run; a run cut short by it fails (default 120)",
+    )
+    p.add_argument("--json", action="store_true")
 
 
-def cmd_profile(args: argparse.Namespace) -> int:
-    return profile_tool.main(args.profile_args)
+@dataclass(frozen=True)
+class _Local:
+    """A verb written in this module, shaped like a tool module: `add_arguments` and `run`."""
+
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    DESCRIPTION: str | None = None
+
+
+@dataclass(frozen=True)
+class Verb:
+    """One `dbo-sim` verb: its name, its line in `dbo-sim --help`, and what it runs: a tool
+    module (or a `_Local`) with `add_arguments(parser)` and `run(args) -> int`, looked up when
+    the parser is built. Its `--help` description is the tool's DESCRIPTION, else the first
+    line of its docstring."""
+
+    name: str
+    help: str
+    tool: Any
+
+    def description(self) -> str | None:
+        described = getattr(self.tool, "DESCRIPTION", None)
+        if described or not isinstance(self.tool, ModuleType):
+            return described
+        return (self.tool.__doc__ or "").strip().splitlines()[0] or None
+
+
+# Every verb, in `dbo-sim --help` order.
+VERBS: tuple[Verb, ...] = (
+    Verb("list", "list the scenarios", _Local(_list_arguments, cmd_list)),
+    Verb(
+        "run",
+        "run scenarios (default: every default scenario on the simulated device)",
+        _Local(_run_arguments, cmd_run),
+    ),
+    Verb(
+        "sweep",
+        "DBO speedup against tokens per device (CSV + PNG)",
+        _Local(_sweep_arguments, cmd_sweep),
+    ),
+    Verb(
+        "stress",
+        "concurrent workspace slot access with growth and lock/unlock",
+        _Local(_stress_arguments, cmd_stress),
+    ),
+    Verb("bench", "benchmarks, each a ratio against a baseline in the same run", bench_tool),
+    Verb(
+        "fidelity",
+        "the simulator against published DBO/TBO and DeepEP results, side by side",
+        fidelity_tool,
+    ),
+    Verb(
+        "profile", "time this GPU's kernels into a table the simulator loads (CUDA)", profile_tool
+    ),
+    Verb(
+        "verify",
+        "verify your own forward under DBO (serial vs ubatched, races, errors)",
+        verify_cli,
+    ),
+    Verb(
+        "gpu-check",
+        "real CUDA streams against the simulated H200 (needs a GPU, or --sim-only)",
+        gpu_check,
+    ),
+    Verb(
+        "calibrate-host",
+        "this host's launch and handoff costs, for a profile (needs a GPU, or --device sim)",
+        calibrate_host,
+    ),
+    Verb(
+        "race-check",
+        "seeded race programs: the simulator's checker and torch's CSAN side by side",
+        race_check,
+    ),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -509,121 +601,10 @@ def build_parser() -> argparse.ArgumentParser:
     version = f"dbo-sim {_version()} (torch {torch.__version__})"
     parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command")
-    listing = sub.add_parser("list", help="list the scenarios")
-    listing.add_argument(
-        "--json", action="store_true", help="one JSON object per scenario and line"
-    )
-    listing.set_defaults(func=cmd_list)
-    run = sub.add_parser(
-        "run", help="run scenarios (default: every default scenario on the simulated device)"
-    )
-    run.add_argument("names", nargs="*", help="scenario names (see `list`)")
-    _add_common(run)
-    run.add_argument(
-        "--ranks",
-        type=_positive_int,
-        default=1,
-        help="run across this many local processes (gloo on 127.0.0.1), one rank each; "
-        "torchrun sets the ranks itself",
-    )
-    trace_window.add_argument(run)
-    run.set_defaults(func=cmd_run)
-    sweep = sub.add_parser("sweep", help="DBO speedup against tokens per device (CSV + PNG)")
-    _add_common(sweep)
-    sweep.add_argument(
-        "--decode", type=_positive_int, nargs="+", help="decode tokens per device to try"
-    )
-    sweep.add_argument(
-        "--prefill", type=_positive_int, nargs="+", help="prefill tokens per device to try"
-    )
-    sweep.add_argument(
-        "--context",
-        type=_positive_int,
-        default=sweep_tool.DECODE_CONTEXT,
-        help=f"KV-cache tokens per decode request (default {sweep_tool.DECODE_CONTEXT}, "
-        "as dsv3-decode-ll)",
-    )
-    sweep.add_argument(
-        "--layers",
-        type=_positive_int,
-        default=None,
-        help="fewer layers than DeepSeek-V3's 61 (faster); dense and MoE layers kept in proportion",
-    )
-    sweep.set_defaults(func=cmd_sweep)
-    stress = sub.add_parser(
-        "stress", help="concurrent workspace slot access with growth and lock/unlock"
-    )
-    stress.add_argument(
-        "--threads",
-        type=_int_in(1, MAX_STRESS_THREADS),
-        default=8,
-        help="ubatch threads (default 8)",
-    )
-    stress.add_argument(
-        "--iterations", type=_positive_int, default=2000, help="requests per thread"
-    )
-    stress.add_argument(
-        "--lanes",
-        type=_int_in(1, MAX_STRESS_LANES),
-        default=1,
-        help="workspace lanes each thread spreads its requests over (default 1)",
-    )
-    stress.add_argument("--seed", type=int, default=0)
-    stress.add_argument(
-        "--timeout",
-        type=_timeout,
-        default=120.0,
-        help="seconds for the whole run; a run cut short by it fails (default 120)",
-    )
-    stress.add_argument("--json", action="store_true")
-    stress.set_defaults(func=cmd_stress)
-    bench = sub.add_parser(
-        "bench", help="benchmarks, each a ratio against a baseline in the same run"
-    )
-    bench.add_argument("--quick", action="store_true", help="a short smoke run (CI)")
-    bench.add_argument("--out", default="out", help="folder for bench.json")
-    bench.add_argument("--json", action="store_true")
-    bench.set_defaults(func=cmd_bench)
-    fidelity = sub.add_parser(
-        "fidelity", help="the simulator against published DBO/TBO and DeepEP results, side by side"
-    )
-    fidelity.add_argument(
-        "--quick", action="store_true", help="fewer layers and points (seconds, for CI)"
-    )
-    fidelity.add_argument("--json", action="store_true", help="print the report as JSON")
-    fidelity.set_defaults(func=cmd_fidelity)
-    profile = sub.add_parser(
-        "profile",
-        add_help=False,
-        prefix_chars="\x00",  # every argument goes to the tool
-        help="time this GPU's kernels into a table the simulator loads (CUDA)",
-    )
-    profile.add_argument("profile_args", nargs="*", help="see `dbo-sim profile --help`")
-    profile.set_defaults(func=cmd_profile)
-    verify_cli.add_parser(sub)
-    # The GPU tools keep their own parsers (they also run as modules); these verbs borrow them.
-    check = sub.add_parser(
-        "gpu-check",
-        parents=[gpu_check.build_parser()],
-        add_help=False,
-        help="real CUDA streams against the simulated H200 (needs a GPU, or --sim-only)",
-        description=gpu_check.__doc__.splitlines()[0],
-    )
-    check.set_defaults(func=cmd_gpu_check)
-    calibrate = sub.add_parser(
-        "calibrate-host",
-        parents=[calibrate_host.build_parser()],
-        add_help=False,
-        help="this host's launch and handoff costs, for a profile (needs a GPU, or --device sim)",
-        description=calibrate_host.build_parser().description,
-    )
-    calibrate.set_defaults(func=cmd_calibrate_host)
-    checks = sub.add_parser(
-        "race-check", description=race_check.DESCRIPTION,
-        help="seeded race programs: the simulator's checker and torch's CSAN side by side",
-    )  # fmt: skip
-    race_check.add_arguments(checks)
-    checks.set_defaults(func=race_check.run_command)
+    for verb in VERBS:
+        verb_parser = sub.add_parser(verb.name, help=verb.help, description=verb.description())
+        verb.tool.add_arguments(verb_parser)
+        verb_parser.set_defaults(func=verb.tool.run)
     return parser
 
 
@@ -656,7 +637,6 @@ def _parse_and_run(argv: list[str]) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
-    args.tool_argv = argv[1:]  # what a verb that borrows a tool's parser hands that tool
     return args.func(args)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scenarios.tools.bench.races import bench_races, main
+from scenarios.tools.bench.races import bench_races
 
 
 @pytest.mark.parametrize("list_op", [False, True])
@@ -15,9 +15,8 @@ def test_bench_reports_positive_per_op_times_for_a_race_free_mix(list_op: bool) 
     assert result.list_op is list_op
 
 
-def test_main_prints_the_ratio(capsys) -> None:
-    assert main(["2", "1"]) == 0
-    out = capsys.readouterr().out
+def test_the_description_gives_the_ratio_and_the_checkers_share() -> None:
+    out = bench_races(rounds=2, reps=1).describe()
     assert "checked/unchecked" in out and "checker" in out
 
 

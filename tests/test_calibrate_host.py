@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from scenarios.tools.calibrate_host import main
+from scenarios.cli import main
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_sim_calibration_measures_a_handoff_and_no_launches(capsys):
-    assert main(["--device", "sim", "--quick", "--json"]) == 0
+    assert main(["calibrate-host", "--device", "sim", "--quick", "--json"]) == 0
     costs = json.loads(capsys.readouterr().out)
     assert costs["device"] == "sim"
     assert costs["handoff_us"] > 0
@@ -22,14 +22,14 @@ def test_sim_calibration_measures_a_handoff_and_no_launches(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_calibration_without_a_gpu_says_so_and_exits_2(capsys):
-    assert main(["--device", "cuda"]) == 2
+    assert main(["calibrate-host", "--device", "cuda"]) == 2
     assert "no CUDA GPU present" in capsys.readouterr().err
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_calibration_measures_launches_and_a_handoff(capsys):
-    assert main(["--device", "cuda", "--quick", "--json"]) == 0
+    assert main(["calibrate-host", "--device", "cuda", "--quick", "--json"]) == 0
     costs = json.loads(capsys.readouterr().out)
     assert (
         costs["elementwise_launch_us"] > 0

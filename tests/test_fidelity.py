@@ -12,6 +12,7 @@ import torch
 from dbo.sim import H800, SimDevice
 from dbo.sim.cost import aliased_input_bytes, flop_formula, node_dedup_share
 from scenarios.catalog import TINY_DECODE, TINY_PREFILL
+from scenarios.cli import build_parser
 from scenarios.cli import main as cli_main
 from scenarios.harness import RunOptions, compare_serial_dbo
 from scenarios.model import Batch, MoEModel, preset
@@ -284,7 +285,10 @@ def test_quick_report_shows_graphs_removing_the_eager_host_bound_time(
 
 def test_gpu_check_sim_half_and_report(tmp_path, capsys) -> None:
     out = tmp_path / "gpu_check.json"
-    assert gpu_check.main(["--sim-only", "--layers", "2", "--reps", "2", "--out", str(out)]) == 0
+    assert (
+        cli_main(["gpu-check", "--sim-only", "--layers", "2", "--reps", "2", "--out", str(out)])
+        == 0
+    )
     report = json.loads(out.read_text())
     assert [c["case"] for c in report["cases"]] == ["prefill", "decode"]
     for case in report["cases"]:
@@ -302,11 +306,11 @@ def test_gpu_check_configs_and_arguments() -> None:
     assert (
         prefill.config.ep_size == 1 and prefill.batch.num_tokens == 4096 and decode.batch.is_decode
     )
-    args = gpu_check.build_parser().parse_args(
-        ["--reps", "5", "--only", "decode", "--out", "x.json"]
+    args = build_parser().parse_args(
+        ["gpu-check", "--reps", "5", "--only", "decode", "--out", "x.json"]
     )
     assert (args.reps, args.only, args.out, args.sim_only) == (5, "decode", "x.json", False)
-    assert gpu_check.main(["--reps", "0", "--sim-only"]) == 2
+    assert cli_main(["gpu-check", "--reps", "0", "--sim-only"]) == 2
 
 
 @pytest.mark.parametrize("mode", ["ht", "ll"])
@@ -334,7 +338,10 @@ def test_gpu_check_reports_the_simulated_host_time_and_says_when_it_stays_ahead(
 ) -> None:
     out = tmp_path / "gpu_check.json"
     assert (
-        gpu_check.main(["--sim-only", "--layers", "1", "--only", "decode", "--out", str(out)]) == 0
+        cli_main(
+            ["gpu-check", "--sim-only", "--layers", "1", "--only", "decode", "--out", str(out)]
+        )
+        == 0
     )
     timings = json.loads(out.read_text())["cases"][0]["timings"]
     for variant in ("serial-graph", "dbo-graph"):  # a replay costs the host one graph launch
@@ -352,7 +359,7 @@ def test_gpu_check_reports_the_simulated_host_time_and_says_when_it_stays_ahead(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the check would run")
 def test_gpu_check_says_no_gpu_and_exits_2(capsys, tmp_path) -> None:
-    assert gpu_check.main(["--out", str(tmp_path / "x.json")]) == 2
+    assert cli_main(["gpu-check", "--out", str(tmp_path / "x.json")]) == 2
     assert "no CUDA GPU present" in capsys.readouterr().err  # on stderr, as calibrate_host says it
     assert not (tmp_path / "x.json").exists()
 
@@ -373,8 +380,9 @@ def test_gpu_check_scores_the_simulation_against_a_stored_run(tmp_path, capsys) 
     stored = _stored_run(tmp_path, 1, scale=1 / 8)  # one layer of the measured eight
     out = tmp_path / "gpu_check.json"
     assert (
-        gpu_check.main(
+        cli_main(
             [
+                "gpu-check",
                 "--sim-only",
                 "--layers",
                 "1",
@@ -400,8 +408,9 @@ def test_gpu_check_scores_the_simulation_against_a_stored_run(tmp_path, capsys) 
 def test_gpu_check_refuses_a_stored_run_of_another_size(tmp_path, capsys) -> None:
     stored = _stored_run(tmp_path, 8)
     assert (
-        gpu_check.main(
+        cli_main(
             [
+                "gpu-check",
                 "--sim-only",
                 "--layers",
                 "2",

@@ -13,6 +13,7 @@ import torch
 from dbo.sim import SimDevice
 from dbo.sim.cost import OpCall, add_op_observer, remove_op_observer
 from dbo.sim.tables import load_table
+from scenarios.cli import main as cli_main
 from scenarios.model import Batch
 from scenarios.tools import gpu_check, profile
 
@@ -112,9 +113,9 @@ def profile_from_table(path: str):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the profiler would run")
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path, capsys) -> None:
     out = tmp_path / "x.csv"
-    assert profile.main(["--out", str(out)]) == 2
+    assert cli_main(["profile", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no CUDA GPU" in err
+    assert err.count("\n") == 1 and err.startswith("dbo-sim: no CUDA GPU present: nothing to time")
     assert not out.exists()
 
 
@@ -157,8 +158,14 @@ def test_host_costs_from_traces_follow_the_stated_rules(tmp_path) -> None:
 
 def test_host_from_trace_needs_the_bare_op_time(tmp_path, capsys) -> None:
     assert (
-        profile.main(
-            ["--host-from-trace", str(tmp_path / "a.json.gz"), "--out", str(tmp_path / "t.csv")]
+        cli_main(
+            [
+                "profile",
+                "--host-from-trace",
+                str(tmp_path / "a.json.gz"),
+                "--out",
+                str(tmp_path / "t.csv"),
+            ]
         )
         == 2
     )
@@ -167,8 +174,6 @@ def test_host_from_trace_needs_the_bare_op_time(tmp_path, capsys) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the profiler would run")
 def test_dbo_sim_profile_passes_its_arguments_to_the_tool(tmp_path, capsys) -> None:
-    from scenarios.cli import main as cli_main
-
     assert cli_main(["profile", "--out", str(tmp_path / "x.csv"), "--layers", "1"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
 
@@ -259,7 +264,7 @@ def test_the_recorded_calls_follow_the_chosen_configuration() -> None:
 )
 def test_bad_model_options_are_refused_before_any_work(argv, says, tmp_path, capsys) -> None:
     out = tmp_path / "x.csv"
-    assert profile.main([*argv, "--out", str(out)]) == 2
+    assert cli_main(["profile", *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert says in err and "no CUDA GPU" not in err
     assert not out.exists()

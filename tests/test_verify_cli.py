@@ -3,6 +3,7 @@ folder: exit 0 when ok, 1 when not, 2 (one line) on a bad command line."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import textwrap
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from scenarios.cli import main
+from scenarios.tools import verify_cli
 from workspace import reset_workspace_manager
 
 USER_MODULE = textwrap.dedent(
@@ -182,8 +184,9 @@ def test_cuda_without_a_gpu_is_a_bad_command_line(user_module, capsys):
 
 
 @pytest.mark.timeout(60)
-def test_the_verb_runs_on_its_own(user_module, capsys):
-    from scenarios.tools.verify_cli import main as verify_main
-
-    assert verify_main(["user_model:forward", "--inputs", "user_model:make_batch"]) == 0
-    assert verify_main(["user_model:forward"]) == 2
+def test_the_tool_runs_from_any_parser_its_arguments_were_added_to(user_module, capsys):
+    parser = argparse.ArgumentParser()
+    verify_cli.add_arguments(parser)
+    args = parser.parse_args(["user_model:forward", "--inputs", "user_model:make_batch"])
+    assert verify_cli.run(args) == 0
+    assert "ok" in capsys.readouterr().out.lower()

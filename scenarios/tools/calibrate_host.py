@@ -1,7 +1,7 @@
 """Measure this host's launch and handoff costs, the two host numbers of a hardware profile.
 
-`dbo-sim calibrate-host` (or `python -m scenarios.tools.calibrate_host`) times, on the machine
-it runs on (a CUDA GPU by default; `--device sim` measures the handoff alone, on any machine):
+`dbo-sim calibrate-host` times, on the machine it runs on (a CUDA GPU by default; `--device sim`
+measures the handoff alone, on any machine):
 - `launch_us`: host time of one eager torch op from Python (a tiny elementwise kernel and a
   small cuBLAS matmul; the profile's value is a typical model op between the two);
 - `handoff_us`: host time of one `dbo_yield` between two ubatch threads, through
@@ -19,9 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -29,7 +28,9 @@ import torch
 import dbo
 from dbo.devices import resolve_device
 from dbo.streams import Device
+from scenarios.tools.usage import UsageError
 
+DESCRIPTION = __doc__.splitlines()[0] + " Needs a CUDA GPU unless --device sim."
 NO_GPU_MESSAGE = (
     "no CUDA GPU present: nothing to measure (`--device sim` measures the handoff alone)"
 )
@@ -96,11 +97,7 @@ def calibrate(device_name: str, *, quick: bool = False) -> HostCosts:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m scenarios.tools.calibrate_host",
-        description=__doc__.splitlines()[0] + " Needs a CUDA GPU unless --device sim.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
         choices=["cuda", "sim"],
@@ -109,14 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """`dbo-sim calibrate-host`: measure and print; refuses before any work without a GPU."""
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"calibrate_host: {NO_GPU_MESSAGE}", file=sys.stderr)
-        return 2
+        raise UsageError(NO_GPU_MESSAGE)
     costs = calibrate(args.device, quick=args.quick)
     if args.json:
         print(json.dumps(asdict(costs)))
@@ -130,7 +125,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  eager launch, 64x64 matmul:        {fmt(costs.matmul_launch_us)}")
     print(f"  dbo_yield handoff:                 {fmt(costs.handoff_us)}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

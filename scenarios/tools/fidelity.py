@@ -2,8 +2,8 @@
 
 One job: re-run each published experiment on the simulated device, as closely as the model
 allows, and print one row per published figure (what, published, simulated, delta, whether it
-is within its target, and the assumptions that produced it). `python -m scenarios fidelity
-[--quick] [--json]`.
+is within its target, and the assumptions that produced it). `dbo-sim fidelity [--quick]
+[--json]`.
 
 The published figures (sources beside each constant below):
 - SGLang two-batch overlap (TBO) on DeepSeek-V3, 96 H100 with prefill/decode disaggregation
@@ -59,7 +59,8 @@ __all__ = [
     "vllm_rows",
     "run_fidelity",
     "format_table",
-    "main",
+    "add_arguments",
+    "run",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -726,12 +727,6 @@ def format_table(report: FidelityReport) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dbo-sim fidelity", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run_command(parser.parse_args(argv))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="fewer layers and points (seconds, for CI)"
@@ -739,7 +734,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def run_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """The table (or JSON). Exit status 0 whether or not every target is met: the table is the
     result; a missed target is a finding, not a failure of the command."""
     report = run_fidelity(args.quick)
@@ -748,7 +743,3 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         print(format_table(report))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -24,9 +24,9 @@ The GPU half is device-agnostic up to three CUDA calls (`dbo.CudaDevice()`, CUDA
 `torch.cuda.empty_cache`): `measure_case(..., device=SimDevice(), timer=virtual_timer(d))`
 runs the same warm-up, lock, capture and replay sequence on a CPU, which the tests do.
 
-    python -m scenarios.tools.gpu_check [--out gpu_check.json] [--reps 10] [--warmup 3] [--layers 8]
-    python -m scenarios.tools.gpu_check --sim-only      # the simulated half alone (any machine)
-    python -m scenarios.tools.gpu_check --sim-only --against FILE   # vs a stored gpu_check JSON
+    dbo-sim gpu-check [--out gpu_check.json] [--reps 10] [--warmup 3] [--layers 8]
+    dbo-sim gpu-check --sim-only      # the simulated half alone (any machine)
+    dbo-sim gpu-check --sim-only --against FILE   # vs a stored gpu_check JSON
 
 Validation: with measured times (this GPU's, or a stored report's: `--against FILE`, and by
 default under --sim-only the H200 report shipped in dbo/sim/tables when the layer count
@@ -49,7 +49,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ import dbo
 from scenarios.model import Batch, ModelConfig, MoEModel
 from scenarios.steps import serial_step, ubatched_step
 from scenarios.tools.fidelity import simulate_step
+from scenarios.tools.usage import UsageError, writable_file
 from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
 
 __all__ = [
@@ -71,7 +72,8 @@ __all__ = [
     "measure_case",
     "virtual_timer",
     "format_case",
-    "main",
+    "add_arguments",
+    "run",
 ]
 
 NO_GPU_MESSAGE = "no CUDA GPU present: nothing to measure (the simulated half runs with --sim-only)"
@@ -450,10 +452,7 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:+.1f}%"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m scenarios.tools.gpu_check", description=__doc__.splitlines()[0]
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", default="out/gpu_check.json", help="JSON report path (default out/gpu_check.json)"
     )
@@ -472,23 +471,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="score the simulation against a stored gpu_check JSON (default with --sim-only: "
         "the shipped H200 one, when --layers matches)",
     )
-    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _check_args(args: argparse.Namespace) -> None:
+    """Every refusal before any work: counts, --against without --sim-only, no GPU, --out."""
     if args.reps < 1 or args.warmup < 0 or args.layers < 1:
-        print("gpu_check: --reps and --layers must be >= 1, --warmup >= 0", file=sys.stderr)
-        return 2
+        raise UsageError("--reps and --layers must be >= 1, --warmup >= 0")
     on_gpu = not args.sim_only
     if on_gpu and args.against:
-        print(
-            "gpu_check: --against needs --sim-only (on a GPU, it measures itself)", file=sys.stderr
-        )
-        return 2
+        raise UsageError("--against needs --sim-only (on a GPU, it measures itself)")
     if on_gpu and not torch.cuda.is_available():
-        print(f"gpu_check: {NO_GPU_MESSAGE}", file=sys.stderr)
-        return 2
+        raise UsageError(NO_GPU_MESSAGE)
+    writable_file(Path(args.out))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`dbo-sim gpu-check`: simulate (and on a GPU measure) each case, print, write the JSON."""
+    _check_args(args)
+    on_gpu = not args.sim_only
     gpu_name = torch.cuda.get_device_name() if on_gpu else "no GPU (--sim-only)"
     reference: dict[str, dict[str, list[float]]] = {}
     against = args.against or (str(H200_REFERENCE) if args.sim_only and args.layers == 8 else None)
@@ -496,8 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             reference = load_reference(against, args.layers)
         except ValueError as error:
-            print(f"gpu_check: {error}", file=sys.stderr)
-            return 2
+            raise UsageError(str(error)) from None
         stored = json.loads(Path(against).read_text()).get("gpu", "GPU")
         gpu_name = f"{stored} (stored: {Path(against).name}, not rerun)"
     chosen = [c for c in cases(args.layers) if args.only in (None, c.name)]
@@ -542,7 +541,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,9 +14,9 @@ One job: measure what the simulator's cost model needs from a real device. Two p
   two streams progress side by side, from the kernels of the DBO traces
   (`overlap_rates_from_traces`), written as the table's `-host.json`.
 
-    python -m scenarios.tools.profile --out my-gpu.csv [--layers 2] [--reps 5]
-    python -m scenarios.tools.profile --config deepseek-v3 --mode decode --tokens 256 --out x.csv
-    python -m scenarios.tools.profile --host-from-trace a-serial.json.gz b-dbo.json.gz --out x.csv
+    dbo-sim profile --out my-gpu.csv [--layers 2] [--reps 5]
+    dbo-sim profile --config deepseek-v3 --mode decode --tokens 256 --out x.csv
+    dbo-sim profile --host-from-trace a-serial.json.gz b-dbo.json.gz --out x.csv
 
 Which model is recorded: `--config` names gpu_check's model (the default, with its prefill
 and decode batches) or a `scenarios.model` preset; `--hidden`, `--layers`, `--experts`,
@@ -60,27 +60,28 @@ from dbo.split import split_batch
 from scenarios.model import PRESETS, Batch, ModelConfig, MoEModel
 from scenarios.tools import gpu_check
 from scenarios.tools.gpu_check import CheckCase
+from scenarios.tools.usage import UsageError
 from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
 
 __all__ = [
     "ShapeKey",
     "distinct_calls",
+    "add_arguments",
     "host_costs_from_traces",
-    "main",
     "materialize",
     "model_calls",
     "overlap_rates_from_traces",
     "plan_cases",
     "profile_calls",
     "record_calls",
+    "run",
     "table_row",
     "time_call_cuda",
     "write_table",
 ]
 
 NO_GPU_MESSAGE = (
-    "profile: no CUDA GPU present: nothing to time (kernel tables are measured on the GPU "
-    "they describe)"
+    "no CUDA GPU present: nothing to time (kernel tables are measured on the GPU they describe)"
 )
 CALLS_PER_GRAPH = 20
 FIELDS = ("op", "m", "n", "k", "groups", "dtype", "us", "flops", "bytes", "tflops", "gbps")
@@ -571,8 +572,7 @@ def overlap_rates_from_traces(dbo_traces: Sequence[str | Path]) -> dict:
 # Command line
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dbo-sim profile", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         default="kernels.csv",
@@ -614,48 +614,54 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="unprofiled host time of one tiny eager op (calibrate_host), for --host-from-trace",
     )
-    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _check_args(args: argparse.Namespace) -> list[CheckCase]:
+    """Every refusal before any work; returns the cases to time."""
     if args.reps < 1:
-        print("profile: --reps must be >= 1", file=sys.stderr)
-        return 2
+        raise UsageError("--reps must be >= 1")
     try:
         cases = plan_cases(
             args.config, layers=args.layers, hidden=args.hidden, experts=args.experts,
             top_k=args.top_k, tokens=args.tokens, mode=args.mode,
         )  # fmt: skip
     except ValueError as error:
-        print(f"profile: {error}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
+        raise UsageError(str(error)) from None
     if args.host_from_trace:
         if args.bare_op_us is None or args.bare_op_us <= 0:
-            print(
-                "profile: --host-from-trace needs --bare-op-us (calibrate_host's eager add_ "
-                "time on that host)",
-                file=sys.stderr,
+            raise UsageError(
+                "--host-from-trace needs --bare-op-us (calibrate_host's eager add_ time on that "
+                "host)"
             )
-            return 2
         missing = [p for p in args.host_from_trace if not Path(p).is_file()]
         if missing:
-            print(f"profile: no such trace: {', '.join(missing)}", file=sys.stderr)
-            return 2
-        dbo_paths = [p for p in args.host_from_trace if "dbo" in Path(p).name]
-        serial_paths = [p for p in args.host_from_trace if p not in dbo_paths]
-        host = host_costs_from_traces(serial_paths, dbo_paths, bare_op_us=args.bare_op_us)
-        if dbo_paths:
-            host.update(overlap_rates_from_traces(dbo_paths))
-        host_path = out.with_name(f"{out.stem}-host.json")
-        host_path.write_text(json.dumps(host, indent=1) + "\n")
-        print(json.dumps(host, indent=1))
-        print(f"wrote {host_path}")
-        return 0
-    if not torch.cuda.is_available():
-        print(NO_GPU_MESSAGE, file=sys.stderr)
-        return 2
+            raise UsageError(f"no such trace: {', '.join(missing)}")
+    elif not torch.cuda.is_available():
+        raise UsageError(NO_GPU_MESSAGE)
+    return cases
+
+
+def _host_from_traces(args: argparse.Namespace, out: Path) -> int:
+    """--host-from-trace: host costs (and overlap rates) from profiler traces, no GPU needed."""
+    dbo_paths = [p for p in args.host_from_trace if "dbo" in Path(p).name]
+    serial_paths = [p for p in args.host_from_trace if p not in dbo_paths]
+    host = host_costs_from_traces(serial_paths, dbo_paths, bare_op_us=args.bare_op_us)
+    if dbo_paths:
+        host.update(overlap_rates_from_traces(dbo_paths))
+    host_path = out.with_name(f"{out.stem}-host.json")
+    host_path.write_text(json.dumps(host, indent=1) + "\n")
+    print(json.dumps(host, indent=1))
+    print(f"wrote {host_path}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """`dbo-sim profile`: time each distinct kernel on this GPU into a table (or, with
+    --host-from-trace, derive host costs from traces)."""
+    cases = _check_args(args)
+    out = Path(args.out)
+    if args.host_from_trace:
+        return _host_from_traces(args, out)
     calls = model_calls(cases)
     print(
         f"profile: {len(distinct_calls(calls))} distinct kernels on {torch.cuda.get_device_name()}",
@@ -674,7 +680,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"wrote {out} ({len(rows)} rows; load it with HardwareProfile(kernel_table={str(out)!r}))"
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

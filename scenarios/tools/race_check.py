@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dbo
 from dbo.sim import SimDevice
 from dbo.streams import CudaDevice, Device
+from scenarios.tools.usage import UsageError
 
 __all__ = [
     "PROGRAMS",
@@ -37,8 +38,7 @@ __all__ = [
     "Verdict",
     "add_arguments",
     "format_table",
-    "main",
-    "run_command",
+    "run",
     "run_csan",
     "run_sim",
 ]  # fmt: skip
@@ -379,11 +379,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the programs and exit")
 
 
-def run_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run the chosen programs and print the table; 1 if our checker is wrong on one."""
     chosen = [p for p in PROGRAMS if args.only is None or args.only in p.name]
     if not chosen:
-        raise SystemExit(f"dbo-sim race-check: no program name contains {args.only!r}; see --list")
+        raise UsageError(f"no program name contains {args.only!r}; see --list")
     if args.list:
         for p in chosen:
             print(f"{p.name}  (expected: {'race' if p.expect_race else 'clean'})")
@@ -397,13 +397,3 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"\ndbo-sim checker disagrees with the expectation on: {', '.join(wrong)}")
         return 1
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dbo-sim race-check", description=DESCRIPTION)
-    add_arguments(parser)
-    return run_command(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

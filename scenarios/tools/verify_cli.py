@@ -16,27 +16,20 @@ import json
 import math
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from dbo.sim.trace import WindowSpec
 from dbo.verification import VerifyReport, verify
 from scenarios.tools.trace_window import window_type
+from scenarios.tools.usage import UsageError
 
-__all__ = ["add_parser", "load_attribute", "main", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "load_attribute", "run"]
 
-
-class UsageError(Exception):
-    """A bad command line: printed after "dbo-sim: ", exit status 2."""
-
-
-def _exit_usage(message: str) -> NoReturn:
-    """argparse's error hook: one line, then exit status 2."""
-    print(f"dbo-sim: {message}", file=sys.stderr)
-    raise SystemExit(2)
+DESCRIPTION = __doc__.split("\n\n")[0]
 
 
 def _ubatches(text: str) -> int:
@@ -66,7 +59,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "forward",
         metavar="MODULE:FORWARD",
@@ -106,21 +99,6 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=_seconds,
         default=60.0,
         help="seconds before a stuck ubatched step is ended (default 60)",
-    )
-    # One line on a bad command line, as every dbo-sim verb answers, not argparse's usage block.
-    p.error = _exit_usage  # type: ignore[method-assign]
-    p.set_defaults(func=_verb)
-    return p
-
-
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the `verify` verb to dbo-sim's subcommands."""
-    return _configure(
-        sub.add_parser(
-            "verify",
-            help="verify your own forward under DBO (serial vs ubatched, races, errors)",
-            description=__doc__.split("\n\n")[0] if __doc__ else None,
-        )
     )
 
 
@@ -222,14 +200,6 @@ def _write_artifacts(report: VerifyReport, out: str, spec: WindowSpec | None) ->
     report.write_artifacts(out, window=window)
 
 
-def _verb(args: argparse.Namespace) -> int:
-    try:
-        return run(args)
-    except UsageError as error:
-        print(f"dbo-sim: {error}", file=sys.stderr)
-        return 2
-
-
 # verify's own checks, run before any work: an error raised in one of them is a usage error.
 _CHECKS = frozenset(
     {"_check_args", "_check_workspace", "_resolve", "split_inputs", "_ubatch_inputs", "verify"}
@@ -259,13 +229,3 @@ def _print(report: VerifyReport, as_json: bool) -> None:
         print(json.dumps(report.to_dict(), allow_nan=False))
     else:
         print(report.describe())
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`dbo-sim verify ...` on its own (the dbo-sim CLI calls `run` through `add_parser`)."""
-    parser = _configure(argparse.ArgumentParser(prog="dbo-sim verify", description=__doc__))
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # a bad command line (2), or --help (0)
-        return exit_.code if isinstance(exit_.code, int) else 2
-    return _verb(args)

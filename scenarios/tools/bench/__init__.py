@@ -1,4 +1,4 @@
-"""`python -m scenarios bench`: time what dbo-sim exists to make fast, each figure a ratio.
+"""`dbo-sim bench`: time what dbo-sim exists to make fast, each figure a ratio.
 
 Every figure sets our code against a baseline timed in the same process, interleaved with it
 (A, B, A, B, ...), because the machines this runs on are small, shared and noisy: an absolute
@@ -29,7 +29,7 @@ from scenarios.tools.bench import scaling  # noqa: F401
 from scenarios.tools.bench.baselines import PerCallWorkspace
 from scenarios.tools.bench.figures import Figure, Stats, Target
 from scenarios.tools.bench.registry import FULL, QUICK, Plan, benchmark, benchmark_names
-from scenarios.tools.bench.report import format_table, main, run_benchmarks
+from scenarios.tools.bench.report import add_arguments, format_table, run, run_benchmarks
 
 # The benchmarks every run (quick or full) reports; each figure names the one it belongs to.
 BENCHMARKS: tuple[str, ...] = benchmark_names()
@@ -46,5 +46,6 @@ __all__ = [
     "benchmark",
     "run_benchmarks",
     "format_table",
-    "main",
+    "add_arguments",
+    "run",
 ]

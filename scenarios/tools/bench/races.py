@@ -5,16 +5,15 @@ The same op mix runs under `thread_scope` of a `SimDevice(check_races=False)` an
 `SimDevice(check_races=True)`, interleaved sample by sample so that machine noise hits both
 alike; plain torch (no interception) is the floor. The mix is what a DBO step issues: small
 elementwise ops on two streams joined by events, a strided view, an in-place list op. The
-figure to watch is the checker's own share, checked minus unchecked, per op; `main()` prints
-it with the ratio checked / unchecked. The benchmark uses only the public device interface,
-so the same file measures any commit (run it against an older tree to compare):
-`python -m scenarios.tools.bench.races [ROUNDS REPS] [--list-op]`.
+figure to watch is the checker's own share, checked minus unchecked, per op; the result's
+`describe()` prints it with the ratio checked / unchecked. The benchmark uses only the public
+device interface, so the same file measures any commit (run it against an older tree to
+compare); `dbo-sim bench` reports it as figure `sim.race_checker`.
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from dbo.sim import SimDevice
 from scenarios.tools.bench.figures import Figure, Stats, Target
 from scenarios.tools.bench.registry import Plan, benchmark
 
-__all__ = ["RaceBench", "bench_races", "bench_race_checker", "main"]
+__all__ = ["RaceBench", "bench_races", "bench_race_checker"]
 
 OPS_PER_ROUND = 5  # ops each round of `_mix` issues, plus one with `list_op` (counted once)
 
@@ -189,18 +188,3 @@ def bench_race_checker(plan: Plan) -> list[Figure]:
             },
         )
     ]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    numbers = [a for a in args if not a.startswith("--")]
-    rounds = int(numbers[0]) if numbers else 200
-    reps = int(numbers[1]) if len(numbers) > 1 else 15
-    print(bench_races(rounds, reps).describe())
-    if "--list-op" in args:
-        print(bench_races(rounds, reps, list_op=True).describe())
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
