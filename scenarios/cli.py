@@ -4,6 +4,10 @@ Every check of the command line and of the output folder happens before any work
 every refusal is one line, `dbo-sim: <why>`, with exit status 2. Ctrl-C ends a verb with one
 line and exit status 130; what finished before it stays printed and written (`run` and
 `sweep` print and save each result as it finishes).
+
+Every verb is one row of `VERBS`: its name, its help line, and a tool with
+`add_arguments(parser)` and `run(args) -> exit status` (a module in `scenarios.tools`, or the
+few verbs written here); a tool refuses a bad command line by raising `UsageError`.
 """
 
 from __future__ import annotations

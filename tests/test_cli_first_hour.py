@@ -20,7 +20,7 @@ import dbo
 from dbo.sim import SimDevice
 from dbo.split import split_batch
 from scenarios import catalog
-from scenarios.cli import main
+from scenarios.cli import VERBS, main
 from scenarios.tools import gpu_check, sweep
 from scenarios.tools.bench import report as bench_report
 from scenarios.tools.stress import run_stress
@@ -361,3 +361,12 @@ def test_the_timeout_error_does_not_wait_for_a_stuck_ubatch_to_return():
         dbo.run_ubatches(fn, [0, 1], device=SimDevice(), timeout=0.2)
     assert not returned.is_set()
     returned.wait(5)  # let the abandoned thread end before the next test
+
+
+def test_every_verb_is_one_row_of_the_table_and_its_tool_has_one_shape(capsys):
+    assert main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    for verb in VERBS:
+        assert verb.name in listed
+        assert callable(verb.tool.add_arguments) and callable(verb.tool.run)
+        assert not hasattr(verb.tool, "main")  # no second way in beside the CLI

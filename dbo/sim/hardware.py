@@ -90,7 +90,7 @@ class HardwareProfile:
     nvlink_efficiency: float = 0.8
     rdma_efficiency: float = 0.92
     # Host costs, for profiles without their own: the order of magnitude that
-    # `python -m scenarios.tools.calibrate_host` finds for a bare eager op and a bare baton pass
+    # `dbo-sim calibrate-host` finds for a bare eager op and a bare baton pass
     # on a recent host (README, "Fidelity and the GPU check"). They belong to the host, not the
     # GPU: measure and override them per machine. A calibrated profile takes its host figures
     # from its table (derived from profiler traces of real steps, see dbo.sim.tables).
