@@ -39,7 +39,7 @@ from scenarios.tools import profile as profile_tool
 from scenarios.tools import stress as stress_tool
 from scenarios.tools import sweep as sweep_tool
 from scenarios.tools.progress import Progress
-from scenarios.tools.usage import UsageError, writable_dir
+from scenarios.tools.usage import Interrupted, UsageError, writable_dir
 
 # The scenarios' smallest batches split into at most this many ubatches with a real token each.
 MAX_UBATCHES = 8
@@ -48,10 +48,6 @@ MAX_STRESS_THREADS = 1024
 MAX_STRESS_LANES = 64  # slots are threads x lanes; vLLM's engines use a handful of lanes
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
-
-
-class Interrupted(Exception):
-    """Ctrl-C during a verb: the message says what had finished and where it is kept."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -215,6 +215,34 @@ def test_ctrl_c_during_sweep_keeps_the_finished_points_in_the_csv(capsys, monkey
     )
 
 
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_bench_keeps_the_finished_figures_in_bench_json(
+    capsys, monkeypatch, tmp_path
+):
+    from scenarios.tools.bench import registry
+
+    first = registry.registered()[0]
+    monkeypatch.setattr(bench_report, "registered", lambda: [first, lambda plan: _sigint()])
+    assert main(["bench", "--quick", "--out", str(tmp_path)]) == 130
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["interrupted"] is True
+    assert doc["figures"] and {f["bench"] for f in doc["figures"]} <= set(first.names)
+    out, err = capsys.readouterr()
+    assert doc["figures"][0]["name"] in out
+    assert len(err.splitlines()) == 1 and "figure(s) from the benchmarks that finished" in err
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_fidelity_prints_the_rows_that_finished(capsys, monkeypatch):
+    from scenarios.tools import fidelity
+
+    monkeypatch.setattr(fidelity, "sglang_rows", lambda quick, on_point=None: _sigint())
+    assert main(["fidelity", "--quick"]) == 130
+    out, err = capsys.readouterr()
+    assert "DeepEP" in out  # the DeepEP rows finished before the interrupt
+    assert len(err.splitlines()) == 1 and "row(s) had finished" in err
+
+
 @pytest.mark.timeout(30)
 def test_ctrl_c_during_stress_exits_130_with_every_stress_thread_joined(capsys):
     timer = threading.Timer(0.5, _sigint)

@@ -47,6 +47,7 @@ from dbo.sim.records import COMM, COMPUTE, OpRecord
 from dbo.sim.report import summarize
 from scenarios.model import Batch, ModelConfig, MoEModel, preset
 from scenarios.steps import serial_step, ubatched_step
+from scenarios.tools.usage import Interrupted
 from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
 
 __all__ = [
@@ -662,18 +663,24 @@ def _crossing(points: Sequence[tuple[float, float, float]]) -> float | None:
 
 
 def run_fidelity(
-    quick: bool = False, *, on_point: Callable[[str], None] | None = None
+    quick: bool = False,
+    *,
+    on_point: Callable[[str], None] | None = None,
+    partial: FidelityReport | None = None,
 ) -> FidelityReport:
+    """Every published figure's row. Rows land in `partial` (a fresh report by default) as
+    each group of figures finishes, so a caller interrupted midway keeps them."""
     start = time.monotonic()
-    rows = deepep_rows()
-    assumptions = {"H800": _describe(H800) + ". DeepEP's benchmark settings (see the row)"}
-    extra: dict[str, Any] = {}
+    report = partial if partial is not None else FidelityReport([], {}, quick, 0.0, {})
+    report.rows += deepep_rows()
+    report.assumptions["H800"] = _describe(H800) + ". DeepEP's benchmark settings (see the row)"
     for part in (sglang_rows, vllm_rows):
         r, a, e = part(quick, on_point=on_point)
-        rows += r
-        assumptions.update(a)
-        extra.update(e)
-    return FidelityReport(rows, assumptions, quick, time.monotonic() - start, extra)
+        report.rows += r
+        report.assumptions.update(a)
+        report.extra.update(e)
+        report.seconds = time.monotonic() - start
+    return report
 
 
 # --------------------------------------------------------------------------------------------
@@ -737,7 +744,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The table (or JSON). Exit status 0 whether or not every target is met: the table is the
     result; a missed target is a finding, not a failure of the command."""
-    report = run_fidelity(args.quick)
+    report = FidelityReport([], {}, args.quick, 0.0, {})
+    try:
+        run_fidelity(args.quick, partial=report)
+    except KeyboardInterrupt:
+        if report.rows and not args.json:
+            print(format_table(report))
+        raise Interrupted(
+            f"{len(report.rows)} row(s) had finished"
+            + (" (above)" if report.rows and not args.json else "")
+        ) from None
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

@@ -10,11 +10,16 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-__all__ = ["UsageError", "writable_dir", "writable_file"]
+__all__ = ["Interrupted", "UsageError", "writable_dir", "writable_file"]
 
 
 class UsageError(Exception):
     """A bad command line: the CLI prints it after "dbo-sim: " and exits 2."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a verb: the message says what had finished and where it is kept; the CLI
+    prints it on one line and exits 130."""
 
 
 def writable_dir(path: Path, flag: str = "--out", shown: Path | None = None) -> None:

@@ -25,7 +25,7 @@ from dbo._json import json_safe
 from scenarios.tools.bench.figures import Figure
 from scenarios.tools.bench.registry import FULL, QUICK, Plan, benchmark_names, registered
 from scenarios.tools.progress import Progress
-from scenarios.tools.usage import writable_dir
+from scenarios.tools.usage import Interrupted, writable_dir
 from workspace import reset_workspace_manager
 
 SCHEMA_VERSION = 1
@@ -47,8 +47,12 @@ def _bench_conditions() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def run_benchmarks(plan: Plan, progress: Progress | None = None) -> list[Figure]:
-    figures: list[Figure] = []
+def run_benchmarks(
+    plan: Plan, progress: Progress | None = None, figures: list[Figure] | None = None
+) -> list[Figure]:
+    """Every registered benchmark in order; each one's figures are appended to `figures` (a
+    fresh list by default) as it finishes, so a caller interrupted midway keeps them."""
+    figures = [] if figures is None else figures
     with _bench_conditions():
         for bench in registered():
             figures.extend(bench(plan))
@@ -150,6 +154,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true")
 
 
+def _write(
+    out: Path, figures: list[Figure], plan: Plan, seconds: float, interrupted: bool = False
+) -> Path:
+    doc = json_safe(report(figures, plan, seconds))
+    doc["interrupted"] = interrupted  # True: only the benchmarks that finished are here
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench.json"
+    path.write_text(json.dumps(doc, indent=2, default=str, allow_nan=False) + "\n")
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     """`dbo-sim bench`: run the benchmarks, print the table (or the JSON), write
     <out>/bench.json; 0 whether or not every target is met (a missed one is a finding)."""
@@ -158,15 +173,23 @@ def run(args: argparse.Namespace) -> int:
     plan = QUICK if quick else FULL
     progress = Progress(len(registered()), "bench", enabled=False if as_json else None)
     start = time.monotonic()
+    figures: list[Figure] = []
     try:
-        figures = run_benchmarks(plan, progress)
+        run_benchmarks(plan, progress, figures)
+    except KeyboardInterrupt:
+        progress.close()
+        path = _write(out, figures, plan, time.monotonic() - start, interrupted=True)
+        if figures and not as_json:
+            print(format_table(figures))
+        raise Interrupted(
+            f"{len(figures)} figure(s) from the benchmarks that finished are in {path}"
+            + (" and above" if figures and not as_json else "")
+        ) from None
     finally:
         progress.close()
         reset_workspace_manager()  # leave no benchmark's workspace behind for the caller
-    doc = json_safe(report(figures, plan, time.monotonic() - start))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "bench.json"
-    path.write_text(json.dumps(doc, indent=2, default=str, allow_nan=False) + "\n")
+    path = _write(out, figures, plan, time.monotonic() - start)
+    doc = json.loads(path.read_text())
     if as_json:
         print(json.dumps(doc, default=str, allow_nan=False))
         return 0
