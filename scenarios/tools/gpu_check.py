@@ -58,9 +58,9 @@ import torch
 
 import dbo
 from scenarios.model import Batch, ModelConfig, MoEModel
-from scenarios.steps import serial_step, ubatched_step
+from scenarios.steps import prepare, serial_step, ubatched_step
 from scenarios.tools.fidelity import simulate_step
-from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
+from workspace import reset_workspace_manager
 
 __all__ = [
     "CheckCase",
@@ -276,16 +276,11 @@ def measure_case(
     x = model.inputs()
     serial = serial_step(model, x, device, mode=case.mode)
     ubatched = ubatched_step(model, x, device, mode=case.mode, num_ubatches=2)
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, 2)
     timings = {v: Timing() for v in VARIANTS}
 
     try:
-        for _ in range(max(warmup, 1)):
-            serial()
-            ubatched()
+        prepare(device.torch_device, 2, [serial, ubatched], rounds=max(warmup, 1))
         device.synchronize()
-        lock_workspace()
         for variant, fn in (("serial-eager", serial), ("dbo-eager", ubatched)):
             _run(timings[variant], lambda fn=fn: timer(fn, reps))
         _run(
