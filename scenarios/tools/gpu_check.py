@@ -51,6 +51,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -285,7 +286,10 @@ def measure_case(
             _run(timings[variant], lambda fn=fn: timer(fn, reps))
         _run(
             timings["serial-graph"],
-            lambda: _time_graph(device, _serial_capture(device, serial), reps, warmup, timer),
+            # a side stream on every device: the simulated device runs the CUDA sequence
+            lambda: _time_graph(
+                device, partial(serial.capture, side_stream=True), reps, warmup, timer
+            ),
         )
         _run(timings["dbo-graph"], lambda: _time_graph(device, ubatched, reps, warmup, timer))
     finally:
@@ -302,20 +306,6 @@ def _run(timing: Timing, fn: Callable[[], list[float]]) -> None:
     except Exception as error:  # noqa: BLE001 - one failed variant must not hide the others
         timing.error = f"gpu: {type(error).__name__}: {error}"
         traceback.print_exc(file=sys.stderr)
-
-
-def _serial_capture(device: Any, step: Callable[[], None]) -> Callable[[Any], None]:
-    """Capture the serial step on a side stream (the default stream cannot be captured)."""
-
-    def capture(graph: Any) -> None:
-        stream = device.Stream("capture")
-        stream.wait_stream(device.current_stream())
-        graph.capture_stream = stream
-        with graph, dbo.stream_context(stream):
-            step()
-        device.current_stream().wait_stream(stream)
-
-    return capture
 
 
 def _time_graph(
