@@ -56,11 +56,11 @@ from dbo.split import (
     split_batch,
 )
 from dbo.streams import CudaDevice, Device
-from scenarios.harness import RunOptions, StepRun, _count_allocations, run_step
+from scenarios.harness import RunOptions, StepRun, measure, run_step
 from scenarios.model import Batch, ModelConfig, MoEModel, preset
 from scenarios.registry import SCENARIOS, RankHalf, ScenarioResult, across_ranks, rank_scenario
 from scenarios.steps import prepare, serial_step, ubatched_step
-from workspace import current_workspace_manager, reset_workspace_manager
+from workspace import reset_workspace_manager
 
 __all__ = [
     "RankEnv",
@@ -267,16 +267,7 @@ def run_rank_step(
             return run.output()
 
     prepare(device.torch_device, run.num_ubatches, [step], rounds=warmups)
-    device.synchronize()
-    if isinstance(device, SimDevice):
-        device.reset()
-    output, allocations = _count_allocations(step)
-    device.synchronize()
-    records = list(getattr(device, "timeline", []))
-    races = list(getattr(device, "races", []))
-    peak = current_workspace_manager().stats().peak_bytes
-    step_us = summarize(records).step_us if records else 0.0
-    return StepRun(output, step_us, None, records, races, peak, allocations)
+    return measure(step, device)
 
 
 def _rank_batch(rank: int, decode: bool) -> Batch:

@@ -61,13 +61,28 @@ class Step:
         out = self()
         return out if self.slices is None else torch.cat(out)
 
-    def capture(self, graph: Any) -> torch.Tensor:
+    def capture(self, graph: Any, *, side_stream: bool | None = None) -> torch.Tensor:
         """Record one step into `graph` and return the whole batch's output tensor, which
-        every `graph.replay()` refills; the serial step captures on the current stream."""
-        if self.slices is None:
+        every `graph.replay()` refills. The ubatched step captures through `run_ubatches`.
+        The serial step captures on a side stream joined to the current one when
+        `side_stream` (default: on CUDA, which cannot capture the default stream), else on
+        the current stream. The GPU check forces the side stream so that the simulated
+        device runs the CUDA sequence."""
+        if self.slices is not None:
+            return torch.cat(self(graph))
+        if side_stream is None:
+            side_stream = self.device.kind == "cuda"
+        if not side_stream:
             with graph:
                 return self._serial()
-        return torch.cat(self(graph))
+        current = self.device.current_stream()
+        stream = self.device.Stream("capture")
+        stream.wait_stream(current)
+        graph.capture_stream = stream
+        with graph, dbo.stream_context(stream):
+            output = self._serial()
+        current.wait_stream(stream)
+        return output
 
     def _serial(self) -> torch.Tensor:
         scope = self.device.thread_scope(None) if self.thread_scope else nullcontext()

@@ -73,10 +73,10 @@ def test_bench_quick_writes_every_benchmark(tmp_path, capsys):
 
 
 def test_per_call_baseline_lays_out_the_same_views_as_the_workspace_manager():
-    from scenarios.tools.bench.baselines import PerCallWorkspace, _request
+    from scenarios.tools.bench.baselines import PerCallWorkspace, moe_request
     from workspace import WorkspaceManager
 
-    request = _request(8)
+    request = moe_request(8)
     ours = WorkspaceManager("cpu", 2).get_simultaneous(*request)
     plain = PerCallWorkspace("cpu", 2).get_simultaneous(*request)
     assert [(v.shape, v.dtype) for v in ours] == [(v.shape, v.dtype) for v in plain]
@@ -181,9 +181,9 @@ def test_a_one_core_baton_sample_leaves_the_pooled_ubatch_threads_unpinned():
     import os
 
     import dbo
-    from scenarios.tools.bench.baselines import _NullDevice
+    from scenarios.tools.bench.baselines import NullDevice
     from scenarios.tools.bench.baton import _dbo_pingpong, _one_core_cpu
 
-    assert _dbo_pingpong(_NullDevice(), 3, _one_core_cpu())() > 0
-    after = dbo.run_ubatches(lambda _: os.sched_getaffinity(0), [None, None], device=_NullDevice())
+    assert _dbo_pingpong(NullDevice(), 3, _one_core_cpu())() > 0
+    after = dbo.run_ubatches(lambda _: os.sched_getaffinity(0), [None, None], device=NullDevice())
     assert after == [os.sched_getaffinity(0)] * 2

@@ -8,6 +8,7 @@ import torch
 
 from dbo.sim import SimDevice
 from dbo.split import split_batch
+from dbo.streams import CudaDevice
 from scenarios.harness import RunOptions, compare_serial_dbo
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.steps import prepare, serial_step, ubatched_step
@@ -64,6 +65,51 @@ def test_a_captured_step_replays_its_ops(ubatches):
     graph.replay()
     device.synchronize()
     assert len(device.timeline) > 0
+
+
+def _replayed_streams(step, device, **capture) -> tuple[torch.Tensor, set[str]]:
+    """Capture the prepared `step`, replay it once: its output and the streams it ran on."""
+    graph = device.graph()
+    output = step.capture(graph, **capture)
+    device.synchronize()
+    device.reset()
+    graph.replay()
+    device.synchronize()
+    return output, {r.stream for r in device.timeline if r.kind == "compute"}
+
+
+def test_a_serial_step_captures_on_the_current_stream_on_the_simulated_device():
+    device = SimDevice()
+    model = _model()
+    step = serial_step(model, model.inputs(), device, mode="ll")
+    prepare("cpu", 1, [step])
+    _, streams = _replayed_streams(step, device)
+    assert streams == {device.current_stream().name}
+
+
+def test_a_serial_step_captured_on_a_side_stream_replays_there_with_the_eager_output():
+    device = SimDevice()
+    model = _model()
+    step = serial_step(model, model.inputs(), device, mode="ll")
+    prepare("cpu", 1, [step])
+    expected = step.output()
+    output, streams = _replayed_streams(step, device, side_stream=True)
+    assert streams == {"capture"}
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_serial_step_captures_from_the_default_stream():
+    device = CudaDevice()
+    model = MoEModel(preset("tiny").with_(tensor_device="cuda"), Batch.decode(16, 8))
+    step = serial_step(model, model.inputs(), device, mode="ll")
+    prepare(device.torch_device, 1, [step])
+    expected = step.output()
+    graph = device.graph()
+    output = step.capture(graph)  # on the default stream, which CUDA cannot capture
+    graph.replay()
+    device.synchronize()
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)
 
 
 def test_prepare_warms_every_step_then_locks_the_workspace():

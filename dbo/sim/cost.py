@@ -457,8 +457,9 @@ def register_op_cost(*ops: Any, profile: Any = None) -> Callable[[OpCostFn], OpC
     """Decorator: `fn(call, profile)` prices `ops` (ops, overloads, "ns::name" strings for
     every overload or "ns::name.overload" for one), for every hardware profile or, with
     `profile="h200"` (or a HardwareProfile), for that one only. A per-device entry wins over
-    a general one, an overload's over its op's. Returning None hands the op to the next entry
-    (general, then the roofline). Ops and profile are checked here, before any pricing."""
+    a general one, an overload's over its op's. Returning None hands the op to the next in
+    line: the per-profile entry, the general entry, the built-in measured kernel table, then
+    the roofline. Ops and profile are checked here, before any pricing."""
     if not ops:
         raise ValueError("register_op_cost needs at least one op")
     keys = [_op_key(op) for op in ops]

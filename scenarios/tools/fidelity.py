@@ -46,9 +46,9 @@ from dbo.sim.hardware import H100, H200, H800, HardwareProfile
 from dbo.sim.records import COMM, COMPUTE, OpRecord
 from dbo.sim.report import summarize
 from scenarios.model import Batch, ModelConfig, MoEModel, preset
-from scenarios.steps import serial_step, ubatched_step
+from scenarios.steps import prepare, serial_step, ubatched_step
 from scenarios.tools.usage import Interrupted
-from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
+from workspace import reset_workspace_manager
 
 __all__ = [
     "FidelityRow",
@@ -416,17 +416,14 @@ def simulate_step(
     device = SimDevice(profile, tensor_device="meta", **device_options)
     model = MoEModel(config, batch)
     x = model.inputs()
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, num_ubatches or 1)
+    if num_ubatches is None:
+        step = serial_step(model, x, device, mode=mode)
+    else:
+        step = ubatched_step(
+            model, x, device, mode=mode, num_ubatches=num_ubatches, timeout_s=timeout_s
+        )
     try:
-        if num_ubatches is None:
-            step = serial_step(model, x, device, mode=mode)
-        else:
-            step = ubatched_step(
-                model, x, device, mode=mode, num_ubatches=num_ubatches, timeout_s=timeout_s
-            )
-        step()  # warm-up: the workspace grows to its largest need
-        lock_workspace()
+        prepare(device.torch_device, step.num_ubatches, [step])
         device.synchronize()
         if graph:
             g = device.graph()

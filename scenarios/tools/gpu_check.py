@@ -51,6 +51,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,10 @@ import torch
 
 import dbo
 from scenarios.model import Batch, ModelConfig, MoEModel
-from scenarios.steps import serial_step, ubatched_step
+from scenarios.steps import prepare, serial_step, ubatched_step
 from scenarios.tools.fidelity import simulate_step
 from scenarios.tools.usage import UsageError, writable_file
-from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
+from workspace import reset_workspace_manager
 
 __all__ = [
     "CheckCase",
@@ -278,21 +279,19 @@ def measure_case(
     x = model.inputs()
     serial = serial_step(model, x, device, mode=case.mode)
     ubatched = ubatched_step(model, x, device, mode=case.mode, num_ubatches=2)
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, 2)
     timings = {v: Timing() for v in VARIANTS}
 
     try:
-        for _ in range(max(warmup, 1)):
-            serial()
-            ubatched()
+        prepare(device.torch_device, 2, [serial, ubatched], rounds=max(warmup, 1))
         device.synchronize()
-        lock_workspace()
         for variant, fn in (("serial-eager", serial), ("dbo-eager", ubatched)):
             _run(timings[variant], lambda fn=fn: timer(fn, reps))
         _run(
             timings["serial-graph"],
-            lambda: _time_graph(device, _serial_capture(device, serial), reps, warmup, timer),
+            # a side stream on every device: the simulated device runs the CUDA sequence
+            lambda: _time_graph(
+                device, partial(serial.capture, side_stream=True), reps, warmup, timer
+            ),
         )
         _run(timings["dbo-graph"], lambda: _time_graph(device, ubatched, reps, warmup, timer))
     finally:
@@ -309,20 +308,6 @@ def _run(timing: Timing, fn: Callable[[], list[float]]) -> None:
     except Exception as error:  # noqa: BLE001 - one failed variant must not hide the others
         timing.error = f"gpu: {type(error).__name__}: {error}"
         traceback.print_exc(file=sys.stderr)
-
-
-def _serial_capture(device: Any, step: Callable[[], None]) -> Callable[[Any], None]:
-    """Capture the serial step on a side stream (the default stream cannot be captured)."""
-
-    def capture(graph: Any) -> None:
-        stream = device.Stream("capture")
-        stream.wait_stream(device.current_stream())
-        graph.capture_stream = stream
-        with graph, dbo.stream_context(stream):
-            step()
-        device.current_stream().wait_stream(stream)
-
-    return capture
 
 
 def _time_graph(

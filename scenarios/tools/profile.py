@@ -53,15 +53,14 @@ from typing import Any
 
 import torch
 
-import dbo
 from dbo.sim import SimDevice
 from dbo.sim.cost import OpCall, add_op_observer, host_family, op_family, remove_op_observer
-from dbo.split import split_batch
 from scenarios.model import PRESETS, Batch, ModelConfig, MoEModel
+from scenarios.steps import prepare, serial_step, ubatched_step
 from scenarios.tools import gpu_check
 from scenarios.tools.gpu_check import CheckCase
 from scenarios.tools.usage import UsageError
-from workspace import init_workspace_manager, lock_workspace, reset_workspace_manager
+from workspace import reset_workspace_manager
 
 __all__ = [
     "ShapeKey",
@@ -108,19 +107,13 @@ def record_calls(
     calls: list[OpCall] = []
     model = MoEModel(config, batch)
     x = model.inputs()
-    reset_workspace_manager()
-    init_workspace_manager(device.torch_device, num_ubatches or 1)
+    if num_ubatches is None:
+        step = serial_step(model, x, device, mode=mode)
+    else:
+        step = ubatched_step(model, x, device, mode=mode, num_ubatches=num_ubatches)
     add_op_observer(calls.append)
     try:
-        if num_ubatches is None:
-            with dbo.use_device(device), device.thread_scope(None):
-                model.forward(x, None, mode=mode)
-        else:
-            slices = split_batch(batch.query_start_loc, batch.num_tokens, num_ubatches)
-            dbo.run_ubatches(
-                lambda s: model.forward(x[s.token_slice], s, mode=mode), slices, device=device
-            )
-        lock_workspace()
+        prepare(device.torch_device, step.num_ubatches, [step])
     finally:
         remove_op_observer(calls.append)
         reset_workspace_manager()

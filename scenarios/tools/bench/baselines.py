@@ -74,16 +74,18 @@ _REQUEST_CYCLE: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (
 )
 
 
-def _request(n: int) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+def moe_request(n: int) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """A request of `n` buffers, (shape, dtype) pairs cycling through the MoE block's mix."""
     return tuple(_REQUEST_CYCLE[i % len(_REQUEST_CYCLE)] for i in range(n))
 
 
-def _request_bytes(request: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
+def request_bytes(request: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """The bytes the per-call algorithm needs for `request` (each buffer rounded up)."""
     return sum(_plain_round_up(_plain_nbytes(s, d)) for s, d in request)
 
 
 class _NullEvent(Event):
-    def __init__(self, device: _NullDevice) -> None:
+    def __init__(self, device: NullDevice) -> None:
         self.device = device
 
     def record(self, stream: Stream | None = None) -> None:
@@ -97,7 +99,7 @@ class _NullEvent(Event):
 
 
 class _NullStream(Stream):
-    def __init__(self, device: _NullDevice, name: str) -> None:
+    def __init__(self, device: NullDevice, name: str) -> None:
         self.device = device
         self.name = name
 
@@ -111,7 +113,7 @@ class _NullStream(Stream):
         return True
 
 
-class _NullDevice(Device):
+class NullDevice(Device):
     """Streams and events that do nothing, tensors on CPU or meta: the runtime and the model
     with no simulator, so what is timed is the baton or the model's own Python and torch."""
 

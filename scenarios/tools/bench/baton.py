@@ -14,10 +14,10 @@ import dbo
 from dbo.sim import SimDevice
 from dbo.streams import Device
 from dbo.ubatching import dbo_current_ubatch_id, dbo_yield
-from scenarios.tools.bench.baselines import _NullDevice
+from scenarios.tools.bench.baselines import NullDevice
 from scenarios.tools.bench.figures import Figure, Stats, Target
 from scenarios.tools.bench.registry import Plan, benchmark
-from scenarios.tools.bench.timing import _interleave
+from scenarios.tools.bench.timing import interleave
 
 
 def _one_core_cpu() -> int | None:
@@ -185,9 +185,9 @@ def _placement(where: str) -> tuple[int | None, str, str]:
 def _baton_phase(plan: Plan, where: str) -> list[Figure]:
     k = plan.handoffs
     cpu, suffix, how = _placement(where)
-    samples = _interleave(
+    samples = interleave(
         {
-            "dbo": _dbo_pingpong(_NullDevice(), k, cpu),
+            "dbo": _dbo_pingpong(NullDevice(), k, cpu),
             "event": _ring_pingpong(_EventRing, k, cpu),
             "lock": _ring_pingpong(_LockRing, k, cpu),
         },
@@ -235,7 +235,7 @@ def _baton_phase(plan: Plan, where: str) -> list[Figure]:
 
 def _baton_on_simulator(plan: Plan) -> Figure:
     k = plan.handoffs
-    samples = _interleave(
+    samples = interleave(
         {
             "sim": _dbo_pingpong(SimDevice(check_races=False), k, None),
             "lock": _ring_pingpong(_LockRing, k, None),

@@ -12,12 +12,12 @@ from dbo.sim import SimDevice
 from dbo.ubatching import dbo_yield
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.steps import prepare
-from scenarios.tools.bench.baselines import _NullDevice, _request, _request_bytes
+from scenarios.tools.bench.baselines import NullDevice, moe_request, request_bytes
 from scenarios.tools.bench.figures import Figure, Stats, Target
 from scenarios.tools.bench.registry import Plan, benchmark
-from scenarios.tools.bench.simulator import _step_sampler, _ubatched
-from scenarios.tools.bench.timing import _interleave
-from scenarios.tools.bench.workspace import _get_simultaneous_samples
+from scenarios.tools.bench.simulator import bench_ubatched_step, step_sampler
+from scenarios.tools.bench.timing import interleave
+from scenarios.tools.bench.workspace import get_simultaneous_samples
 from workspace import WorkspaceManager, reset_workspace_manager
 
 
@@ -25,8 +25,8 @@ from workspace import WorkspaceManager, reset_workspace_manager
 def bench_scaling_get_simultaneous(plan: Plan) -> list[Figure]:
     figures = []
     for n in plan.tensor_counts:
-        samples = _get_simultaneous_samples(
-            _request(n), locked=True, sample_ns=plan.sample_ns // 2, reps=max(3, plan.reps // 2)
+        samples = get_simultaneous_samples(
+            moe_request(n), locked=True, sample_ns=plan.sample_ns // 2, reps=max(3, plan.reps // 2)
         )
         stats = Stats.of(samples["ours"])
         figures.append(
@@ -54,9 +54,9 @@ def bench_scaling_steps(plan: Plan) -> list[Figure]:
     model = MoEModel(tiny, batch)
     x = model.inputs()
     device = SimDevice(check_races=False)
-    steps = {str(n): _ubatched(model, x, device, n, mode) for n in plan.ubatch_counts}
+    steps = {str(n): bench_ubatched_step(model, x, device, n, mode) for n in plan.ubatch_counts}
     prepare(torch.device("cpu"), max(plan.ubatch_counts), list(steps.values()))
-    samples = _interleave({k: _step_sampler(s, device) for k, s in steps.items()}, plan.step_reps)
+    samples = interleave({k: step_sampler(s, device) for k, s in steps.items()}, plan.step_reps)
     first = str(plan.ubatch_counts[0])
     for n in plan.ubatch_counts:
         figures.append(
@@ -74,9 +74,9 @@ def bench_scaling_steps(plan: Plan) -> list[Figure]:
     steps = {}
     for layers in plan.layer_counts:
         model = MoEModel(preset("tiny", num_layers=layers), batch)
-        steps[str(layers)] = _ubatched(model, model.inputs(), device, 2, mode)
+        steps[str(layers)] = bench_ubatched_step(model, model.inputs(), device, 2, mode)
     prepare(torch.device("cpu"), 2, list(steps.values()))
-    samples = _interleave({k: _step_sampler(s, device) for k, s in steps.items()}, plan.step_reps)
+    samples = interleave({k: step_sampler(s, device) for k, s in steps.items()}, plan.step_reps)
     first = str(plan.layer_counts[0])
     for layers in plan.layer_counts:
         stats = Stats.of(samples[str(layers)])
@@ -105,16 +105,16 @@ def bench_workspace_bytes(plan: Plan) -> list[Figure]:
         manager = WorkspaceManager("cpu", n)
         # Each ubatch asks for a different mix; only the last one sees the largest request,
         # so slots it never touched must still end up its size (synchronous growth).
-        plans = [[_request(1), _request(3 + i), _request(2)] for i in range(n)]
-        plans[-1][1] = _request(12)
-        largest = max(_request_bytes(r) for p in plans for r in p)
+        plans = [[moe_request(1), moe_request(3 + i), moe_request(2)] for i in range(n)]
+        plans[-1][1] = moe_request(12)
+        largest = max(request_bytes(r) for p in plans for r in p)
 
         def body(requests: list[Any], manager: WorkspaceManager = manager) -> None:
             for request in requests:
                 manager.get_simultaneous(*request)
                 dbo_yield()
 
-        dbo.run_ubatches(body, plans, device=_NullDevice(), timeout=60.0)
+        dbo.run_ubatches(body, plans, device=NullDevice(), timeout=60.0)
         total = sum(manager.slot_capacities())
         figures.append(
             Figure(

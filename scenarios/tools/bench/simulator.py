@@ -15,10 +15,10 @@ from dbo.sim import SimDevice
 from dbo.streams import Device
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.steps import Step, prepare, serial_step, ubatched_step
-from scenarios.tools.bench.baselines import _NullDevice
+from scenarios.tools.bench.baselines import NullDevice
 from scenarios.tools.bench.figures import Figure, Stats, Target
 from scenarios.tools.bench.registry import Plan, benchmark
-from scenarios.tools.bench.timing import _interleave, _timed_ms
+from scenarios.tools.bench.timing import interleave, timed_ms
 from workspace import reset_workspace_manager
 
 
@@ -53,7 +53,7 @@ def bench_intercept(plan: Plan) -> list[Figure]:
     plain = sampler(None)
     plain()  # warm-up: the first ops pay one-time dispatch setup
     fast, checked = SimDevice(check_races=False), SimDevice(check_races=True)
-    samples = _interleave(
+    samples = interleave(
         {"plain": plain, "sim": sampler(fast), "races": sampler(checked)}, plan.reps
     )
     base = Stats.of(samples["plain"])
@@ -86,14 +86,17 @@ def bench_intercept(plan: Plan) -> list[Figure]:
 _STEP_TIMEOUT_S = 120.0
 
 
-def _ubatched(model: MoEModel, x: torch.Tensor, device: Device, n: int, mode: str) -> Step:
+def bench_ubatched_step(
+    model: MoEModel, x: torch.Tensor, device: Device, n: int, mode: str
+) -> Step:
+    """The model's step split over `n` ubatches, with the bench's thread timeout."""
     return ubatched_step(model, x, device, mode=mode, num_ubatches=n, timeout_s=_STEP_TIMEOUT_S)
 
 
-def _step_sampler(step: Callable[[], Any], device: Device) -> Callable[[], float]:
+def step_sampler(step: Callable[[], Any], device: Device) -> Callable[[], float]:
     """ms for one step; a simulated device is reset first (untimed), so its timeline and
     race history do not grow from sample to sample."""
-    return _timed_ms(step, device.reset if isinstance(device, SimDevice) else None)
+    return timed_ms(step, device.reset if isinstance(device, SimDevice) else None)
 
 
 @benchmark("sim.tiny_step")
@@ -103,7 +106,7 @@ def bench_tiny_step(plan: Plan) -> list[Figure]:
     x = model.inputs()
     mode = "ll"
     devices: dict[str, Device] = {
-        "plain": _NullDevice(),
+        "plain": NullDevice(),
         "sim": SimDevice(check_races=False),
         "races": SimDevice(check_races=True),
     }
@@ -112,8 +115,8 @@ def bench_tiny_step(plan: Plan) -> list[Figure]:
         for key, device in devices.items()
     }
     prepare(torch.device("cpu"), 1, list(steps.values()))
-    samples = _interleave(
-        {key: _step_sampler(step, devices[key]) for key, step in steps.items()}, plan.step_reps
+    samples = interleave(
+        {key: step_sampler(step, devices[key]) for key, step in steps.items()}, plan.step_reps
     )
     reset_workspace_manager()
     base = Stats.of(samples["plain"])
@@ -144,16 +147,16 @@ def bench_deepseek(plan: Plan) -> list[Figure]:
     x = model.inputs()
     mode = "ll"
     sim = SimDevice(tensor_device="meta")
-    null = _NullDevice("meta")
+    null = NullDevice("meta")
     variants: dict[str, tuple[Callable[[], Any], Device]] = {
-        "dbo_sim": (_ubatched(model, x, sim, 2, mode), sim),
+        "dbo_sim": (bench_ubatched_step(model, x, sim, 2, mode), sim),
         "plain": (serial_step(model, x, null, mode=mode, thread_scope=False), null),
-        "dbo_null": (_ubatched(model, x, null, 2, mode), null),
+        "dbo_null": (bench_ubatched_step(model, x, null, 2, mode), null),
         "serial_sim": (serial_step(model, x, sim, mode=mode), sim),
     }
     prepare(torch.device("meta"), 2, [step for step, _ in variants.values()])
-    samples = _interleave(
-        {key: _step_sampler(step, device) for key, (step, device) in variants.items()},
+    samples = interleave(
+        {key: step_sampler(step, device) for key, (step, device) in variants.items()},
         max(3, plan.step_reps - 2),
     )
     reset_workspace_manager()

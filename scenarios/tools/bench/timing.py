@@ -34,12 +34,13 @@ def _calibrate(fn: Callable[..., Any], args: tuple, min_ns: int) -> int:
         number = max(number * 2, int(number * 1.2 * min_ns / max(elapsed, 1)))
 
 
-def _per_call_sampler(fn: Callable[..., Any], args: tuple, min_ns: int) -> Callable[[], float]:
+def per_call_sampler(fn: Callable[..., Any], args: tuple, min_ns: int) -> Callable[[], float]:
+    """A sampler of ns per fn(*args) call, over a loop calibrated to last `min_ns`."""
     number = _calibrate(fn, args, min_ns)
     return lambda: _loop_ns(fn, args, number) / number
 
 
-def _interleave(samplers: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+def interleave(samplers: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
     """A, B, C, A, B, C, ...: each rep samples every variant once, so drift hits all alike."""
     samples: dict[str, list[float]] = {name: [] for name in samplers}
     for _ in range(reps):
@@ -48,9 +49,7 @@ def _interleave(samplers: dict[str, Callable[[], float]], reps: int) -> dict[str
     return samples
 
 
-def _timed_ms(
-    fn: Callable[[], Any], before: Callable[[], Any] | None = None
-) -> Callable[[], float]:
+def timed_ms(fn: Callable[[], Any], before: Callable[[], Any] | None = None) -> Callable[[], float]:
     """A sampler of one call of fn in milliseconds; `before` runs untimed first (a reset)."""
 
     def sample() -> float:

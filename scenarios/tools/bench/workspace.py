@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from scenarios.tools.bench.baselines import PerCallWorkspace, _request
+from scenarios.tools.bench.baselines import PerCallWorkspace, moe_request
 from scenarios.tools.bench.figures import Figure, Stats, Target
 from scenarios.tools.bench.registry import Plan, benchmark
-from scenarios.tools.bench.timing import _interleave, _per_call_sampler
+from scenarios.tools.bench.timing import interleave, per_call_sampler
 from workspace import WorkspaceManager
 from workspace.testing import record_allocations
 
@@ -54,7 +54,7 @@ def _storage_allocations(fn: Callable[[], Any]) -> int:
     )
 
 
-def _get_simultaneous_samples(
+def get_simultaneous_samples(
     request: Sequence[tuple[tuple[int, ...], torch.dtype]],
     *,
     locked: bool,
@@ -71,10 +71,10 @@ def _get_simultaneous_samples(
     if locked:
         ours.lock()
         plain.locked = True
-    return _interleave(
+    return interleave(
         {
-            "ours": _per_call_sampler(ours.get_simultaneous, request, sample_ns),
-            "per_call": _per_call_sampler(plain.get_simultaneous, request, sample_ns),
+            "ours": per_call_sampler(ours.get_simultaneous, request, sample_ns),
+            "per_call": per_call_sampler(plain.get_simultaneous, request, sample_ns),
         },
         reps,
     )
@@ -84,8 +84,8 @@ def _get_simultaneous_samples(
 def bench_get_simultaneous(plan: Plan) -> list[Figure]:
     figures = []
     for n, locked in ((1, True), (3, True), (8, True), (3, False)):
-        samples = _get_simultaneous_samples(
-            _request(n), locked=locked, sample_ns=plan.sample_ns, reps=plan.reps
+        samples = get_simultaneous_samples(
+            moe_request(n), locked=locked, sample_ns=plan.sample_ns, reps=plan.reps
         )
         state = "locked" if locked else "unlocked"
         figures.append(
@@ -108,7 +108,7 @@ def bench_get_simultaneous(plan: Plan) -> list[Figure]:
 @benchmark("workspace.allocations")
 def bench_allocations(plan: Plan) -> list[Figure]:
     """Locked, fitting calls of 1, 3 and 8 tensors: no slot and no storage allocation."""
-    requests = [_request(n) for n in (1, 3, 8)]
+    requests = [moe_request(n) for n in (1, 3, 8)]
     ours = WorkspaceManager("cpu", 2)
     plain = PerCallWorkspace("cpu", 2)
     for request in requests:
@@ -195,7 +195,7 @@ def bench_growth(plan: Plan) -> list[Figure]:
             plain.get_simultaneous(shape)
         return (time.perf_counter_ns() - start) / len(sizes)
 
-    samples = _interleave({"ours": ours_sample, "per_call": plain_sample}, plan.reps)
+    samples = interleave({"ours": ours_sample, "per_call": plain_sample}, plan.reps)
     per_growth = allocations[-1] / len(sizes)
     return [
         Figure(
