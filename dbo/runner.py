@@ -308,7 +308,7 @@ class _Launch:
             failure = _lost_outputs(self.returned)
         if failure is not None:
             if self.capturing:
-                _refuse_replay(self.request.graph, failure)
+                self.request.graph.refuse_replay(_describe(failure).splitlines()[0])
             # The launcher's own error if it came first, an interrupt always; else the step's.
             if self.launcher_error is not None and (self.launcher_first or self.interrupted):
                 raise self.launcher_error
@@ -335,23 +335,6 @@ def _lost_outputs(returned: list[bool]) -> UBatchError:
         f"ubatch(es) {missing} ended without returning an output or reporting an error",
         ubatch_id=missing[0] if len(missing) == 1 else None,
     )
-
-
-def _refuse_replay(graph: Any, failure: BaseException) -> None:
-    """Make a graph that captured part of a failed step refuse to replay (on every kind of
-    capture, by shadowing its `replay`): replaying it would run the partial step silently."""
-    reason = _describe(failure).splitlines()[0]
-
-    def replay() -> None:
-        raise RuntimeError(
-            f"this graph captured a ubatched step that failed ({reason}); it holds only part "
-            f"of the step and cannot be replayed: capture the step again with a new graph"
-        )
-
-    try:
-        graph.replay = replay
-    except AttributeError:  # pragma: no cover - a capture class without an instance dict
-        pass
 
 
 class _UBatchWorker:

@@ -288,6 +288,22 @@ class GraphCapture(ABC):
     """
 
     capture_stream: Stream | None = None
+    # Set by `refuse_replay`: the capture holds only part of a step that failed.
+    refused: str | None = None
+
+    def refuse_replay(self, reason: str) -> None:
+        """From now on `replay()` raises: the capture holds only part of a step (it failed
+        while captured), and replaying it would run that part silently."""
+        self.refused = reason
+
+    def check_replayable(self) -> None:
+        """What every `replay()` does first."""
+        if self.refused is not None:
+            raise RuntimeError(
+                f"this graph captured a ubatched step that failed ({self.refused}); it holds "
+                f"only part of the step and cannot be replayed: capture the step again with a "
+                f"new graph"
+            )
 
     @abstractmethod
     def __enter__(self) -> GraphCapture: ...
@@ -315,6 +331,7 @@ class _CudaGraphCapture(GraphCapture):
         self._ctx.__exit__(*exc)
 
     def replay(self) -> None:
+        self.check_replayable()
         self.graph.replay()
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dbo.sim.records import Access, OpRecord
+from dbo.streams import GraphCapture
 
 if TYPE_CHECKING:
     from dbo.sim.device import SimDevice, SimEvent, SimStream, _CommRegion
@@ -93,7 +94,7 @@ def _rerun(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
                 old.copy_(fresh)
 
 
-class SimGraph:
+class SimGraph(GraphCapture):
     """One captured step; a context manager while capturing, then `replay()` at will."""
 
     def __init__(self, device: SimDevice) -> None:
@@ -204,6 +205,7 @@ class SimGraph:
 
     def replay(self) -> None:
         """Re-execute the captured step: values recomputed, ops re-placed without launch cost."""
+        self.check_replayable()
         if self._capturing:
             raise RuntimeError("cannot replay a graph while it is being captured")
         self.check_pointers()
