@@ -68,7 +68,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo._checks import as_int
+from dbo.checks import as_int
 from dbo.devices import current_device
 from dbo.split import UBatchAgreementError
 from dbo.streams import Event

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from dbo import ubatching
+from dbo import ubatch_registry, ubatching
 from dbo.devices import resolve_device, use_device
-from dbo.errors import UBatchError, UBatchTimeoutError, _describe, _StepAborted
+from dbo.errors import StepAborted, UBatchError, UBatchTimeoutError, describe_error
 from dbo.streams import Device, Stream
 from dbo.ubatching import UBatchContext, make_ubatch_contexts
 
@@ -145,7 +145,7 @@ def _indexed(name: str, values: Any) -> list[Any]:
     except (TypeError, KeyError, IndexError) as error:
         raise TypeError(
             f"{name} must be a sequence indexed 0..{num - 1} (a list or tuple), but a {kind} "
-            f"of length {num} refused an index ({_describe(error)})"
+            f"of length {num} refused an index ({describe_error(error)})"
         ) from error
 
 
@@ -244,6 +244,9 @@ class _Launch:
         if self.step.error is None:
             self.gave_up = True
             self.step.abort(_timeout_error(self.step, self.threads, self.request.timeout, where))
+            # A thread in user code now cannot be stopped: cut it off from the runtime, so
+            # that when its blocking call returns it unwinds instead of reaching a later step.
+            self.step.cut_off_running()
 
     def run(self) -> None:
         """Submit every ubatch, wait for all to be ready, then release the ring."""
@@ -265,7 +268,7 @@ class _Launch:
             # a baton that never comes, holding their worker threads forever.
             self.launcher_error, self.launcher_first = error, self.step.error is None
             if self.launcher_first:
-                self.step.abort(UBatchError(f"the launcher failed: {_describe(error)}"))
+                self.step.abort(UBatchError(f"the launcher failed: {describe_error(error)}"))
 
     def _release(self) -> None:
         graph = self.request.graph
@@ -308,7 +311,7 @@ class _Launch:
             failure = _lost_outputs(self.returned)
         if failure is not None:
             if self.capturing:
-                self.request.graph.refuse_replay(_describe(failure).splitlines()[0])
+                self.request.graph.refuse_replay(describe_error(failure).splitlines()[0])
             # The launcher's own error if it came first, an interrupt always; else the step's.
             if self.launcher_error is not None and (self.launcher_first or self.interrupted):
                 raise self.launcher_error
@@ -456,12 +459,16 @@ def _ubatch_main(
             output = fn(ubatch_input)
         outputs[ctx.id] = output
         returned[ctx.id] = True
-    except _StepAborted:
-        pass  # an unwind; the context has reported one raised while the step was live
+    except StepAborted:
+        pass  # an unwind (UBatchAbandoned included); the context reported a live-step one
     except BaseException as error:  # noqa: BLE001 - every failure ends the step, never a thread
         # ctx.__exit__ has recorded errors raised inside the context (the first one wins);
         # this catches failures around it (entering the device scope, say).
         ctx.step.fail(ctx.id, error)
+    finally:
+        # The job is over: if the launcher abandoned this thread, it runs no more of that
+        # step's user code, and may serve a later step when its worker is reused.
+        ubatch_registry.clear_abandoned_mark()
 
 
 def _timeout_error(

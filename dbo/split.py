@@ -60,7 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dbo._checks import as_int
+from dbo.checks import as_int
 
 __all__ = [
     "CommonAttentionMetadata",

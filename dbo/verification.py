@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 import workspace
-from dbo._checks import as_int
-from dbo._json import json_safe
+from dbo.checks import as_int
 from dbo.devices import resolve_device, use_device
 from dbo.errors import YieldMismatchError
+from dbo.jsonsafe import json_safe
 from dbo.runner import merge_outputs, run_ubatches
 from dbo.sim.device import SimDevice
 from dbo.sim.records import HANDOFF, EventWait, HostRange, OpRecord, RaceReport

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from dbo._json import json_safe
+from dbo.jsonsafe import json_safe
 from scenarios.harness import RunOptions
 
 if TYPE_CHECKING:  # for the annotation only: distributed imports this module

@@ -33,7 +33,7 @@ import pytest
 
 import dbo
 from dbo import runner, ubatching
-from dbo.errors import _StepAborted
+from dbo.errors import StepAborted
 from dbo.sim import SimDevice
 
 STEPS = int(os.environ.get("DBO_FUZZ_STEPS", "200"))
@@ -80,7 +80,7 @@ _KINDS: dict[str, Callable[[], BaseException]] = {
     "str raises": _UnprintableError,
     "str and repr raise": _NoText,
     "user UBatchError": lambda: dbo.UBatchError("the model's own"),
-    "private unwind": _StepAborted,
+    "private unwind": StepAborted,
 }
 
 _FAULTS = ("raise", "early_return", "extra_yield", "hook", "nested", "stuck")

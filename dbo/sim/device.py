@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from dbo._checks import as_int
+from dbo.checks import as_int
 from dbo.sim.cost import (
     COMM_MODES,
     GEMM_OPS,

@@ -66,7 +66,9 @@ _SKIP_FILES = ("threading.py", "contextlib.py", "weakref.py")
 # The runtime's own frames (ubatch threads' loops, the yield and switch calls): they are the
 # same in every report, so a user stack shows them only when nothing of the user's is there.
 _DBO_DIR = os.path.dirname(_SIM_DIR.rstrip(os.sep)) + os.sep
-_RUNTIME_FILES = frozenset(_DBO_DIR + name for name in ("runner.py", "ubatching.py"))
+_RUNTIME_FILES = frozenset(
+    _DBO_DIR + name for name in ("runner.py", "ubatching.py", "ubatch_context.py")
+)
 
 Dims = tuple[tuple[int, int], ...]  # (count, byte stride), largest stride first
 
