@@ -2,7 +2,7 @@
 
 `run_ubatches(fn, inputs)` is the launcher half of vLLM's `UBatchWrapper`: it builds the
 contexts, hands each ubatch to a worker thread (long-lived, reused across steps, unlike
-vLLM's thread per ubatch per step: see `_UBatchWorker`), waits for all of them at the ready
+vLLM's thread per ubatch per step: see `UBatchWorker`), waits for all of them at the ready
 barrier, releases ubatch 0, and waits for the step to finish. Unlike the reference it always
 comes back: a raising ubatch, a yield-count mismatch, a stuck thread or a failing launcher
 ends the step with one error (`dbo.errors`), the peers released, the registries empty and
@@ -39,7 +39,14 @@ from dbo.errors import StepAborted, UBatchError, UBatchTimeoutError, describe_er
 from dbo.streams import Device, Stream
 from dbo.ubatching import UBatchContext, make_ubatch_contexts
 
-__all__ = ["run_ubatches", "merge_outputs", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "run_ubatches",
+    "merge_outputs",
+    "DEFAULT_TIMEOUT_S",
+    "UBatchWorker",
+    "WorkerPool",
+    "idle_worker_count",
+]
 
 DEFAULT_TIMEOUT_S = 60.0
 # How long the launcher waits, after it gave up on a step (timeout, Ctrl-C), for the ubatches
@@ -84,15 +91,16 @@ def run_ubatches(
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     inputs = _indexed("ubatch_inputs", ubatch_inputs)
-    num = len(inputs)
-    if num < 2:
+    if len(inputs) < 2:
         raise ValueError(
-            f"run_ubatches needs >= 2 ubatch inputs, got {num}; call fn directly for one"
+            f"run_ubatches needs >= 2 ubatch inputs, got {len(inputs)}; call fn directly for one"
         )
-    timeout = _check_timeout(timeout)
-    if forward_contexts is not None:
-        forward_contexts = _indexed("forward_contexts", forward_contexts)
-    device = resolve_device(device)
+    seconds = _check_timeout(timeout)
+    contexts = None if forward_contexts is None else _indexed("forward_contexts", forward_contexts)
+    request = _StepRequest(
+        fn, inputs, resolve_device(device), seconds, contexts, compute_stream, comm_stream,
+        schedule, graph,
+    )  # fmt: skip
     # Non-blocking: the holder may be this very thread's caller (fn calling run_ubatches),
     # which would deadlock a blocking acquire.
     if not _STEP_LOCK.acquire(blocking=False):
@@ -102,19 +110,7 @@ def run_ubatches(
             "are process-wide)"
         )
     try:
-        return _run_step(
-            _StepRequest(
-                fn,
-                inputs,
-                device,
-                timeout,
-                forward_contexts,
-                compute_stream,
-                comm_stream,
-                schedule,
-                graph,
-            )
-        )
+        return _run_step(request)
     finally:
         _STEP_LOCK.release()
 
@@ -340,7 +336,7 @@ def _lost_outputs(returned: list[bool]) -> UBatchError:
     )
 
 
-class _UBatchWorker:
+class UBatchWorker:
     """One long-lived ubatch thread: it runs one ubatch per step, then waits for the next.
 
     The first step a thread runs costs much more host time than later ones (per-thread CUDA
@@ -387,15 +383,15 @@ class _UBatchWorker:
                 return
 
 
-class _WorkerPool:
+class WorkerPool:
     """The process's idle ubatch threads (a documented registry: `dbo.runner._WORKERS`)."""
 
     def __init__(self) -> None:
-        self._idle: list[_UBatchWorker] = []
+        self._idle: list[UBatchWorker] = []
         self._created = 0
         self._lock = threading.Lock()
 
-    def acquire(self, num: int) -> list[_UBatchWorker]:
+    def acquire(self, num: int) -> list[UBatchWorker]:
         with self._lock:
             # Most recently used first, so a steady N-ubatch loop keeps the same N threads.
             self._idle = [w for w in self._idle if w.thread.is_alive()]
@@ -403,14 +399,14 @@ class _WorkerPool:
             taken, self._idle = self._idle[keep:], self._idle[:keep]
             try:
                 while len(taken) < num:
-                    taken.append(_UBatchWorker(self._created))
+                    taken.append(UBatchWorker(self._created))
                     self._created += 1
             except BaseException:  # thread creation failed: keep what we have for later
                 self._idle.extend(taken)
                 raise
             return taken
 
-    def release(self, workers: list[_UBatchWorker]) -> None:
+    def release(self, workers: list[UBatchWorker]) -> None:
         with self._lock:
             for worker in workers:
                 if worker.busy or not worker.thread.is_alive():
@@ -424,7 +420,13 @@ class _WorkerPool:
             return len(self._idle)
 
 
-_WORKERS = _WorkerPool()
+_WORKERS = WorkerPool()
+
+
+def idle_worker_count() -> int:
+    """Idle ubatch threads of the process's pool, ready for the next step (for tests and
+    reports: after a clean step every worker thread is back here)."""
+    return _WORKERS.idle_count()
 
 
 def _release_and_wait(

@@ -280,7 +280,7 @@ def test_random_faults_always_end_the_step_with_one_clear_error():
     )
     # Threads left behind by stuck ubatches end once their sleep returns; none lingers.
     give_up = time.monotonic() + 5.0
-    while len(_worker_threads()) > runner._WORKERS.idle_count() and time.monotonic() < give_up:
+    while len(_worker_threads()) > runner.idle_worker_count() and time.monotonic() < give_up:
         time.sleep(0.05)
-    assert len(_worker_threads()) == runner._WORKERS.idle_count()
+    assert len(_worker_threads()) == runner.idle_worker_count()
     assert sum(outcomes.values()) == STEPS and outcomes["returned"] > 0
