@@ -105,6 +105,57 @@ def test_every_runtime_call_of_an_abandoned_thread_raises(device, call):
     assert "abandoned" in str(stuck.raised[0])
 
 
+def test_a_thread_that_outlives_the_unwind_after_a_peers_failure_is_abandoned_too(device):
+    init_workspace_manager("cpu", num_ubatches=2)
+    stuck = _StuckThread(current_workspace_manager)
+
+    def fn(i):
+        if i == 1:
+            raise ValueError("peer failed")
+        try:
+            dbo.dbo_yield()  # ubatch 1 fails; this yield unwinds with StepAborted...
+        finally:
+            stuck.fn(i)  # ...into user code that blocks past the step's deadline
+
+    with pytest.raises(dbo.UBatchError, match="ValueError: peer failed"):
+        dbo.run_ubatches(fn, [0, 1], device=device, timeout=0.5)
+    stuck.release.set()
+    assert stuck.finished.wait(10)
+    assert isinstance(stuck.raised[0], dbo.UBatchAbandoned)
+    assert "ValueError: peer failed" in str(stuck.raised[0])  # it says which step's end
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["get_simultaneous", "try_get_simultaneous", "reserve", "available_bytes", "persistent"],
+)
+def test_a_manager_the_abandoned_thread_already_holds_refuses_it_too(device, method):
+    manager = init_workspace_manager("cpu", num_ubatches=2)
+    calls = {
+        "get_simultaneous": lambda: manager.get_simultaneous(SLOT),
+        "try_get_simultaneous": lambda: manager.try_get_simultaneous(SLOT),
+        "reserve": lambda: manager.reserve(((1 << 20,), torch.uint8)),
+        "available_bytes": manager.available_bytes,
+        "persistent": lambda: manager.get_persistent("k", (4,), torch.float32),
+    }
+    manager.get_simultaneous(SLOT)  # warm: the hot path has this signature cached
+    stuck = _StuckThread(calls[method])
+    stuck.abandon(device)
+    stuck.release.set()
+    assert stuck.finished.wait(10)
+    assert isinstance(stuck.raised[0], dbo.UBatchAbandoned)
+    assert manager.slot_capacities() == [256, 256]  # reserve grew nothing
+
+
+def test_an_abandoned_thread_cannot_lock_a_later_steps_workspace(device):
+    manager = init_workspace_manager("cpu", num_ubatches=2)
+    stuck = _StuckThread(manager.lock)
+    stuck.abandon(device)
+    stuck.release.set()
+    assert stuck.finished.wait(10)
+    assert isinstance(stuck.raised[0], dbo.UBatchAbandoned) and not manager.is_locked()
+
+
 def test_an_abandoned_thread_cannot_set_the_launchers_forward_context(device):
     def set_context():
         with dbo.set_forward_context("from the abandoned thread"):
