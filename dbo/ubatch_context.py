@@ -30,7 +30,7 @@ class UBatchContext:
     Each method below says what it records (device events), which stream it leaves the
     calling thread on, whether it waits (the CPU parked for the baton, or a stream made to
     wait on an event), and whether it hands the baton on. The `dbo_*` helpers call them for
-    the calling ubatch and are no-ops on any other thread. In short:
+    the calling ubatch, are no-ops on any other thread and raise in an abandoned one. In short:
 
     method                                  records        leaves on  waits            baton
     yield_                                  nothing        unchanged  CPU, for baton   yes

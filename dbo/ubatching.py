@@ -1,4 +1,4 @@
-"""The ubatch contexts and the dbo_* helpers: who may run, on which stream, and when to yield.
+"""The dbo_* helpers and the forward context: who may run, on which stream, and when to yield.
 
 N ubatch threads share one compute stream and one comm stream and pass a single baton round a
 ring: context i waits on its own CPU signal and, when it yields, sets signal (i + 1) mod N.
@@ -160,13 +160,15 @@ def _ubatch_helper(method: Callable[[UBatchContext], None]) -> Callable[[], None
     helper.__name__ = f"dbo_{method.__name__.rstrip('_')}"
     helper.__doc__ = (
         f"`UBatchContext.{method.__name__}` for the calling ubatch; a no-op on any other "
-        f"thread (a serial step).\n\n" + (method.__doc__ or "").replace("\n        ", "\n")
+        f"thread (a serial step), `UBatchAbandoned` in an abandoned one.\n\n"
+        + (method.__doc__ or "").replace("\n        ", "\n")
     )
     return helper
 
 
 def dbo_yield() -> None:
-    """`UBatchContext.yield_` for the calling ubatch; no-op elsewhere."""
+    """`UBatchContext.yield_` for the calling ubatch; a no-op on any other thread (a serial
+    step), `UBatchAbandoned` in an abandoned one."""
     # Written out rather than made by _ubatch_helper: it is the hot path, and two fewer
     # Python frames per pass show in the bench's baton figures.
     ubatch_id = _THREAD_ID_TO_CONTEXT.get(_get_ident())
