@@ -4,26 +4,18 @@ One host clock per device (only one ubatch thread runs Python at a time, so one 
 in-order timeline per stream, plus a link track for low-latency communication in flight. An op
 issued on stream S at host time h costs the host its eager issue time (the profile's
 `eager_host_us` for the op's kind: launch plus the Python around it; none inside a replayed
-graph), then runs from max(h + issue, S.free_at) for its cost (`dbo.sim.cost.op_cost`);
-events carry the time of the work recorded before them. Beside times, every timeline keeps a
-vector clock (one entry per timeline) so the race checker can tell which accesses are ordered:
-an op's epoch is its timeline's entry right after it; event record/wait and host syncs join
-clocks as CUDA orders work (a query that returns True is a host sync too; one that returns
-False costs the host a driver call, so a polling loop moves the host clock). Ops reach
-`place_op` from the dispatch mode (`dbo.sim.intercept`), from `comm_region`, and from graph
-replay (`dbo.sim.graph`).
+graph), then runs from max(h + issue, S.free_at) for its cost (`dbo.sim.cost.op_cost`), as
+`dbo.sim.timeline` places it (SM sharing with comm kernels, compute and full-grid kernels in
+turn); events carry the time of the work recorded before them. Beside times, every timeline
+keeps a vector clock (one entry per timeline) so the race checker can tell which accesses are
+ordered: an op's epoch is its timeline's entry right after it; event record/wait and host
+syncs join clocks as CUDA orders work (a query that returns True is a host sync too; one that
+returns False costs the host a driver call, so a polling loop moves the host clock).
 
-SM sharing (an approximation): a high-throughput comm op holds comm_sms / num_sms of the SMs
-for its duration; a compute op placed later whose time span overlaps it progresses at
-1 - share (so a fully overlapped op takes cost / (1 - share)). Ops placed before the comm op
-was issued are not re-timed, and the comm op itself is never slowed by compute. With
-`dbo_gemm_sms` set (SGLang's two-batch overlap caps its GEMM library at the SMs the comm
-kernels leave), a ubatch's GEMMs instead always run on that many SMs and are never stretched.
-
-Compute and full-grid kernels (below) take the GPU in turn. A real GPU runs them side by side
-when both are ready, and each then progresses slower than alone; with a profile's
-`overlap_rates` (measured per kind from DBO traces), an op that waited for the other kind is
-charged what running beside it would have cost beyond the turns (`_contention_us`).
+`issue` is the one path of an executed kernel (the dispatch mode in `dbo.sim.intercept` hands
+it over): its accesses parsed, priced, placed or folded into the thread's comm region, checked
+by the race checker, recorded into the graph being captured. `place_op` is the placement
+itself, shared with `comm_region` and graph replay (`dbo.sim.graph`).
 
 Communication regions are costed by `dbo.sim.cost.comm_time_us`; an EP group of one rank
 moves no byte over a link, so such a region is costed as its own ops (the gather, the
@@ -35,11 +27,11 @@ multi-node "ht" regions (DeepEP's per-node de-duplication).
 
 from __future__ import annotations
 
-import math
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -49,17 +41,19 @@ from dbo.sim.cost import (
     COMM_MODES,
     GEMM_OPS,
     ROOFLINE,
+    OpCall,
     OpCost,
     comm_link,
     comm_time_us,
     ep_traffic,
     host_family,
+    price_op,
 )
 from dbo.sim.graph import SimGraph
 from dbo.sim.hardware import HardwareProfile, profile_from_name
 from dbo.sim.intercept import enter_modes
-from dbo.sim.races import RaceChecker, RaceReport, user_stack
-from dbo.sim.ranges import device_scope
+from dbo.sim.races import MAX_REPORTS, RaceChecker, RaceError, RaceReport, user_stack
+from dbo.sim.ranges import HostRanges, device_scope
 from dbo.sim.records import (
     COMM,
     COMPUTE,
@@ -71,49 +65,20 @@ from dbo.sim.records import (
     HostRange,
     OpRecord,
 )
+from dbo.sim.state import CommRegion, ThreadState, Track, VectorClock, join
+from dbo.sim.timeline import SmBusy, Span, Turns, after, hold_sms, place_span, slowdown_args
 from dbo.streams import CommHandle, Device, Event, Stream
 
 __all__ = ["SimDevice", "SimMark", "SimStream", "SimEvent"]
 
-VectorClock = list[int]
-
 _GEMMS = GEMM_OPS  # what a GEMM library such as DeepGEMM runs (one list, in dbo.sim.cost)
-
-
-def _join(into: VectorClock, other: Sequence[int]) -> bool:
-    """into = max(into, other) elementwise; True when `into` changed."""
-    changed = False
-    if len(into) < len(other):
-        into.extend([0] * (len(other) - len(into)))
-    for i, v in enumerate(other):
-        if v > into[i]:
-            into[i] = v
-            changed = True
-    return changed
-
-
-class _Track:
-    """One in-order timeline: a stream, or the link track of low-latency transfers."""
-
-    __slots__ = ("index", "name", "free_at", "vc", "host_gen")
-
-    def __init__(self, index: int, name: str) -> None:
-        self.index = index
-        self.name = name
-        self.free_at = 0.0
-        self.vc: VectorClock = [0] * (index + 1)
-        self.host_gen = 0  # the host-sync generation already joined into vc
-
-    def reset(self) -> None:
-        self.free_at = 0.0
-        self.vc = [0] * (self.index + 1)
-        self.host_gen = 0
+RACE_ACTIONS = ("record", "raise", "warn")
 
 
 class SimStream(Stream):
-    """A stream of the simulated device (a handle on one `_Track`)."""
+    """A stream of the simulated device (a handle on one `Track`)."""
 
-    def __init__(self, device: SimDevice, track: _Track) -> None:
+    def __init__(self, device: SimDevice, track: Track) -> None:
         self.device = device
         self.name = track.name
         self._track = track
@@ -171,30 +136,38 @@ class SimMark:
     frontier_us: float  # latest virtual time of any host or stream work at the mark
 
 
-@dataclass
-class _CommRegion:
-    """A `comm_region` block being entered: its ops' accesses accumulate here."""
+def _profile_with(profile: str | HardwareProfile, **overrides: float | None) -> HardwareProfile:
+    """The named (or given) profile with the overrides that are set."""
+    base = profile_from_name(profile)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return replace(base, **given) if given else base
 
-    kind: str
-    nbytes: int
-    mode: str
-    ep_size: int
-    link: str | None
-    stream: SimStream
-    reads: list[Access]
-    writes: list[Access]
-    fresh: list[int]  # storages the block allocated
-    graph_ops: list[Any]  # (func, args, kwargs, out) of the block while a graph is captured
-    op_bytes: int = 0  # bytes read and written by the block's own torch ops
-    op_us: float = 0.0  # the block's own ops, priced as ordinary kernels
-    op_fallback_us: float = 0.0  # the part of op_us priced by the roofline
-    op_names: list[str] = field(default_factory=list)
 
-    def add_op(self, nbytes: int, cost: OpCost, name: str) -> None:
-        self.op_bytes += nbytes
-        self.op_us += cost.us
-        self.op_fallback_us += cost.us if cost.is_fallback else 0.0
-        self.op_names.append(name)
+def _tensor_device(tensor_device: str | torch.device) -> torch.device:
+    device = torch.device(tensor_device)
+    if device.type not in ("cpu", "meta"):
+        raise ValueError(
+            f"tensor_device must be 'cpu' (real values) or 'meta' (shapes only), got "
+            f"{tensor_device!r}"
+        )
+    return device
+
+
+def _check_knobs(
+    profile: HardwareProfile, race_action: str, dbo_gemm_sms: int | None, ht_rdma_share: float
+) -> None:
+    if race_action not in RACE_ACTIONS:
+        raise ValueError(f"race_action must be 'record', 'raise' or 'warn', got {race_action!r}")
+    if dbo_gemm_sms is not None and not 0 < dbo_gemm_sms <= profile.num_sms:
+        raise ValueError(f"dbo_gemm_sms must be in (0, {profile.num_sms}], got {dbo_gemm_sms!r}")
+    if not 0.0 < ht_rdma_share <= 1.0:
+        raise ValueError(f"ht_rdma_share must be in (0, 1], got {ht_rdma_share!r}")
+
+
+def _trace_args(call: OpCall, priced: OpCost) -> dict[str, Any]:
+    # A nested tensor has no single shape; the trace gets its layout instead.
+    shapes = ["nested" if t.is_nested else tuple(t.shape) for t in call.ins]
+    return {"shapes": shapes, "dtype": str(call.dtype).replace("torch.", ""), "cost": priced.source}
 
 
 class SimDevice(Device):
@@ -220,82 +193,64 @@ class SimDevice(Device):
         dbo_gemm_sms: int | None = None,
         ht_rdma_share: float = 1.0,
     ) -> None:
-        base = profile_from_name(profile)
-        overrides = {
-            k: v
-            for k, v in (
-                ("launch_us", launch_us),
-                ("handoff_us", handoff_us),
-                ("comm_sms", comm_sms),
-                ("kernel_fixed_us", kernel_fixed_us),
-            )
-            if v is not None
-        }
-        self.profile: HardwareProfile = replace(base, **overrides) if overrides else base
+        self.profile: HardwareProfile = _profile_with(
+            profile, launch_us=launch_us, handoff_us=handoff_us, comm_sms=comm_sms,
+            kernel_fixed_us=kernel_fixed_us,
+        )  # fmt: skip
         self.rank = int(rank)
-        self.torch_device = torch.device(tensor_device)
-        if self.torch_device.type not in ("cpu", "meta"):
-            raise ValueError(
-                f"tensor_device must be 'cpu' (real values) or 'meta' (shapes only), got "
-                f"{tensor_device!r}"
-            )
-        if race_action not in ("record", "raise", "warn"):
-            raise ValueError(
-                f"race_action must be 'record', 'raise' or 'warn', got {race_action!r}"
-            )
+        self.torch_device = _tensor_device(tensor_device)
+        _check_knobs(self.profile, race_action, dbo_gemm_sms, ht_rdma_share)
         self.record_timeline = record_timeline
         self.capture_stacks = capture_stacks
         self.race_action = race_action
         # SGLang's two-batch overlap caps DeepGEMM at (SMs - DeepEP's SMs) for the whole
         # ubatched prefill step (sglang operations_strategy.py: deep_gemm_num_sms), so its
         # GEMMs never share SMs with the comm kernels, and always run on fewer of them.
-        if dbo_gemm_sms is not None and not 0 < dbo_gemm_sms <= self.profile.num_sms:
-            raise ValueError(
-                f"dbo_gemm_sms must be in (0, {self.profile.num_sms}], got {dbo_gemm_sms!r}"
-            )
         self.dbo_gemm_sms = dbo_gemm_sms
         # Of the bytes a multi-node "ht" region sends off-node, the share that crosses RDMA:
         # DeepEP's normal kernels send a token once per destination node and forward it over
         # NVLink there (`dbo.sim.cost.node_dedup_share` derives it from the routing). 1.0: one
         # RDMA copy per expert copy, as the low-latency kernels send.
-        if not 0.0 < ht_rdma_share <= 1.0:
-            raise ValueError(f"ht_rdma_share must be in (0, 1], got {ht_rdma_share!r}")
         self.ht_rdma_share = float(ht_rdma_share)
+        self._init_timelines()
+        # Race bookkeeping needs real storages; a meta run has none.
+        self._checker: RaceChecker | None = None
+        if check_races and self.torch_device.type != "meta":
+            self._checker = RaceChecker(self._on_race, transfer_tracks=(self._link.index,))
+        self._graph: SimGraph | None = None  # the graph being captured, if any
+        self._buffer_owners: list[Any] = []
 
+    def _init_timelines(self) -> None:
         # RLock: event and stream calls nest inside placement paths of the same thread.
         self._lock = threading.RLock()
-        self._tls = threading.local()
-        self._tracks: list[_Track] = []
+        self._tls = threading.local()  # holds each thread's ThreadState
+        self._tracks: list[Track] = []
         self._streams: dict[str, SimStream] = {}
+        self._generation = 0
+        self._start_clocks()
+        self._default = self.Stream("default")
+        self._link = self._new_track("link")
+
+    def _start_clocks(self) -> None:
+        """Clocks at 0, nothing placed, no report (the streams' tracks are reset apart)."""
         self._host_us = 0.0
         self._host_vc: VectorClock = []
         self._host_gen = 0  # bumped whenever a host sync adds ordering
         self._seq = 0
-        self._generation = 0
-        # High-throughput comm kernels occupying SMs: (start, end, share of SMs).
-        self._sm_busy: list[tuple[float, float, float]] = []
-        # Latest end of any compute op and of any full-grid local permutation placed: the two
-        # take the GPU in turn (see place_op).
-        self._compute_end = 0.0
-        self._grid_end = 0.0
+        # High-throughput comm kernels occupying SMs, and the two kinds that take the GPU in
+        # turn (see dbo.sim.timeline).
+        self._sm_busy: list[SmBusy] = []
+        self._turns = Turns()
         self.timeline: list[OpRecord] = []
         self.races: list[RaceReport] = []
         # For the reports only (flow arrows, named host ranges); cleared by reset().
         self.event_waits: list[EventWait] = []
         self.host_ranges: list[HostRange] = []
-        self._default = self.Stream("default")
-        self._link = self._new_track("link")
-        # Race bookkeeping needs real storages; a meta run has none.
-        self._checker: RaceChecker | None = None
-        if check_races and self.torch_device.type != "meta":
-            self._checker = RaceChecker(self, transfer_tracks=(self._link.index,))
-        self._graph: Any = None  # the SimGraph being captured, if any
-        self._buffer_owners: list[Any] = []
 
     # ---------------------------------------------------------------------------- factories
 
-    def _new_track(self, name: str) -> _Track:
-        track = _Track(len(self._tracks), name)
+    def _new_track(self, name: str) -> Track:
+        track = Track(len(self._tracks), name)
         self._tracks.append(track)
         return track
 
@@ -322,57 +277,53 @@ class SimDevice(Device):
 
     # --------------------------------------------------------------------- per-thread state
 
-    def thread_state(self) -> threading.local:
-        """The calling thread's state: current stream, ubatch stack, interception modes, the
-        comm region being entered, replaying/suspended flags (for intercept and graph)."""
-        tls = self._tls
-        if not hasattr(tls, "stream"):
-            tls.stream = self._default
-            tls.ubatches = []  # thread_scope stack
-            tls.modes = None  # ExitStack of the interception modes while in scope
-            tls.comm = None  # the _CommRegion being entered
-            tls.replaying = False
-            tls.suspended = 0  # >0: ops run without being placed (graph replay, internals)
-        return tls
+    def thread_state(self) -> ThreadState:
+        """The calling thread's state on this device: current stream, ubatch stack,
+        interception modes, the comm region being entered, replaying/suspended flags, open
+        host ranges (for intercept and graph)."""
+        state = getattr(self._tls, "state", None)
+        if state is None:
+            ranges = HostRanges(lambda: self._host_us, self.current_ubatch, self._on_host_range)
+            state = self._tls.state = ThreadState(self._default, ranges)
+        return state
 
     def current_stream(self) -> SimStream:
-        return self.thread_state().stream
+        return self.thread_state().stream  # type: ignore[return-value]
 
     def set_stream(self, stream: Stream) -> None:
         self.thread_state().stream = self.check_stream(stream)
 
     def current_ubatch(self) -> int | None:
-        ubatches = self.thread_state().ubatches
-        return ubatches[-1] if ubatches else None
+        return self.thread_state().ubatch
 
     @contextmanager
     def thread_scope(self, ubatch_id: int | None = None) -> Iterator[None]:
         """Attribute this thread's ops to `ubatch_id` and intercept them (dispatch mode for
         placement, function mode for host reads). Nested scopes only change the attribution."""
-        tls = self.thread_state()
-        tls.ubatches.append(ubatch_id)
-        entered_here = tls.modes is None
+        state = self.thread_state()
+        state.ubatches.append(ubatch_id)
+        entered_here = state.modes is None
         try:
             if entered_here:
-                tls.modes = ExitStack()
-                tls.modes.enter_context(device_scope(self))
-                enter_modes(self, tls.modes)
+                state.modes = ExitStack()
+                state.modes.enter_context(device_scope(state.ranges))
+                enter_modes(self, state.modes)
             yield
         finally:
-            if entered_here and tls.modes is not None:
-                modes, tls.modes = tls.modes, None
+            if entered_here and state.modes is not None:
+                modes, state.modes = state.modes, None
                 modes.close()
-            tls.ubatches.pop()
+            state.ubatches.pop()
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
         """Run the block's torch ops unplaced (bookkeeping that is no device work)."""
-        tls = self.thread_state()
-        tls.suspended += 1
+        state = self.thread_state()
+        state.suspended += 1
         try:
             yield
         finally:
-            tls.suspended -= 1
+            state.suspended -= 1
 
     # ------------------------------------------------------------------------------- clocks
 
@@ -404,21 +355,59 @@ class SimDevice(Device):
         """Start a new measurement: clocks at 0, empty timeline and race list, no history.
         Events recorded before the reset count as never recorded."""
         with self._lock:
-            self._host_us = 0.0
-            self._host_vc = []
-            self._host_gen = 0
-            self._seq = 0
+            self._start_clocks()
             self._generation += 1
-            self._sm_busy.clear()
-            self._compute_end = self._grid_end = 0.0
             for track in self._tracks:
                 track.reset()
-            self.timeline = []
-            self.races = []
-            self.event_waits = []
-            self.host_ranges = []
             if self._checker is not None:
                 self._checker.clear()
+
+    # ---------------------------------------------------------------------- the op's path
+
+    def issue(self, call: OpCall) -> None:
+        """The one path of an executed kernel: its accesses parsed (by the race checker),
+        priced, then placed on the thread's current stream (checked against the race history
+        there) or folded into the thread's comm region, and recorded into the graph being
+        captured."""
+        state = self.thread_state()
+        reads, writes, fresh = self.accesses(call.func, call.args, call.kwargs, call.out)
+        priced = price_op(call, self.profile)
+        graph = None if state.replaying else self._graph
+        region = state.comm
+        if region is not None:
+            region.add_op(call.nbytes, priced, call.name)  # an EP group of one is these ops
+            region.reads.extend(reads)
+            region.writes.extend(writes)
+            region.fresh.extend(fresh)
+            if graph is not None:
+                region.graph_ops.append((call.func, call.args, call.kwargs, call.out))
+            return
+        record = self.place_op(
+            call.name, priced.us, flops=call.flops, nbytes=call.nbytes, reads=reads,
+            writes=writes, fresh=fresh, args=_trace_args(call, priced),
+        )  # fmt: skip
+        if graph is not None:
+            graph.on_op(
+                call.func, call.args, call.kwargs, call.out, record, priced.us, reads, writes
+            )
+
+    def _on_race(self, report: RaceReport) -> None:
+        """The race checker's sink: keep the report, then raise or warn as asked."""
+        if len(self.races) >= MAX_REPORTS:
+            return
+        self.races.append(report)
+        if self.race_action == "raise":
+            raise RaceError(report)
+        if self.race_action == "warn":
+            # The checker's frame, as if it warned itself (sink, report, check).
+            warnings.warn(report.describe(), RuntimeWarning, stacklevel=4)
+
+    def _on_host_range(
+        self, name: str, start_us: float, end_us: float, ubatch: int | None, source: str
+    ) -> None:
+        """The sink of every thread's closed host ranges."""
+        if self.record_timeline:
+            self.host_ranges.append(HostRange(self.rank, ubatch, name, start_us, end_us, source))
 
     # ---------------------------------------------------------------------------- placement
 
@@ -428,49 +417,11 @@ class SimDevice(Device):
             self.timeline.append(record)
         return record
 
-    def _join_host(self, track: _Track) -> None:
+    def _join_host(self, track: Track) -> None:
         # Work launched after a host sync is ordered after what the host waited for.
         if track.host_gen != self._host_gen:
-            _join(track.vc, self._host_vc)
+            join(track.vc, self._host_vc)
             track.host_gen = self._host_gen
-
-    def _stretch(self, start: float, work: float) -> float:
-        """End time of `work` us of compute starting at `start` while high-throughput comm
-        kernels hold part of the SMs: progress runs at rate 1 - (SM share held by comm)."""
-        busy = [b for b in self._sm_busy if b[1] > start]
-        if not busy or work <= 0:
-            return start + work
-        t, remaining = start, work
-        cap = self.profile.max_comm_sm_share
-        while True:
-            share = min(sum(sh for s, e, sh in busy if s <= t < e), cap)
-            later = [p for s, e, _ in busy for p in (s, e) if p > t]
-            nxt = min(later) if later else math.inf
-            rate = 1.0 - share
-            if t + remaining / rate <= nxt:
-                return t + remaining / rate
-            remaining -= (nxt - t) * rate
-            t = nxt
-
-    def _contention_us(self, full_grid: bool, waited: float, work: float) -> float:
-        """What an op that waited `waited` us for the other kind (compute vs full-grid) to
-        finish would have lost by running beside it instead, at the profile's overlap rates.
-
-        Beside each other the waiting op (rate r_own) and the rest of the other kind's work
-        (`waited` us, rate r_other) would share the GPU until either finished, i.e. for
-        T = min(waited / r_other, work / r_own), doing (r_own + r_other) * T of work in T; all
-        the rest runs alone as in turns. The pair therefore ends (1 - r_own - r_other) * T
-        later than in turns. The op that waited carries it (the other is placed already and is
-        not re-timed); rates that sum to 1 or more cost nothing (turns are kept)."""
-        rates = self.profile.overlap_rates
-        if not rates or waited <= 0 or work <= 0:
-            return 0.0
-        own = rates["full_grid" if full_grid else "compute"]
-        other = rates["compute" if full_grid else "full_grid"]
-        loss = 1.0 - own - other
-        if loss <= 0:
-            return 0.0
-        return loss * min(waited / other, work / own)
 
     def place_op(
         self,
@@ -479,7 +430,7 @@ class SimDevice(Device):
         *,
         kind: str = COMPUTE,
         stream: SimStream | None = None,
-        track: _Track | None = None,
+        track: Track | None = None,
         flops: float = 0.0,
         nbytes: float = 0.0,
         reads: Sequence[Access] = (),
@@ -504,12 +455,12 @@ class SimDevice(Device):
         kernels on two streams share the SMs: together no faster than one after the other);
         `fresh` storages were just allocated.
         """
-        tls = self.thread_state()
+        state = self.thread_state()
         if track is None:
-            track = (stream or tls.stream)._track
+            track = (stream or state.stream)._track  # type: ignore[attr-defined]
         if ubatch == "current":
-            ubatch = tls.ubatches[-1] if tls.ubatches else None
-        replayed = tls.replaying
+            ubatch = state.ubatch
+        replayed = state.replaying
         with self._lock:
             issue = self._host_us
             if launch and not replayed:
@@ -519,64 +470,61 @@ class SimDevice(Device):
             self._join_host(track)
             track.vc[track.index] += 1
             epoch = track.vc[track.index]
-            ready = max(self._host_us, track.free_at, not_before)
-            start = ready
-            if full_grid:
-                start = max(start, self._compute_end)
-            elif kind == COMPUTE:
-                start = max(start, self._grid_end)
-            if (
-                kind == COMPUTE
-                and self.dbo_gemm_sms is not None
-                and ubatch is not None
-                and name in _GEMMS
-            ):
-                # A ubatch's GEMM on its reserved SMs: slower, but untouched by comm kernels.
-                cost_us = cost_us * self.profile.num_sms / self.dbo_gemm_sms
-                end = start + cost_us
-            else:
-                end = self._stretch(start, cost_us) if kind == COMPUTE else start + cost_us
-            contention = self._contention_us(full_grid, start - ready, cost_us)
-            end += contention
-            if full_grid:
-                self._grid_end = max(self._grid_end, end)
-            elif kind == COMPUTE:
-                self._compute_end = max(self._compute_end, end)
-            track.free_at = end
-            if sm_share > 0 and end > start:
-                horizon = self._host_us  # no later op can start before the host clock
-                self._sm_busy = [b for b in self._sm_busy if b[1] > horizon]
-                self._sm_busy.append((start, end, sm_share))
-            if args is None:
-                args = {}
-            stretched = end - contention - start
-            if kind == COMPUTE and stretched > cost_us + 1e-9:
-                args["sm_slowdown_us"] = stretched - cost_us
-            if contention > 0:
-                args["overlap_slowdown_us"] = contention
+            span = self._span(track, name, cost_us, kind, ubatch, not_before, full_grid)
+            self._occupy(track, span, kind == COMPUTE, full_grid, sm_share)
+            args = {} if args is None else args
+            args.update(slowdown_args(span, compute=kind == COMPUTE))
             if args.get("cost") == ROOFLINE:
-                args["fallback_us"] = end - start
-            record = OpRecord(
-                seq=self._seq,
-                name=name,
-                kind=kind,
-                rank=self.rank,
-                ubatch=ubatch,
-                stream=track.name,
-                issue_us=issue,
-                start_us=start,
-                end_us=end,
-                flops=flops,
-                bytes=nbytes,
-                replayed=replayed,
-                args=args,
+                args["fallback_us"] = span.end - span.start
+            record = self._append(
+                OpRecord(
+                    seq=self._seq,
+                    name=name,
+                    kind=kind,
+                    rank=self.rank,
+                    ubatch=ubatch,
+                    stream=track.name,
+                    issue_us=issue,
+                    start_us=span.start,
+                    end_us=span.end,
+                    flops=flops,
+                    bytes=nbytes,
+                    replayed=replayed,
+                    args=args,
+                )  # fmt: skip
             )
-            self._append(record)
             if self._checker is not None and (reads or writes or fresh):
                 if stack is None and self.capture_stacks:
                     stack = user_stack()
                 self._checker.on_op(record, track, epoch, reads, writes, stack, fresh)
             return record
+
+    def _span(
+        self, track: Track, name: str, cost_us: float, kind: str, ubatch: int | None,
+        not_before: float, full_grid: bool,
+    ) -> Span:  # fmt: skip
+        """Where an op issued now on `track` runs (`dbo.sim.timeline.place_span`)."""
+        compute = kind == COMPUTE
+        reserved = None
+        if compute and self.dbo_gemm_sms is not None and ubatch is not None and name in _GEMMS:
+            # A ubatch's GEMM on its reserved SMs: slower, but untouched by comm kernels.
+            reserved = (self.profile.num_sms, self.dbo_gemm_sms)
+        return place_span(
+            max(self._host_us, track.free_at, not_before), cost_us, compute=compute,
+            full_grid=full_grid, turns=self._turns, busy=self._sm_busy,
+            max_share=self.profile.max_comm_sm_share, rates=self.profile.overlap_rates,
+            reserved_sms=reserved,
+        )  # fmt: skip
+
+    def _occupy(
+        self, track: Track, span: Span, compute: bool, full_grid: bool, sm_share: float
+    ) -> None:
+        """What a placed op holds: its track until it ends, its turn, and its SM share."""
+        self._turns = after(self._turns, span, compute=compute, full_grid=full_grid)
+        track.free_at = span.end
+        if sm_share > 0 and span.end > span.start:
+            # No later op can start before the host clock: older holds slow nothing.
+            self._sm_busy = hold_sms(self._sm_busy, span, sm_share, self._host_us)
 
     # ------------------------------------------------------------------------ events, syncs
 
@@ -592,7 +540,7 @@ class SimDevice(Device):
         if self._graph is not None and not self.thread_state().replaying:
             self._graph.on_record(event, stream)
 
-    def _record_on_track(self, event: SimEvent, track: _Track) -> None:
+    def _record_on_track(self, event: SimEvent, track: Track) -> None:
         with self._lock:
             self._join_host(track)
             event.time_us = track.free_at
@@ -606,12 +554,12 @@ class SimDevice(Device):
         with self._lock:
             if event.recorded:  # as in CUDA, waiting on a never-recorded event is a no-op
                 track.free_at = max(track.free_at, event.time_us)  # type: ignore[arg-type]
-                _join(track.vc, event.vc)
+                join(track.vc, event.vc)
                 self._note_wait(event, track)
         if self._graph is not None and not self.thread_state().replaying:
             self._graph.on_wait(stream, event)
 
-    def _note_wait(self, event: SimEvent, track: _Track) -> None:
+    def _note_wait(self, event: SimEvent, track: Track) -> None:
         if self.record_timeline:
             self.event_waits.append(
                 EventWait(
@@ -628,24 +576,24 @@ class SimDevice(Device):
         """The host blocks until `until_us`; what it waited for is ordered before later
         launches. A SYNC record is placed only when the host actually waits."""
         with self._lock:
-            if _join(self._host_vc, vc):
+            if join(self._host_vc, vc):
                 self._host_gen += 1
             if until_us > self._host_us:
                 start = self._host_us
                 self._host_us = until_us
-                tls = self.thread_state()
+                state = self.thread_state()
                 self._append(
                     OpRecord(
                         seq=self._seq,
                         name="host-sync",
                         kind=SYNC,
                         rank=self.rank,
-                        ubatch=tls.ubatches[-1] if tls.ubatches else None,
+                        ubatch=state.ubatch,
                         stream="host",
                         issue_us=start,
                         start_us=start,
                         end_us=until_us,
-                        replayed=tls.replaying,
+                        replayed=state.replaying,
                         args={"on": what},
                     )
                 )
@@ -683,7 +631,7 @@ class SimDevice(Device):
             until = max(t.free_at for t in self._tracks)
             vc: VectorClock = []
             for track in self._tracks:
-                _join(vc, track.vc)
+                join(vc, track.vc)
             self._host_wait(until, vc, "device")
             if self._checker is not None:
                 # Everything issued so far is now ordered before everything issued later.
@@ -697,19 +645,19 @@ class SimDevice(Device):
         with self._lock:
             start = self._host_us
             self._host_us += cost_us
-            tls = self.thread_state()
+            state = self.thread_state()
             self._append(
                 OpRecord(
                     seq=self._seq,
                     name=name,
                     kind=kind,
                     rank=self.rank,
-                    ubatch=tls.ubatches[-1] if tls.ubatches else None,
+                    ubatch=state.ubatch,
                     stream="host",
                     issue_us=start,
                     start_us=start,
                     end_us=self._host_us,
-                    replayed=tls.replaying,
+                    replayed=state.replaying,
                 )
             )
 
@@ -732,22 +680,22 @@ class SimDevice(Device):
         nbytes = as_int("nbytes", nbytes)
         ep_size = as_int("ep_size", ep_size, minimum=1)
         comm_link(self.profile, ep_size, link)  # validates `link`
-        tls = self.thread_state()
-        if tls.comm is not None:
+        state = self.thread_state()
+        if state.comm is not None:
             raise RuntimeError(
-                f"comm_region({kind!r}) entered inside comm_region({tls.comm.kind!r}); "
+                f"comm_region({kind!r}) entered inside comm_region({state.comm.kind!r}); "
                 f"one communication op cannot contain another"
             )
-        region = _CommRegion(kind, nbytes, mode, ep_size, link, tls.stream, [], [], [], [])
+        region = CommRegion(kind, nbytes, mode, ep_size, link, state.stream, [], [], [], [])
         handle = CommHandle(kind=kind, nbytes=nbytes, mode=mode, event=self.Event())
-        tls.comm = region
+        state.comm = region
         try:
             yield handle
         finally:
-            tls.comm = None
+            state.comm = None
         self.place_comm(region, handle.event)  # type: ignore[arg-type]
 
-    def place_comm(self, region: _CommRegion, event: SimEvent) -> None:
+    def place_comm(self, region: CommRegion, event: SimEvent) -> None:
         """Place a finished comm region: "ht" as one op on its stream holding SMs; "ll" as a
         send on its stream plus a transfer on the link track, `event` marking arrival."""
         profile = self.profile
@@ -786,7 +734,7 @@ class SimDevice(Device):
                 )  # fmt: skip
                 link = self._link
                 # The transfer leaves after the send: order it after the sending stream.
-                _join(link.vc, region.stream._track.vc)
+                join(link.vc, region.stream._track.vc)
                 self.place_op(
                     name, cost, kind=COMM, track=link, nbytes=nbytes,
                     writes=region.writes, args=args, launch=False, not_before=send.end_us,
@@ -795,7 +743,7 @@ class SimDevice(Device):
         if self._graph is not None and not self.thread_state().replaying:
             self._graph.on_comm(region, event)
 
-    def _place_local(self, region: _CommRegion, event: SimEvent) -> None:
+    def _place_local(self, region: CommRegion, event: SimEvent) -> None:
         """One rank: no byte leaves the GPU. The block's own ops (a gather, a weighting, a
         scatter-add) are the whole cost, issued eagerly like any op, and they are full-grid
         kernels: they take the GPU in turn with compute, in either mode, on their stream."""
@@ -835,8 +783,8 @@ class SimDevice(Device):
         comm region's stream inside one): the allocator may hand it freed memory."""
         if self._checker is None or tensor.device.type == "meta":
             return
-        tls = self.thread_state()
-        stream = tls.comm.stream if tls.comm is not None else tls.stream
+        state = self.thread_state()
+        stream = state.comm.stream if state.comm is not None else state.stream
         stack = user_stack() if self.capture_stacks else None
         with self._lock:
             self._checker.allocated(tensor, stream._track, stack)
@@ -851,7 +799,7 @@ class SimDevice(Device):
                 self._checker.record_stream(tensor, track)
 
     @property
-    def capturing_graph(self) -> Any:
+    def capturing_graph(self) -> SimGraph | None:
         """The SimGraph being captured, or None."""
         return self._graph
 
@@ -877,7 +825,7 @@ class SimDevice(Device):
 
     # ---------------------------------------------------------------------- graphs, buffers
 
-    def graph(self) -> Any:
+    def graph(self) -> SimGraph:
         """Capture the ops of a step for replay: `with device.graph() as g: ...; g.replay()`."""
         return SimGraph(self)
 
