@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from dbo._checks import as_int
+from dbo.sim.clock import DeviceClock
 from dbo.sim.cost import (
     COMM_MODES,
     GEMM_OPS,
@@ -66,7 +67,7 @@ from dbo.sim.records import (
     OpRecord,
 )
 from dbo.sim.state import CommRegion, ThreadState, Track, VectorClock, join
-from dbo.sim.timeline import SmBusy, Span, Turns, after, hold_sms, place_span, slowdown_args
+from dbo.sim.timeline import slowdown_args
 from dbo.streams import CommHandle, Device, Event, Stream
 
 __all__ = ["SimDevice", "SimMark", "SimStream", "SimEvent"]
@@ -110,7 +111,7 @@ class SimEvent(Event):
 
     @property
     def recorded(self) -> bool:
-        return self.time_us is not None and self._generation == self.device._generation
+        return self.time_us is not None and self._generation == self.device._clock.generation
 
     def record(self, stream: Stream | None = None) -> None:
         self.device._record_event(self, stream or self.device.current_stream())
@@ -224,23 +225,15 @@ class SimDevice(Device):
         # RLock: event and stream calls nest inside placement paths of the same thread.
         self._lock = threading.RLock()
         self._tls = threading.local()  # holds each thread's ThreadState
-        self._tracks: list[Track] = []
+        self._clock = DeviceClock(self.profile, self.dbo_gemm_sms)
         self._streams: dict[str, SimStream] = {}
-        self._generation = 0
-        self._start_clocks()
+        self._start_reports()
         self._default = self.Stream("default")
-        self._link = self._new_track("link")
+        self._link = self._clock.new_track("link")
 
-    def _start_clocks(self) -> None:
-        """Clocks at 0, nothing placed, no report (the streams' tracks are reset apart)."""
-        self._host_us = 0.0
-        self._host_vc: VectorClock = []
-        self._host_gen = 0  # bumped whenever a host sync adds ordering
+    def _start_reports(self) -> None:
+        """Nothing placed, nothing reported (a new measurement)."""
         self._seq = 0
-        # High-throughput comm kernels occupying SMs, and the two kinds that take the GPU in
-        # turn (see dbo.sim.timeline).
-        self._sm_busy: list[SmBusy] = []
-        self._turns = Turns()
         self.timeline: list[OpRecord] = []
         self.races: list[RaceReport] = []
         # For the reports only (flow arrows, named host ranges); cleared by reset().
@@ -249,19 +242,14 @@ class SimDevice(Device):
 
     # ---------------------------------------------------------------------------- factories
 
-    def _new_track(self, name: str) -> Track:
-        track = Track(len(self._tracks), name)
-        self._tracks.append(track)
-        return track
-
     def Stream(self, name: str = "") -> SimStream:
         with self._lock:
-            base = name or f"stream-{len(self._tracks)}"
+            base = name or f"stream-{len(self._clock.tracks)}"
             unique, n = base, 1
             while unique in self._streams or unique in ("link", "host"):
                 n += 1
                 unique = f"{base}#{n}"
-            stream = SimStream(self, self._new_track(unique))
+            stream = SimStream(self, self._clock.new_track(unique))
             self._streams[unique] = stream
             return stream
 
@@ -283,7 +271,9 @@ class SimDevice(Device):
         host ranges (for intercept and graph)."""
         state = getattr(self._tls, "state", None)
         if state is None:
-            ranges = HostRanges(lambda: self._host_us, self.current_ubatch, self._on_host_range)
+            ranges = HostRanges(
+                lambda: self._clock.host_us, self.current_ubatch, self._on_host_range
+            )
             state = self._tls.state = ThreadState(self._default, ranges)
         return state
 
@@ -329,17 +319,17 @@ class SimDevice(Device):
 
     @property
     def host_time_us(self) -> float:
-        return self._host_us
+        return self._clock.host_us
 
     @property
     def frontier_us(self) -> float:
         """The latest virtual time anything (host or any stream) has reached."""
         with self._lock:
-            return max([self._host_us] + [t.free_at for t in self._tracks])
+            return self._clock.frontier_us
 
     def mark(self) -> SimMark:
         with self._lock:
-            return SimMark(len(self.timeline), self._host_us, self.frontier_us)
+            return SimMark(len(self.timeline), self._clock.host_us, self._clock.frontier_us)
 
     def since(self, mark: SimMark) -> list[OpRecord]:
         """The records placed after `mark`."""
@@ -355,10 +345,8 @@ class SimDevice(Device):
         """Start a new measurement: clocks at 0, empty timeline and race list, no history.
         Events recorded before the reset count as never recorded."""
         with self._lock:
-            self._start_clocks()
-            self._generation += 1
-            for track in self._tracks:
-                track.reset()
+            self._start_reports()
+            self._clock.reset()
             if self._checker is not None:
                 self._checker.clear()
 
@@ -417,12 +405,6 @@ class SimDevice(Device):
             self.timeline.append(record)
         return record
 
-    def _join_host(self, track: Track) -> None:
-        # Work launched after a host sync is ordered after what the host waited for.
-        if track.host_gen != self._host_gen:
-            join(track.vc, self._host_vc)
-            track.host_gen = self._host_gen
-
     def place_op(
         self,
         name: str,
@@ -462,16 +444,23 @@ class SimDevice(Device):
             ubatch = state.ubatch
         replayed = state.replaying
         with self._lock:
-            issue = self._host_us
+            clock = self._clock
+            issue = clock.host_us
             if launch and not replayed:
                 if host_us is None:
                     host_us = self.profile.eager_host_us(host_family(name))
-                self._host_us += host_us
-            self._join_host(track)
-            track.vc[track.index] += 1
-            epoch = track.vc[track.index]
-            span = self._span(track, name, cost_us, kind, ubatch, not_before, full_grid)
-            self._occupy(track, span, kind == COMPUTE, full_grid, sm_share)
+                clock.host_us += host_us
+            epoch = clock.tick(track)
+            # A ubatch's GEMM under dbo_gemm_sms runs on its reserved SMs: slower, but
+            # untouched by comm kernels.
+            reserved = (
+                kind == COMPUTE and self.dbo_gemm_sms is not None and ubatch is not None
+                and name in _GEMMS
+            )  # fmt: skip
+            span = clock.place(
+                track, cost_us, compute=kind == COMPUTE, full_grid=full_grid,
+                reserved=reserved, not_before=not_before, sm_share=sm_share,
+            )  # fmt: skip
             args = {} if args is None else args
             args.update(slowdown_args(span, compute=kind == COMPUTE))
             if args.get("cost") == ROOFLINE:
@@ -499,33 +488,6 @@ class SimDevice(Device):
                 self._checker.on_op(record, track, epoch, reads, writes, stack, fresh)
             return record
 
-    def _span(
-        self, track: Track, name: str, cost_us: float, kind: str, ubatch: int | None,
-        not_before: float, full_grid: bool,
-    ) -> Span:  # fmt: skip
-        """Where an op issued now on `track` runs (`dbo.sim.timeline.place_span`)."""
-        compute = kind == COMPUTE
-        reserved = None
-        if compute and self.dbo_gemm_sms is not None and ubatch is not None and name in _GEMMS:
-            # A ubatch's GEMM on its reserved SMs: slower, but untouched by comm kernels.
-            reserved = (self.profile.num_sms, self.dbo_gemm_sms)
-        return place_span(
-            max(self._host_us, track.free_at, not_before), cost_us, compute=compute,
-            full_grid=full_grid, turns=self._turns, busy=self._sm_busy,
-            max_share=self.profile.max_comm_sm_share, rates=self.profile.overlap_rates,
-            reserved_sms=reserved,
-        )  # fmt: skip
-
-    def _occupy(
-        self, track: Track, span: Span, compute: bool, full_grid: bool, sm_share: float
-    ) -> None:
-        """What a placed op holds: its track until it ends, its turn, and its SM share."""
-        self._turns = after(self._turns, span, compute=compute, full_grid=full_grid)
-        track.free_at = span.end
-        if sm_share > 0 and span.end > span.start:
-            # No later op can start before the host clock: older holds slow nothing.
-            self._sm_busy = hold_sms(self._sm_busy, span, sm_share, self._host_us)
-
     # ------------------------------------------------------------------------ events, syncs
 
     def _check_event(self, event: Event) -> SimEvent:
@@ -542,19 +504,16 @@ class SimDevice(Device):
 
     def _record_on_track(self, event: SimEvent, track: Track) -> None:
         with self._lock:
-            self._join_host(track)
-            event.time_us = track.free_at
-            event.vc = list(track.vc)
+            event.time_us, event.vc = self._clock.record(track)
             event.stream_name = track.name
-            event._generation = self._generation
+            event._generation = self._clock.generation
 
     def _wait_event(self, stream: SimStream, event: Event) -> None:
         event = self._check_event(event)
         track = self.check_stream(stream)._track  # type: ignore[attr-defined]
         with self._lock:
             if event.recorded:  # as in CUDA, waiting on a never-recorded event is a no-op
-                track.free_at = max(track.free_at, event.time_us)  # type: ignore[arg-type]
-                join(track.vc, event.vc)
+                self._clock.wait(track, event.time_us, event.vc)  # type: ignore[arg-type]
                 self._note_wait(event, track)
         if self._graph is not None and not self.thread_state().replaying:
             self._graph.on_wait(stream, event)
@@ -569,34 +528,35 @@ class SimDevice(Device):
                     event.time_us or 0.0,
                     track.name,
                     self._seq,
-                )
+                )  # fmt: skip
             )
+
+    def _host_record(self, name: str, kind: str, start: float, end: float, **args: Any) -> None:
+        """A host-side record (a sync, a baton pass, a graph launch), drawn on the host track."""
+        state = self.thread_state()
+        self._append(
+            OpRecord(
+                seq=self._seq,
+                name=name,
+                kind=kind,
+                rank=self.rank,
+                ubatch=state.ubatch,
+                stream="host",
+                issue_us=start,
+                start_us=start,
+                end_us=end,
+                replayed=state.replaying,
+                args=args,
+            )  # fmt: skip
+        )
 
     def _host_wait(self, until_us: float, vc: Sequence[int], what: str) -> None:
         """The host blocks until `until_us`; what it waited for is ordered before later
         launches. A SYNC record is placed only when the host actually waits."""
         with self._lock:
-            if join(self._host_vc, vc):
-                self._host_gen += 1
-            if until_us > self._host_us:
-                start = self._host_us
-                self._host_us = until_us
-                state = self.thread_state()
-                self._append(
-                    OpRecord(
-                        seq=self._seq,
-                        name="host-sync",
-                        kind=SYNC,
-                        rank=self.rank,
-                        ubatch=state.ubatch,
-                        stream="host",
-                        issue_us=start,
-                        start_us=start,
-                        end_us=until_us,
-                        replayed=state.replaying,
-                        args={"on": what},
-                    )
-                )
+            start = self._clock.host_wait(until_us, vc)
+            if start is not None:
+                self._host_record("host-sync", SYNC, start, until_us, on=what)
 
     def _sync_stream(self, stream: SimStream, what: str | None = None) -> None:
         track = stream._track
@@ -614,10 +574,10 @@ class SimDevice(Device):
         False costs the host one driver call (a launch's worth of host time), so a bare
         polling loop advances the clock and ends."""
         with self._lock:
-            if done_at_us <= self._host_us:
+            if done_at_us <= self._clock.host_us:
                 self._host_wait(done_at_us, vc, what)
                 return True
-            self._host_us += max(self.profile.launch_us, 1e-3)
+            self._clock.host_us += max(self.profile.launch_us, 1e-3)
             return False
 
     def host_read(self, what: str = "host read") -> None:
@@ -628,10 +588,7 @@ class SimDevice(Device):
 
     def synchronize(self) -> None:
         with self._lock:
-            until = max(t.free_at for t in self._tracks)
-            vc: VectorClock = []
-            for track in self._tracks:
-                join(vc, track.vc)
+            until, vc = self._clock.all_work()
             self._host_wait(until, vc, "device")
             if self._checker is not None:
                 # Everything issued so far is now ordered before everything issued later.
@@ -643,23 +600,9 @@ class SimDevice(Device):
     def _host_launch(self, name: str, cost_us: float, kind: str) -> None:
         """Host-only time (a baton pass, a graph launch), drawn on the host track."""
         with self._lock:
-            start = self._host_us
-            self._host_us += cost_us
-            state = self.thread_state()
-            self._append(
-                OpRecord(
-                    seq=self._seq,
-                    name=name,
-                    kind=kind,
-                    rank=self.rank,
-                    ubatch=state.ubatch,
-                    stream="host",
-                    issue_us=start,
-                    start_us=start,
-                    end_us=self._host_us,
-                    replayed=state.replaying,
-                )
-            )
+            start = self._clock.host_us
+            self._clock.host_us += cost_us
+            self._host_record(name, kind, start, self._clock.host_us)
 
     # --------------------------------------------------------------------------------- comm
 
