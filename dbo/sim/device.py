@@ -17,12 +17,8 @@ it over): its accesses parsed, priced, placed or folded into the thread's comm r
 by the race checker, recorded into the graph being captured. `place_op` is the placement
 itself, shared with `comm_region` and graph replay (`dbo.sim.graph`).
 
-Communication regions are costed by `dbo.sim.cost.comm_time_us`; an EP group of one rank
-moves no byte over a link, so such a region is costed as its own ops (the gather, the
-weighting, the scatter-add), priced like any other op, and placed as full-grid kernels on its
-stream that take the GPU in turn with compute, whatever the mode (a local permutation is no
-SM-budgeted comm kernel and no transfer); `ht_rdma_share` scales the RDMA part of
-multi-node "ht" regions (DeepEP's per-node de-duplication).
+Communication regions are placed as `dbo.sim.regions` plans them (one SM-holding op, a send
+and a transfer, or a one-rank group's own ops as a full-grid kernel).
 """
 
 from __future__ import annotations
@@ -31,28 +27,17 @@ import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from dbo._checks import as_int
 from dbo.sim.clock import DeviceClock
-from dbo.sim.cost import (
-    COMM_MODES,
-    GEMM_OPS,
-    ROOFLINE,
-    OpCall,
-    OpCost,
-    comm_link,
-    comm_time_us,
-    ep_traffic,
-    host_family,
-    price_op,
-)
-from dbo.sim.graph import SimGraph
-from dbo.sim.hardware import HardwareProfile, profile_from_name
+from dbo.sim.cost import GEMM_OPS, ROOFLINE, OpCall, OpCost, host_family, price_op
+from dbo.sim.graph import BufferOwners, SimGraph
+from dbo.sim.handles import SimEvent, SimMark, SimStream
+from dbo.sim.hardware import HardwareProfile
 from dbo.sim.intercept import enter_modes
+from dbo.sim.options import check_knobs, profile_with, tensor_device_of
 from dbo.sim.races import MAX_REPORTS, RaceChecker, RaceError, RaceReport, user_stack
 from dbo.sim.ranges import HostRanges, device_scope
 from dbo.sim.records import (
@@ -66,103 +51,14 @@ from dbo.sim.records import (
     HostRange,
     OpRecord,
 )
-from dbo.sim.state import CommRegion, ThreadState, Track, VectorClock, join
+from dbo.sim.regions import open_region, region_ops
+from dbo.sim.state import CommRegion, ThreadState, Track, join
 from dbo.sim.timeline import slowdown_args
 from dbo.streams import CommHandle, Device, Event, Stream
 
 __all__ = ["SimDevice", "SimMark", "SimStream", "SimEvent"]
 
 _GEMMS = GEMM_OPS  # what a GEMM library such as DeepGEMM runs (one list, in dbo.sim.cost)
-RACE_ACTIONS = ("record", "raise", "warn")
-
-
-class SimStream(Stream):
-    """A stream of the simulated device (a handle on one `Track`)."""
-
-    def __init__(self, device: SimDevice, track: Track) -> None:
-        self.device = device
-        self.name = track.name
-        self._track = track
-
-    def wait_event(self, event: Event) -> None:
-        self.device._wait_event(self, event)
-
-    def synchronize(self) -> None:
-        self.device._sync_stream(self)
-
-    def query(self) -> bool:
-        return self.device._poll(self._track.free_at, self._track.vc, f"stream {self.name}")
-
-    @property
-    def free_at_us(self) -> float:
-        """Virtual time at which the work issued so far on this stream is done."""
-        return self._track.free_at
-
-
-class SimEvent(Event):
-    """An event of the simulated device: the time and vector clock of its last record."""
-
-    def __init__(self, device: SimDevice) -> None:
-        self.device = device
-        self.time_us: float | None = None  # None until recorded
-        self.vc: VectorClock = []
-        self.stream_name: str | None = None
-        self._generation = -1  # device.reset() generation of the last record
-
-    @property
-    def recorded(self) -> bool:
-        return self.time_us is not None and self._generation == self.device._clock.generation
-
-    def record(self, stream: Stream | None = None) -> None:
-        self.device._record_event(self, stream or self.device.current_stream())
-
-    def synchronize(self) -> None:
-        self.device._sync_event(self)
-
-    def query(self) -> bool:
-        if not self.recorded or self.time_us is None:
-            return True
-        return self.device._poll(self.time_us, self.vc, f"event on {self.stream_name}")
-
-    def __repr__(self) -> str:
-        return f"<SimEvent t={self.time_us} on {self.stream_name!r}>"
-
-
-@dataclass(frozen=True)
-class SimMark:
-    """A point of a measurement window: `device.mark()` now, `device.since(mark)` later."""
-
-    index: int  # position in device.timeline
-    host_us: float
-    frontier_us: float  # latest virtual time of any host or stream work at the mark
-
-
-def _profile_with(profile: str | HardwareProfile, **overrides: float | None) -> HardwareProfile:
-    """The named (or given) profile with the overrides that are set."""
-    base = profile_from_name(profile)
-    given = {k: v for k, v in overrides.items() if v is not None}
-    return replace(base, **given) if given else base
-
-
-def _tensor_device(tensor_device: str | torch.device) -> torch.device:
-    device = torch.device(tensor_device)
-    if device.type not in ("cpu", "meta"):
-        raise ValueError(
-            f"tensor_device must be 'cpu' (real values) or 'meta' (shapes only), got "
-            f"{tensor_device!r}"
-        )
-    return device
-
-
-def _check_knobs(
-    profile: HardwareProfile, race_action: str, dbo_gemm_sms: int | None, ht_rdma_share: float
-) -> None:
-    if race_action not in RACE_ACTIONS:
-        raise ValueError(f"race_action must be 'record', 'raise' or 'warn', got {race_action!r}")
-    if dbo_gemm_sms is not None and not 0 < dbo_gemm_sms <= profile.num_sms:
-        raise ValueError(f"dbo_gemm_sms must be in (0, {profile.num_sms}], got {dbo_gemm_sms!r}")
-    if not 0.0 < ht_rdma_share <= 1.0:
-        raise ValueError(f"ht_rdma_share must be in (0, 1], got {ht_rdma_share!r}")
 
 
 def _trace_args(call: OpCall, priced: OpCost) -> dict[str, Any]:
@@ -194,24 +90,17 @@ class SimDevice(Device):
         dbo_gemm_sms: int | None = None,
         ht_rdma_share: float = 1.0,
     ) -> None:
-        self.profile: HardwareProfile = _profile_with(
+        self.profile: HardwareProfile = profile_with(
             profile, launch_us=launch_us, handoff_us=handoff_us, comm_sms=comm_sms,
             kernel_fixed_us=kernel_fixed_us,
         )  # fmt: skip
         self.rank = int(rank)
-        self.torch_device = _tensor_device(tensor_device)
-        _check_knobs(self.profile, race_action, dbo_gemm_sms, ht_rdma_share)
+        self.torch_device = tensor_device_of(tensor_device)
+        check_knobs(self.profile, race_action, dbo_gemm_sms, ht_rdma_share)
         self.record_timeline = record_timeline
         self.capture_stacks = capture_stacks
         self.race_action = race_action
-        # SGLang's two-batch overlap caps DeepGEMM at (SMs - DeepEP's SMs) for the whole
-        # ubatched prefill step (sglang operations_strategy.py: deep_gemm_num_sms), so its
-        # GEMMs never share SMs with the comm kernels, and always run on fewer of them.
-        self.dbo_gemm_sms = dbo_gemm_sms
-        # Of the bytes a multi-node "ht" region sends off-node, the share that crosses RDMA:
-        # DeepEP's normal kernels send a token once per destination node and forward it over
-        # NVLink there (`dbo.sim.cost.node_dedup_share` derives it from the routing). 1.0: one
-        # RDMA copy per expert copy, as the low-latency kernels send.
+        self.dbo_gemm_sms = dbo_gemm_sms  # see dbo.sim.options.check_knobs
         self.ht_rdma_share = float(ht_rdma_share)
         self._init_timelines()
         # Race bookkeeping needs real storages; a meta run has none.
@@ -219,7 +108,7 @@ class SimDevice(Device):
         if check_races and self.torch_device.type != "meta":
             self._checker = RaceChecker(self._on_race, transfer_tracks=(self._link.index,))
         self._graph: SimGraph | None = None  # the graph being captured, if any
-        self._buffer_owners: list[Any] = []
+        self._buffer_owners = BufferOwners()
 
     def _init_timelines(self) -> None:
         # RLock: event and stream calls nest inside placement paths of the same thread.
@@ -318,6 +207,12 @@ class SimDevice(Device):
     # ------------------------------------------------------------------------------- clocks
 
     @property
+    def generation(self) -> int:
+        """How many times the device was reset: an event recorded before the last reset
+        counts as never recorded."""
+        return self._clock.generation
+
+    @property
     def host_time_us(self) -> float:
         return self._clock.host_us
 
@@ -363,12 +258,7 @@ class SimDevice(Device):
         graph = None if state.replaying else self._graph
         region = state.comm
         if region is not None:
-            region.add_op(call.nbytes, priced, call.name)  # an EP group of one is these ops
-            region.reads.extend(reads)
-            region.writes.extend(writes)
-            region.fresh.extend(fresh)
-            if graph is not None:
-                region.graph_ops.append((call.func, call.args, call.kwargs, call.out))
+            region.fold(call, priced, reads, writes, fresh, capturing=graph is not None)
             return
         record = self.place_op(
             call.name, priced.us, flops=call.flops, nbytes=call.nbytes, reads=reads,
@@ -430,63 +320,46 @@ class SimDevice(Device):
         """Place one op on a timeline and check its accesses; returns its record.
 
         `launch` charges the host its eager issue time, `host_us` or the profile's figure for
-        the op's kind (skipped while replaying a graph); compute
-        ops are stretched by concurrent comm SM occupancy; an op with `sm_share` > 0 holds
-        that share of the SMs for its duration; a `full_grid` op (a local permutation, on any
-        stream) and compute ops take the whole GPU in turn, in issue order (two full-grid
-        kernels on two streams share the SMs: together no faster than one after the other);
-        `fresh` storages were just allocated.
-        """
+        the op's kind (none while replaying a graph); `sm_share` > 0: the op holds that share
+        of the SMs; `full_grid`: it takes the GPU in turn with compute (`dbo.sim.timeline`);
+        `fresh` storages were just allocated."""
         state = self.thread_state()
         if track is None:
-            track = (stream or state.stream)._track  # type: ignore[attr-defined]
+            track = (stream or state.stream).track  # type: ignore[attr-defined]
         if ubatch == "current":
             ubatch = state.ubatch
         replayed = state.replaying
+        compute = kind == COMPUTE
         with self._lock:
-            clock = self._clock
-            issue = clock.host_us
+            issue = self._clock.host_us
             if launch and not replayed:
-                if host_us is None:
-                    host_us = self.profile.eager_host_us(host_family(name))
-                clock.host_us += host_us
-            epoch = clock.tick(track)
-            # A ubatch's GEMM under dbo_gemm_sms runs on its reserved SMs: slower, but
-            # untouched by comm kernels.
-            reserved = (
-                kind == COMPUTE and self.dbo_gemm_sms is not None and ubatch is not None
-                and name in _GEMMS
-            )  # fmt: skip
-            span = clock.place(
-                track, cost_us, compute=kind == COMPUTE, full_grid=full_grid,
-                reserved=reserved, not_before=not_before, sm_share=sm_share,
+                self._clock.host_us += (
+                    self.profile.eager_host_us(host_family(name)) if host_us is None else host_us
+                )
+            epoch = self._clock.tick(track)
+            span = self._clock.place(
+                track, cost_us, compute=compute, full_grid=full_grid, not_before=not_before,
+                reserved=self._reserved_sms(name, compute, ubatch), sm_share=sm_share,
             )  # fmt: skip
             args = {} if args is None else args
-            args.update(slowdown_args(span, compute=kind == COMPUTE))
+            args.update(slowdown_args(span, compute=compute))
             if args.get("cost") == ROOFLINE:
                 args["fallback_us"] = span.end - span.start
-            record = self._append(
-                OpRecord(
-                    seq=self._seq,
-                    name=name,
-                    kind=kind,
-                    rank=self.rank,
-                    ubatch=ubatch,
-                    stream=track.name,
-                    issue_us=issue,
-                    start_us=span.start,
-                    end_us=span.end,
-                    flops=flops,
-                    bytes=nbytes,
-                    replayed=replayed,
-                    args=args,
-                )  # fmt: skip
-            )
+            record = self._append(OpRecord(
+                seq=self._seq, name=name, kind=kind, rank=self.rank, ubatch=ubatch,
+                stream=track.name, issue_us=issue, start_us=span.start, end_us=span.end,
+                flops=flops, bytes=nbytes, replayed=replayed, args=args,
+            ))  # fmt: skip
             if self._checker is not None and (reads or writes or fresh):
                 if stack is None and self.capture_stacks:
                     stack = user_stack()
                 self._checker.on_op(record, track, epoch, reads, writes, stack, fresh)
             return record
+
+    def _reserved_sms(self, name: str, compute: bool, ubatch: int | None) -> bool:
+        """A ubatch's GEMM under `dbo_gemm_sms` runs on its reserved SMs: slower, but
+        untouched by comm kernels."""
+        return compute and self.dbo_gemm_sms is not None and ubatch is not None and name in _GEMMS
 
     # ------------------------------------------------------------------------ events, syncs
 
@@ -495,10 +368,11 @@ class SimDevice(Device):
             raise TypeError(f"event must be an Event of {self!r}, got {event!r}")
         return event
 
-    def _record_event(self, event: Event, stream: Stream) -> None:
+    def record_event(self, event: Event, stream: Stream) -> None:
+        """The device side of `event.record(stream)`."""
         event = self._check_event(event)
         stream = self.check_stream(stream)
-        self._record_on_track(event, stream._track)  # type: ignore[attr-defined]
+        self._record_on_track(event, stream.track)  # type: ignore[attr-defined]
         if self._graph is not None and not self.thread_state().replaying:
             self._graph.on_record(event, stream)
 
@@ -506,11 +380,12 @@ class SimDevice(Device):
         with self._lock:
             event.time_us, event.vc = self._clock.record(track)
             event.stream_name = track.name
-            event._generation = self._clock.generation
+            event.generation = self._clock.generation
 
-    def _wait_event(self, stream: SimStream, event: Event) -> None:
+    def stream_wait_event(self, stream: SimStream, event: Event) -> None:
+        """The device side of `stream.wait_event(event)`."""
         event = self._check_event(event)
-        track = self.check_stream(stream)._track  # type: ignore[attr-defined]
+        track = self.check_stream(stream).track  # type: ignore[attr-defined]
         with self._lock:
             if event.recorded:  # as in CUDA, waiting on a never-recorded event is a no-op
                 self._clock.wait(track, event.time_us, event.vc)  # type: ignore[arg-type]
@@ -520,35 +395,18 @@ class SimDevice(Device):
 
     def _note_wait(self, event: SimEvent, track: Track) -> None:
         if self.record_timeline:
-            self.event_waits.append(
-                EventWait(
-                    self.rank,
-                    self.current_ubatch(),
-                    event.stream_name or "?",
-                    event.time_us or 0.0,
-                    track.name,
-                    self._seq,
-                )  # fmt: skip
-            )
+            ubatch, on = self.current_ubatch(), event.stream_name or "?"
+            wait = EventWait(self.rank, ubatch, on, event.time_us or 0.0, track.name, self._seq)
+            self.event_waits.append(wait)
 
     def _host_record(self, name: str, kind: str, start: float, end: float, **args: Any) -> None:
         """A host-side record (a sync, a baton pass, a graph launch), drawn on the host track."""
         state = self.thread_state()
-        self._append(
-            OpRecord(
-                seq=self._seq,
-                name=name,
-                kind=kind,
-                rank=self.rank,
-                ubatch=state.ubatch,
-                stream="host",
-                issue_us=start,
-                start_us=start,
-                end_us=end,
-                replayed=state.replaying,
-                args=args,
-            )  # fmt: skip
-        )
+        self._append(OpRecord(
+            seq=self._seq, name=name, kind=kind, rank=self.rank, ubatch=state.ubatch,
+            stream="host", issue_us=start, start_us=start, end_us=end,
+            replayed=state.replaying, args=args,
+        ))  # fmt: skip
 
     def _host_wait(self, until_us: float, vc: Sequence[int], what: str) -> None:
         """The host blocks until `until_us`; what it waited for is ordered before later
@@ -558,17 +416,19 @@ class SimDevice(Device):
             if start is not None:
                 self._host_record("host-sync", SYNC, start, until_us, on=what)
 
-    def _sync_stream(self, stream: SimStream, what: str | None = None) -> None:
-        track = stream._track
+    def sync_stream(self, stream: SimStream, what: str | None = None) -> None:
+        """The device side of `stream.synchronize()`: the host waits for its work."""
+        track = stream.track
         with self._lock:
             self._host_wait(track.free_at, track.vc, what or f"stream {track.name}")
 
-    def _sync_event(self, event: SimEvent) -> None:
+    def sync_event(self, event: SimEvent) -> None:
+        """The device side of `event.synchronize()`."""
         with self._lock:
             if event.recorded:
                 self._host_wait(event.time_us, event.vc, f"event on {event.stream_name}")  # type: ignore[arg-type]
 
-    def _poll(self, done_at_us: float, vc: Sequence[int], what: str) -> bool:
+    def poll(self, done_at_us: float, vc: Sequence[int], what: str) -> bool:
         """A host query of work done at `done_at_us`. True once the host clock has reached
         it, and then, as after a synchronize, later launches are ordered after that work.
         False costs the host one driver call (a launch's worth of host time), so a bare
@@ -584,7 +444,7 @@ class SimDevice(Device):
         """A host read of device data (.item(), .tolist(), .cpu()): as a CUDA sync, the host
         waits for the calling thread's current stream."""
         stream = self.current_stream()
-        self._sync_stream(stream, f"{what} on stream {stream.name}")
+        self.sync_stream(stream, f"{what} on stream {stream.name}")
 
     def synchronize(self) -> None:
         with self._lock:
@@ -618,18 +478,9 @@ class SimDevice(Device):
     ) -> Iterator[CommHandle]:
         """The block is one comm op costed by `comm_time_us`; its torch ops are not placed
         themselves, but their accesses belong to the comm op (see Device.comm_region)."""
-        if mode not in COMM_MODES:
-            raise ValueError(f"mode must be one of {COMM_MODES}, got {mode!r}")
-        nbytes = as_int("nbytes", nbytes)
-        ep_size = as_int("ep_size", ep_size, minimum=1)
-        comm_link(self.profile, ep_size, link)  # validates `link`
         state = self.thread_state()
-        if state.comm is not None:
-            raise RuntimeError(
-                f"comm_region({kind!r}) entered inside comm_region({state.comm.kind!r}); "
-                f"one communication op cannot contain another"
-            )
-        region = CommRegion(kind, nbytes, mode, ep_size, link, state.stream, [], [], [], [])
+        region = open_region(self.profile, state, kind, nbytes, mode, ep_size, link)
+        nbytes = region.nbytes
         handle = CommHandle(kind=kind, nbytes=nbytes, mode=mode, event=self.Event())
         state.comm = region
         try:
@@ -639,71 +490,27 @@ class SimDevice(Device):
         self.place_comm(region, handle.event)  # type: ignore[arg-type]
 
     def place_comm(self, region: CommRegion, event: SimEvent) -> None:
-        """Place a finished comm region: "ht" as one op on its stream holding SMs; "ll" as a
-        send on its stream plus a transfer on the link track, `event` marking arrival."""
-        profile = self.profile
-        if region.ep_size == 1 and region.link is None and region.op_names:
-            self._place_local(region, event)
-            return
-        nbytes = region.nbytes
-        rdma_bytes = None
-        if region.mode == "ht" and region.link is None and region.ep_size > profile.gpus_per_node:
-            rdma_bytes = (
-                ep_traffic(nbytes, region.ep_size, profile.gpus_per_node)[1] * self.ht_rdma_share
-            )
-        cost = comm_time_us(
-            profile, region.kind, nbytes, region.ep_size, region.mode, region.link,
-            rdma_bytes=rdma_bytes,
-        )  # fmt: skip
-        which = comm_link(profile, region.ep_size, region.link)
-        args: dict[str, Any] = {"mode": region.mode, "ep_size": region.ep_size, "link": which}
-        name = f"comm::{region.kind}"
-        # A replayed graph writes the storages it captured: nothing is freshly allocated.
-        fresh = () if self.thread_state().replaying else region.fresh
+        """Place a finished comm region as `dbo.sim.regions.region_ops` plans it; `event`
+        marks its data usable (an "ll" region's: arrival, on the link track)."""
+        replaying = self.thread_state().replaying
+        ops = region_ops(self.profile, region, self.ht_rdma_share, replaying)
+        stream_track = region.stream.track  # type: ignore[attr-defined]
         with self._lock:
-            if region.mode == "ht":
-                share = profile.comm_sms / profile.num_sms
-                args["sm_share"] = share
-                self.place_op(
-                    name, cost, kind=COMM, stream=region.stream, nbytes=nbytes,
-                    reads=region.reads, writes=region.writes, fresh=fresh, args=args,
-                    sm_share=share,
+            track, placed = stream_track, None
+            for op in ops:
+                track = self._link if op.on_link else stream_track
+                if op.on_link:
+                    # The transfer leaves after the send: order it after the sending stream.
+                    join(track.vc, stream_track.vc)
+                placed = self.place_op(
+                    op.name, op.cost_us, kind=COMM, track=track, nbytes=op.nbytes,
+                    reads=op.reads, writes=op.writes, fresh=op.fresh, args=op.args,
+                    launch=op.launch, sm_share=op.sm_share, host_us=op.host_us,
+                    full_grid=op.full_grid,
+                    not_before=placed.end_us if op.after_send and placed else 0.0,
                 )  # fmt: skip
-                self._record_on_track(event, region.stream._track)
-            else:
-                send = self.place_op(
-                    f"{name}.send", profile.ll_send_us, kind=COMM, stream=region.stream,
-                    reads=region.reads, fresh=fresh, args=dict(args),
-                )  # fmt: skip
-                link = self._link
-                # The transfer leaves after the send: order it after the sending stream.
-                join(link.vc, region.stream._track.vc)
-                self.place_op(
-                    name, cost, kind=COMM, track=link, nbytes=nbytes,
-                    writes=region.writes, args=args, launch=False, not_before=send.end_us,
-                )  # fmt: skip
-                self._record_on_track(event, link)
-        if self._graph is not None and not self.thread_state().replaying:
-            self._graph.on_comm(region, event)
-
-    def _place_local(self, region: CommRegion, event: SimEvent) -> None:
-        """One rank: no byte leaves the GPU. The block's own ops (a gather, a weighting, a
-        scatter-add) are the whole cost, issued eagerly like any op, and they are full-grid
-        kernels: they take the GPU in turn with compute, in either mode, on their stream."""
-        profile = self.profile
-        args: dict[str, Any] = {"mode": region.mode, "ep_size": 1, "link": "local"}
-        if region.op_fallback_us:
-            args["fallback_us"] = region.op_fallback_us
-        host = sum(profile.eager_host_us(host_family(n)) for n in region.op_names)
-        fresh = () if self.thread_state().replaying else region.fresh
-        with self._lock:
-            self.place_op(
-                f"comm::{region.kind}", region.op_us, kind=COMM, stream=region.stream,
-                nbytes=region.op_bytes, reads=region.reads, writes=region.writes, fresh=fresh,
-                args=args, host_us=host, full_grid=True,
-            )  # fmt: skip
-            self._record_on_track(event, region.stream._track)
-        if self._graph is not None and not self.thread_state().replaying:
+            self._record_on_track(event, track)
+        if self._graph is not None and not replaying:
             self._graph.on_comm(region, event)
 
     # ------------------------------------------------- internals for intercept, graph, checker
@@ -730,13 +537,13 @@ class SimDevice(Device):
         stream = state.comm.stream if state.comm is not None else state.stream
         stack = user_stack() if self.capture_stacks else None
         with self._lock:
-            self._checker.allocated(tensor, stream._track, stack)
+            self._checker.allocated(tensor, stream.track, stack)
 
     def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         """`Tensor.record_stream` for the simulated device: the caching allocator will not
         hand `tensor`'s memory to a new tensor before the work issued on `stream` up to the
         moment the memory is freed. (torch's own method only accepts CUDA streams.)"""
-        track = self.check_stream(stream)._track  # type: ignore[attr-defined]
+        track = self.check_stream(stream).track  # type: ignore[attr-defined]
         if self._checker is not None and tensor.device.type != "meta":
             with self._lock:
                 self._checker.record_stream(tensor, track)
@@ -759,8 +566,7 @@ class SimDevice(Device):
 
     def buffer_owners(self) -> list[Any]:
         """The registered buffer owners (see add_buffer_owner)."""
-        with self._lock:
-            return list(self._buffer_owners)
+        return self._buffer_owners.snapshot()
 
     def launch_graph(self) -> None:
         """Host time of launching a whole replayed graph, drawn on the host track."""
@@ -775,15 +581,10 @@ class SimDevice(Device):
     def add_buffer_owner(self, owner: Any) -> None:
         """Register an object with `describe_buffer(data_ptr) -> info | None` (info has
         `label` and `live`), consulted by graph replay's pointer-stability check."""
-        if not callable(getattr(owner, "describe_buffer", None)):
-            raise TypeError(f"{owner!r} has no describe_buffer(data_ptr) method")
-        with self._lock:
-            if not any(o is owner for o in self._buffer_owners):
-                self._buffer_owners.append(owner)
+        self._buffer_owners.add(owner)
 
     def remove_buffer_owner(self, owner: Any) -> None:
-        with self._lock:
-            self._buffer_owners = [o for o in self._buffer_owners if o is not owner]
+        self._buffer_owners.remove(owner)
 
     def __repr__(self) -> str:
         return f"<SimDevice {self.profile.name} rank={self.rank} tensors on {self.torch_device}>"

@@ -18,6 +18,7 @@ grew and was replaced) raises `GraphReplayError` naming the buffer and the op.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from dbo.sim.state import CommRegion, SimDeviceProtocol
 from dbo.streams import Event, GraphCapture, Stream
 
 __all__ = [
+    "BufferOwners",
     "SimGraph",
     "GraphReplayError",
     "GraphItem",
@@ -116,6 +118,30 @@ def _rerun(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         for old, fresh in zip(out, new):
             if isinstance(old, torch.Tensor) and fresh is not old:
                 old.copy_(fresh)
+
+
+class BufferOwners:
+    """The objects a device's graph replays show their recorded pointers to: each has
+    `describe_buffer(data_ptr) -> info | None` (info has `label` and `live`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owners: list[Any] = []
+
+    def add(self, owner: Any) -> None:
+        if not callable(getattr(owner, "describe_buffer", None)):
+            raise TypeError(f"{owner!r} has no describe_buffer(data_ptr) method")
+        with self._lock:
+            if not any(o is owner for o in self._owners):
+                self._owners.append(owner)
+
+    def remove(self, owner: Any) -> None:
+        with self._lock:
+            self._owners = [o for o in self._owners if o is not owner]
+
+    def snapshot(self) -> list[Any]:
+        with self._lock:
+            return list(self._owners)
 
 
 class SimGraph(GraphCapture):

@@ -92,6 +92,19 @@ class CommRegion:
     op_fallback_us: float = 0.0  # the part of op_us priced by the roofline
     op_names: list[str] = field(default_factory=list)
 
+    def fold(
+        self, call: OpCall, cost: OpCost, reads: Sequence[Access], writes: Sequence[Access],
+        fresh: Sequence[int], *, capturing: bool,
+    ) -> None:  # fmt: skip
+        """One op of the block: its accesses become the comm op's; its cost counts only for
+        an EP group of one, which is these ops (`dbo.sim.regions`)."""
+        self.add_op(call.nbytes, cost, call.name)  # type: ignore[arg-type]
+        self.reads.extend(reads)
+        self.writes.extend(writes)
+        self.fresh.extend(fresh)
+        if capturing:
+            self.graph_ops.append((call.func, call.args, call.kwargs, call.out))
+
     def add_op(self, nbytes: int, cost: OpCost, name: str) -> None:
         self.op_bytes += nbytes
         self.op_us += cost.us
