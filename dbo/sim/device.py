@@ -278,7 +278,7 @@ class SimDevice(Device):
             raise RaceError(report)
         if self.race_action == "warn":
             # The checker's frame, as if it warned itself (sink, report, check).
-            warnings.warn(report.describe(), RuntimeWarning, stacklevel=4)
+            warnings.warn(report.describe(), RuntimeWarning, stacklevel=3)
 
     def _on_host_range(
         self, name: str, start_us: float, end_us: float, ubatch: int | None, source: str
