@@ -58,7 +58,9 @@ from dbo.streams import CommHandle, Device, Event, Stream
 
 __all__ = ["SimDevice", "SimMark", "SimStream", "SimEvent"]
 
-_GEMMS = GEMM_OPS  # what a GEMM library such as DeepGEMM runs (one list, in dbo.sim.cost)
+# The ops that run on the SMs `dbo_gemm_sms` reserves: what a GEMM library such as DeepGEMM
+# runs (one list, in dbo.sim.cost).
+RESERVED_SM_OPS = GEMM_OPS
 
 
 def _trace_args(call: OpCall, priced: OpCost) -> dict[str, Any]:
@@ -359,7 +361,8 @@ class SimDevice(Device):
     def _reserved_sms(self, name: str, compute: bool, ubatch: int | None) -> bool:
         """A ubatch's GEMM under `dbo_gemm_sms` runs on its reserved SMs: slower, but
         untouched by comm kernels."""
-        return compute and self.dbo_gemm_sms is not None and ubatch is not None and name in _GEMMS
+        reserving = self.dbo_gemm_sms is not None and ubatch is not None
+        return compute and reserving and name in RESERVED_SM_OPS
 
     # ------------------------------------------------------------------------ events, syncs
 
