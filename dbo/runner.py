@@ -36,8 +36,11 @@ import torch
 from dbo import ubatch_registry, ubatching
 from dbo.devices import resolve_device, use_device
 from dbo.errors import StepAborted, UBatchError, UBatchTimeoutError, describe_error
+from dbo.frames import register_runtime_file
 from dbo.streams import Device, Stream
 from dbo.ubatching import UBatchContext, make_ubatch_contexts
+
+register_runtime_file(__file__)  # race reports leave the runtime's frames out of user stacks
 
 __all__ = [
     "run_ubatches",

@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from dbo import ubatch_registry as registry
+from dbo.frames import register_runtime_file
 from dbo.streams import stream_context
 from dbo.ubatch_context import UBatchContext, make_ubatch_contexts
 from dbo.ubatch_registry import abandoned_thread_count, bind_thread_to_ubatch
@@ -51,6 +52,8 @@ from dbo.ubatch_step import (
     UBatchState,
     UBatchStep,
 )
+
+register_runtime_file(__file__)  # race reports leave the runtime's frames out of user stacks
 
 __all__ = [
     "UBatchContext",
