@@ -27,6 +27,7 @@ __all__ = [
     "UBatchAgreementError",
     "UBatchDecision",
     "UBatchProposal",
+    "check_dp_padding",
     "coordinate_batch_across_dp",
     "coordinate_ubatching",
     "decide_ubatching",
@@ -273,3 +274,35 @@ def coordinate_batch_across_dp(
     )
     across = torch.tensor(decision.num_tokens_across_dp, dtype=torch.int32)
     return decision.split, across, decision.cudagraph_mode
+
+
+def check_dp_padding(num_tokens: int, num_tokens_across_dp: Any, group: Any = None) -> None:
+    """Every DP rank confirms, before the step's first fixed-size collective, that it runs the
+    token count the agreement gave it (`num_tokens_across_dp[rank]`, from
+    `coordinate_batch_across_dp`). One all_gather of one int per rank; a rank that skipped its
+    DP padding (a dummy run with its own count) is named on every rank with the same
+    UBatchAgreementError, where its peers would otherwise wait in a collective sized for the
+    agreed count. Without a process group only this rank's count is checked."""
+    mine = as_count("num_tokens", num_tokens)
+    agreed = [int(v) for v in torch.as_tensor(num_tokens_across_dp).reshape(-1).tolist()]
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if distributed else 1
+    if world <= 1:
+        ran = [mine]
+    else:
+        device = exchange_device(group)
+        rows = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(rows, torch.tensor([mine], dtype=torch.int64, device=device), group=group)
+        ran = [int(r.item()) for r in rows]
+    if len(agreed) != len(ran):
+        raise UBatchAgreementError(
+            f"num_tokens_across_dp has {len(agreed)} entries for {len(ran)} DP ranks"
+        )
+    wrong = [r for r, (a, b) in enumerate(zip(agreed, ran)) if a != b]
+    if wrong:
+        listing = ", ".join(f"rank {r} runs {ran[r]} (agreed {agreed[r]})" for r in wrong)
+        raise UBatchAgreementError(
+            f"DP ranks run other token counts than agreed ({listing}): a rank skipped its DP "
+            f"padding, and a collective sized by the agreement would hang; pad every rank, "
+            f"dummy runs included, to num_tokens_across_dp"
+        )

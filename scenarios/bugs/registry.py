@@ -1,12 +1,13 @@
 """The bug corpus's registry: each entry a real DBO bug from vLLM's or SGLang's tracker,
 rebuilt small, with its buggy and its fixed variant.
 
-An entry is one decorated function `check(buggy: bool) -> Verdict` that builds its step the
-buggy or the fixed way and hands it to the tool that should catch the bug (`dbo.verify`, the
+An entry is one decorated function `check(buggy: bool) -> Verdict` (`@bug`) that builds its
+step the buggy or the fixed way and hands it to the tool that should catch the bug (`dbo.verify`, the
 runner, the ubatch-metadata checker, the DP agreement, the simulated timeline). It passes when
 the buggy variant is caught with a message containing the entry's `evidence` (the words that
-name the cause) and the fixed variant is not caught. Adding a bug is one decorated function in
-a module of `scenarios.bugs`.
+name the cause) and the fixed variant is not caught. An entry whose two variants share one
+costly setup (a process group) registers `run() -> (buggy, fixed)` with `@bug_pair`. Adding a
+bug is one decorated function in a module of `scenarios.bugs`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["BUGS", "Bug", "BugResult", "Verdict", "bug", "run_bug"]
+__all__ = ["BUGS", "Bug", "BugResult", "Verdict", "bug", "bug_pair", "run_bug"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Verdict:
 
 
 Check = Callable[[bool], Verdict]
+Pair = Callable[[], tuple[Verdict, Verdict]]
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class Bug:
     cause: str
     caught_by: str
     evidence: str
-    check: Check
+    run: Pair  # (buggy verdict, fixed verdict)
 
 
 @dataclass(frozen=True)
@@ -83,23 +85,40 @@ class BugResult:
 BUGS: dict[str, Bug] = {}
 
 
+def _register(name: str, fields: dict[str, str], run: Pair) -> None:
+    if name in BUGS:
+        raise ValueError(f"bug {name!r} is registered twice; pick another name")
+    BUGS[name] = Bug(name, run=run, **fields)
+
+
 def bug(
     name: str, *, engine: str, ref: str, cause: str, caught_by: str, evidence: str
 ) -> Callable[[Check], Check]:
-    """Register `check(buggy) -> Verdict` as bug `name`."""
+    """Register `check(buggy) -> Verdict` as bug `name` (the buggy variant runs first)."""
+    fields = dict(engine=engine, ref=ref, cause=cause, caught_by=caught_by, evidence=evidence)
 
     def register(check: Check) -> Check:
-        if name in BUGS:
-            raise ValueError(f"bug {name!r} is registered twice; pick another name")
-        BUGS[name] = Bug(name, engine, ref, cause, caught_by, evidence, check)
+        _register(name, fields, lambda: (check(True), check(False)))
         return check
 
     return register
 
 
+def bug_pair(
+    name: str, *, engine: str, ref: str, cause: str, caught_by: str, evidence: str
+) -> Callable[[Pair], Pair]:
+    """Register `run() -> (buggy verdict, fixed verdict)` as bug `name`."""
+    fields = dict(engine=engine, ref=ref, cause=cause, caught_by=caught_by, evidence=evidence)
+
+    def register(run: Pair) -> Pair:
+        _register(name, fields, run)
+        return run
+
+    return register
+
+
 def run_bug(entry: Bug) -> BugResult:
-    """Run both variants of `entry` (the buggy one first)."""
+    """Run both variants of `entry`."""
     start = time.perf_counter()
-    buggy = entry.check(True)
-    fixed = entry.check(False)
+    buggy, fixed = entry.run()
     return BugResult(entry, buggy, fixed, time.perf_counter() - start)
