@@ -239,3 +239,13 @@ def test_verify_fails_a_split_whose_metadata_breaks_an_invariant() -> None:
     assert not report.ok and report.outputs_match  # the values agree; the metadata does not
     assert isinstance(report.error, UBatchMetadataError)
     assert "positions" in report.describe()
+
+
+def test_check_dp_padding_without_a_group_checks_this_ranks_count() -> None:
+    from dbo.split import UBatchAgreementError, check_dp_padding
+
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    check_dp_padding(600, torch.tensor([600], dtype=torch.int32))
+    with pytest.raises(UBatchAgreementError, match=r"rank 0 runs 1 \(agreed 600\)"):
+        check_dp_padding(1, [600])

@@ -21,7 +21,14 @@ import dbo
 from dbo.split import CommonAttentionMetadata
 from scenarios.bugs.registry import Verdict
 
-__all__ = ["PagedAttention", "first_finding", "verify_verdict", "STEP_QUERY", "STEP_SEQ", "STEP_PROMPTS"]
+__all__ = [
+    "PagedAttention",
+    "first_finding",
+    "verify_verdict",
+    "STEP_QUERY",
+    "STEP_SEQ",
+    "STEP_PROMPTS",
+]
 
 # 23 tokens of four requests; the midpoint cut at 11 cuts request 1 (tokens 3..11) and leaves
 # its continuation one token long. Ubatch 0 holds 2 requests, ubatch 1 holds 3.

@@ -2,8 +2,9 @@
 rebuilt small, with its buggy and its fixed variant.
 
 An entry is one decorated function `check(buggy: bool) -> Verdict` (`@bug`) that builds its
-step the buggy or the fixed way and hands it to the tool that should catch the bug (`dbo.verify`, the
-runner, the ubatch-metadata checker, the DP agreement, the simulated timeline). It passes when
+step the buggy or the fixed way and hands it to the tool that should catch the bug
+(`dbo.verify`, the runner, the ubatch-metadata checker, the DP agreement, the simulated
+timeline). It passes when
 the buggy variant is caught with a message containing the entry's `evidence` (the words that
 name the cause) and the fixed variant is not caught. An entry whose two variants share one
 costly setup (a process group) registers `run() -> (buggy, fixed)` with `@bug_pair`. Adding a
@@ -69,17 +70,17 @@ class BugResult:
     def to_dict(self) -> dict:
         b = self.bug
         return {
-                "bug": b.name,
-                "engine": b.engine,
-                "ref": b.ref,
-                "cause": b.cause,
-                "caught_by": b.caught_by,
-                "passed": self.passed,
-                "buggy": self.buggy.__dict__,
-                "fixed": self.fixed.__dict__,
-                "names_cause": self.names_cause,
-                "wall_s": self.wall_s,
-            }
+            "bug": b.name,
+            "engine": b.engine,
+            "ref": b.ref,
+            "cause": b.cause,
+            "caught_by": b.caught_by,
+            "passed": self.passed,
+            "buggy": self.buggy.__dict__,
+            "fixed": self.fixed.__dict__,
+            "names_cause": self.names_cause,
+            "wall_s": self.wall_s,
+        }
 
 
 BUGS: dict[str, Bug] = {}

@@ -6,13 +6,12 @@ token midpoint (SGLang's two-chunk split)."""
 
 from __future__ import annotations
 
-
 from dbo.sim import SimDevice
 from dbo.sim.records import COMPUTE
 from dbo.split import UBatchSlice, maybe_create_ubatch_slices
+from scenarios.bugs.registry import Verdict, bug
 from scenarios.harness import measure
 from scenarios.model import Batch, MoEModel, preset
-from scenarios.bugs.registry import Verdict, bug
 from scenarios.steps import prepare, serial_step, ubatched_step
 from workspace import reset_workspace_manager
 

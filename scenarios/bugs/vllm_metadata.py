@@ -66,7 +66,9 @@ def metadata_cache(buggy: bool) -> Verdict:
             else:  # the backend's update_block_table path: only these two are swapped in
                 built.append(
                     replace(
-                        hit, block_table_tensor=part.block_table_tensor, slot_mapping=part.slot_mapping
+                        hit,
+                        block_table_tensor=part.block_table_tensor,
+                        slot_mapping=part.slot_mapping,
                     )
                 )
         return built

@@ -57,7 +57,13 @@ def two_ubatch_token_count(buggy: bool) -> Verdict:
     def split(inputs: dict[str, Any], n: int) -> list[dict[str, Any]]:
         slices = split_batch(list(range(TOKENS + 1)), TOKENS, n)
         out = wrapper.buffer(wrapper.num_tokens(slices))
-        return [{"x": inputs["x"][s.token_slice], "out": out, "rows": s.token_slice} for s in slices]
+        return [
+            {"x": inputs["x"][s.token_slice], "out": out, "rows": s.token_slice} for s in slices
+        ]
 
-    whole = {"x": x, "out": torch.zeros(TOKENS, HIDDEN, dtype=torch.float64), "rows": slice(0, TOKENS)}
+    whole = {
+        "x": x,
+        "out": torch.zeros(TOKENS, HIDDEN, dtype=torch.float64),
+        "rows": slice(0, TOKENS),
+    }
     return verify_verdict(forward, whole, split, num_ubatches=UBATCHES)
