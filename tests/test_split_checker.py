@@ -204,6 +204,22 @@ def test_a_threshold_below_the_ubatch_count_is_refused(field: str) -> None:
     DBOConfig(num_ubatches=3, **{field: 3})  # equal is fine
 
 
+def test_a_vllm_config_with_a_threshold_below_its_ubatch_count_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from dbo.split import check_ubatch_thresholds
+
+    config = SimpleNamespace(
+        use_ubatching=True,
+        num_ubatches=2,
+        dbo_decode_token_threshold=1,
+        dbo_prefill_token_threshold=512,
+    )
+    with pytest.raises(ValueError, match=r"dbo_decode_token_threshold \(1\) is below"):
+        check_ubatch_thresholds(config, 64, uniform_decode=True)
+    assert check_ubatch_thresholds(config, 600, uniform_decode=False)
+
+
 @pytest.mark.parametrize("num_ubatches", [0, 1])
 def test_maybe_create_ubatch_slices_without_dbo_configured_returns_none(num_ubatches: int):
     assert maybe_create_ubatch_slices(True, [8, 8], 16, 2, num_ubatches) == (None, None)

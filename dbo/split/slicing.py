@@ -67,7 +67,9 @@ def check_ubatch_thresholds(config: Any, num_tokens: int, uniform_decode: bool) 
     """Whether a step of `num_tokens` is big enough to split: uniform-decode steps from
     `config.dbo_decode_token_threshold`, others from `config.dbo_prefill_token_threshold`;
     never when `config.use_ubatching` is False. `config` is a `DBOConfig`, a
-    `UBatchThresholds` or a vLLM `ParallelConfig`."""
+    `UBatchThresholds` or a vLLM `ParallelConfig`. A config that splits (`use_ubatching`,
+    `num_ubatches` >= 2) with a threshold below its ubatch count is refused (ValueError): a
+    step that small would leave a ubatch empty."""
     tokens = as_count("num_tokens", num_tokens)
     decode = as_bool("uniform_decode", uniform_decode)
     try:
@@ -81,6 +83,13 @@ def check_ubatch_thresholds(config: Any, num_tokens: int, uniform_decode: bool) 
             f"dbo_prefill_token_threshold (a DBOConfig, UBatchThresholds or vLLM "
             f"ParallelConfig), got {type(config).__name__}: {exc}"
         ) from None
+    n = getattr(config, "num_ubatches", 0)
+    if enabled and isinstance(n, int) and n >= 2 and threshold < n:
+        kind = "decode" if decode else "prefill"
+        raise ValueError(
+            f"dbo_{kind}_token_threshold ({threshold}) is below num_ubatches ({n}): a step of "
+            f"fewer tokens than ubatches leaves a ubatch empty; use a threshold >= {n}"
+        )
     return bool(enabled) and tokens >= threshold
 
 
