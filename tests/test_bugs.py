@@ -38,6 +38,16 @@ def test_a_bug_name_registers_once() -> None:
         )
 
 
+def test_an_entry_that_fails_to_run_does_not_hold() -> None:
+    from scenarios.bugs.registry import Bug
+
+    def broken() -> tuple[Verdict, Verdict]:
+        raise RuntimeError("rank 1 exited")
+
+    result = run_bug(Bug("broken", "x", "x", "x", "x", "x", broken))
+    assert not result.passed and "rank 1 exited" in result.buggy.message
+
+
 def test_cli_lists_every_entry_as_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bugs", "--list", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

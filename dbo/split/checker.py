@@ -386,9 +386,13 @@ def _check_fields(k: int, p: _Host, s: UBatchSlice, u: _Host) -> None:
         want = whole[toks] if kind == "token" else whole[reqs]
         for i, (got, exp) in enumerate(zip(mine, want)):
             if got != exp:
-                start = toks.start if kind == "token" else reqs.start
-                r = reqs.start if kind == "token" else start + i
-                where = f"token {start + i}" if kind == "token" else f"row {i}"
+                if kind == "token":  # the parent request holding that token
+                    r, where = (
+                        bisect.bisect_right(p.qsl, toks.start + i) - 1,
+                        f"token {toks.start + i}",
+                    )
+                else:
+                    r, where = reqs.start + i, f"row {i}"
                 _fail("fields", field, k, r, f"{where} is {got}; the parent's is {exp}")
     if u.qsl[-1] and u.max_query_len < max(b - a for a, b in zip(u.qsl, u.qsl[1:])):
         _fail("fields", "max_query_len", k, None, f"{u.max_query_len} is below a query here")

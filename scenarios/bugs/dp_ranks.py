@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -114,8 +115,12 @@ def run_group(name: str) -> list[dict]:
             )
             for r, o in enumerate(outs)
         ]
+        end = time.monotonic() + DEADLINE_S
         try:
-            errors = [p.communicate(timeout=DEADLINE_S)[1] for p in procs]
+            errors = [p.communicate(timeout=max(0.1, end - time.monotonic()))[1] for p in procs]
+        except subprocess.TimeoutExpired:
+            message = f"the DP ranks of {name!r} did not finish in {DEADLINE_S:.0f} s"
+            raise RuntimeError(message) from None
         finally:
             for p in procs:
                 if p.poll() is None:

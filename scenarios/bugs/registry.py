@@ -119,7 +119,12 @@ def bug_pair(
 
 
 def run_bug(entry: Bug) -> BugResult:
-    """Run both variants of `entry`."""
+    """Run both variants of `entry`. An entry that fails to run (its own error, a rank
+    process that dies) is a result that does not hold, with the error as both messages."""
     start = time.perf_counter()
-    buggy, fixed = entry.run()
+    try:
+        buggy, fixed = entry.run()
+    except Exception as error:  # noqa: BLE001 - reported as the entry's result
+        broken = Verdict(False, "the entry itself", f"{type(error).__name__}: {error}")
+        buggy, fixed = broken, broken
     return BugResult(entry, buggy, fixed, time.perf_counter() - start)
