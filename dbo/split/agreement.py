@@ -302,7 +302,8 @@ def check_dp_padding(num_tokens: int, num_tokens_across_dp: Any, group: Any = No
     if wrong:
         listing = ", ".join(f"rank {r} runs {ran[r]} (agreed {agreed[r]})" for r in wrong)
         raise UBatchAgreementError(
-            f"DP ranks run other token counts than agreed ({listing}): a rank skipped its DP "
-            f"padding, and a collective sized by the agreement would hang; pad every rank, "
-            f"dummy runs included, to num_tokens_across_dp"
+            f"DP ranks run other token counts than agreed ({listing}), so a collective sized "
+            f"by the agreed counts would hang: either a rank skipped its DP padding (pad every "
+            f"rank, dummy runs included, to num_tokens_across_dp) or the counts belong to "
+            f"another batch (a ubatch needs its own counts, not its parent batch's)"
         )
