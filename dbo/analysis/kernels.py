@@ -69,7 +69,9 @@ def add_kernel_pattern(cls: str, pattern: str) -> None:
     try:
         compiled = re.compile(pattern, re.IGNORECASE)
     except re.error as error:
-        raise ValueError(f"kernel pattern {pattern!r} is not a regular expression: {error}")
+        raise ValueError(
+            f"kernel pattern {pattern!r} is not a regular expression: {error}"
+        ) from None
     KERNEL_PATTERNS.insert(0, (cls, compiled))
 
 
