@@ -126,13 +126,13 @@ def build_timeline(raw: RawTrace) -> DeviceTimeline:
     other = raw.fields.get("otherData")
     if isinstance(other, dict) and other.get("generator") == "dbo-sim":
         return _from_sim(raw)
-    device = [e for e in raw.events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
+    device = [e for e in raw.events if e.get("cat") in DEVICE_CATS and e.get("ph", "X") == "X"]
     if not device:
         raise TraceError(
             f"{raw.path}: no GPU activity in this trace (a CPU-only profile?): profile with "
             f"ProfilerActivity.CUDA as well as CPU"
         )
-    origin = min(float(e["ts"]) for e in raw.events if e.get("ph") == "X" and "ts" in e)
+    origin = min(float(e["ts"]) for e in raw.events if e.get("ph", "X") == "X" and "ts" in e)
     host = _host_spans(raw.events, origin)
     launches = _launches(raw.events)
     threads = _threads(raw.events, device, launches, origin)
@@ -154,7 +154,7 @@ def _host_spans(events: Iterable[dict[str, Any]], origin: float) -> list[HostSpa
     out = []
     for e in events:
         cat = e.get("cat")
-        if cat not in _HOST_CATS or e.get("ph") != "X":
+        if cat not in _HOST_CATS or e.get("ph", "X") != "X":
             continue
         start = float(e["ts"]) - origin
         kind = "sync" if _SYNC_CALLS.match(str(e.get("name", ""))) else cat
