@@ -406,10 +406,12 @@ def split_steps(timeline: DeviceTimeline, count: int) -> list[Step]:
         recs.sort(key=lambda r: (r.issue_us, r.seq))
         for k, r in enumerate(recs):
             groups[k * count // len(recs)].append(r)
-    steps = []
+    steps: list[Step] = []
     for k, group in enumerate(groups):
         if group:
             start = min(min(r.issue_us, r.start_us) for r in group)
+            if steps:  # launched while the GPU still ran the step before: starts at its end
+                start = max(start, steps[-1].end_us)
             end = max(r.end_us for r in group)
             steps.append(Step(k, f"step {k}", start, end, frozenset(r.seq for r in group)))
     return steps

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def _check_args(args: argparse.Namespace) -> analyze_sim.SimRequest | None:
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     if not args.no_artifacts:
-        writable_dir(Path(args.out))
+        _check_out(Path(args.out))
     if args.against_sim is None:
         return None
     if args.sim_mode is None:
@@ -95,6 +96,16 @@ def _check_args(args: argparse.Namespace) -> analyze_sim.SimRequest | None:
     except ValueError as error:
         raise UsageError(str(error)) from None
     return request
+
+
+def _check_out(out: Path) -> None:
+    """`out` can be written, checked without creating it: a refused trace leaves nothing."""
+    if out.exists():
+        writable_dir(out)
+        return
+    parent = next(p for p in out.absolute().parents if p.exists())
+    if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+        raise UsageError(f"--out {out}: cannot create this folder in {parent}; choose another")
 
 
 def _stem(path: Path) -> str:
@@ -217,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
             print(analyze_sim.format_rows(comparison[1], comparison[0]))
     written = []
     if not args.no_artifacts:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         written = [str(p) for p in write_artifacts(report, step, Path(args.out), window)]
     wall = time.perf_counter() - began
     if args.json:

@@ -10,9 +10,9 @@ One job: measure what the simulator's cost model needs from a real device. Two p
   overhead is excluded). Rows are written in the table format of `dbo.sim.tables`.
 - Host costs (`--host-from-trace`): per-op-kind host time, Python time between ops and the
   baton pass between ubatch threads, derived from `torch.profiler` Chrome traces of eager
-  serial and DBO steps (`dbo.analysis.calibration.host_costs_from_traces` states the rules), and how fast kernels on
-  two streams progress side by side, from the kernels of the DBO traces
-  (`overlap_rates_from_traces`), written as the table's `-host.json`.
+  serial and DBO steps, and how fast kernels on two streams progress side by side, from the
+  kernels of the DBO traces, written as the table's `-host.json` (the rules:
+  `dbo.analysis.calibration`).
 
     dbo-sim profile --out my-gpu.csv [--layers 2] [--reps 5]
     dbo-sim profile --config deepseek-v3 --mode decode --tokens 256 --out x.csv
