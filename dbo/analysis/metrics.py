@@ -212,9 +212,7 @@ def _host_in_idle(
     if not idle:
         return {}
     spans: dict[int, dict[str, list[Interval]]] = {}
-    for h in timeline.host:
-        if h.end_us < lo or h.start_us > hi:
-            continue
+    for h in timeline.host_between(lo, hi):
         spans.setdefault(h.thread, {}).setdefault(_host_category(h), []).append(
             (h.start_us, h.end_us)
         )

@@ -27,6 +27,7 @@ real GPU run unchanged; host activity (runtime calls, CPU ops, annotations) beco
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -115,9 +116,21 @@ class DeviceTimeline:
     steps: list[Step]
     total_events: int = 0
     notes: list[str] = field(default_factory=list)
+    _host_starts: list[float] | None = field(default=None, repr=False)
+    _longest: float = field(default=0.0, repr=False)
 
     def step_records(self, step: Step) -> list[OpRecord]:
-        return [r for r in self.records if r.seq in step.seqs]
+        """The step's records in issue order (a record's seq is its index in `records`)."""
+        return [self.records[seq] for seq in sorted(step.seqs)]
+
+    def host_between(self, lo: float, hi: float) -> list[HostSpan]:
+        """The host spans that overlap [lo, hi] (`host` is sorted by start)."""
+        if self._host_starts is None:
+            self._host_starts = [h.start_us for h in self.host]
+            self._longest = max((h.end_us - h.start_us for h in self.host), default=0.0)
+        first = bisect.bisect_left(self._host_starts, lo - self._longest)
+        last = bisect.bisect_right(self._host_starts, hi)
+        return [h for h in self.host[first:last] if h.end_us >= lo]
 
 
 def build_timeline(raw: RawTrace) -> DeviceTimeline:
@@ -136,8 +149,9 @@ def build_timeline(raw: RawTrace) -> DeviceTimeline:
     host = _host_spans(raw.events, origin)
     launches = _launches(raw.events)
     threads = _threads(raw.events, device, launches, origin)
-    streams = _stream_roles(device)
-    records = _records(device, launches, threads, streams, origin)
+    classes = {name: classify_kernel(name) for name in {str(e["name"]) for e in device}}
+    streams = _stream_roles(device, classes)
+    records = _records(device, launches, threads, streams, origin, classes)
     steps = _steps(raw.events, records, host, origin)
     props = raw.fields.get("deviceProperties")
     name = props[0].get("name") if isinstance(props, list) and props else None
@@ -215,12 +229,12 @@ def _threads(
     return out
 
 
-def _stream_roles(device: Sequence[dict[str, Any]]) -> dict[str, str]:
+def _stream_roles(device: Sequence[dict[str, Any]], classes: dict[str, str]) -> dict[str, str]:
     busy: Counter[str] = Counter()
     has_comm: set[str] = set()
     for e in device:
         stream = str(e.get("args", {}).get("stream", e.get("tid")))
-        if classify_kernel(str(e["name"])) == COMM_CLASS:
+        if classes[str(e["name"])] == COMM_CLASS:
             has_comm.add(stream)
         else:
             busy[stream] += float(e.get("dur", 0.0))
@@ -241,6 +255,7 @@ def _records(
     threads: Sequence[HostThread],
     streams: dict[str, str],
     origin: float,
+    classes: dict[str, str],
 ) -> list[OpRecord]:
     ubatch_of = {t.tid: t.ubatch for t in threads}
     out = []
@@ -248,7 +263,7 @@ def _records(
         args = e.get("args", {})
         stream = streams[str(args.get("stream", e.get("tid")))]
         name = str(e["name"])
-        cls = classify_kernel(name)
+        cls = classes[name]
         launch = launches.get(args.get("correlation"))
         start = float(e["ts"]) - origin
         issue = float(launch["ts"]) - origin if launch is not None else start
@@ -329,8 +344,6 @@ def _steps(
 
 def _split_at(records: Sequence[OpRecord], syncs: Sequence[float]) -> list[list[OpRecord]]:
     """The records in groups launched between consecutive synchronizations."""
-    import bisect
-
     groups: list[list[OpRecord]] = [[] for _ in range(len(syncs) + 1)]
     for r in records:
         groups[bisect.bisect_left(syncs, r.issue_us)].append(r)

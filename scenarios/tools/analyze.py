@@ -145,9 +145,7 @@ def artifact_records(
     ubatch_of = {t.tid: t.ubatch for t in timeline.threads}
     seq = max((r.seq for r in timeline.records), default=0) + 1
     ranges = []
-    for h in timeline.host:
-        if h.end_us < step.start_us or h.start_us > step.end_us:
-            continue
+    for h in timeline.host_between(step.start_us, step.end_us):
         if h.cat == "sync":
             records.append(
                 OpRecord(seq, h.name, SYNC, 0, ubatch_of.get(h.thread), "host",
