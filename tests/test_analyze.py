@@ -218,3 +218,15 @@ def test_dbo_exports_analyze_trace_and_its_report() -> None:
     report = dbo.analyze_trace(fixture("decode-serial"))
     assert isinstance(report, dbo.TraceReport)
     assert json.loads(json.dumps(report.to_dict()))["device"] == "NVIDIA H200"
+
+
+def test_the_fixtures_reproduce_the_host_costs_the_h200_profile_was_derived_with() -> None:
+    from dbo.analysis.calibration import host_costs_from_traces, overlap_rates_from_traces
+
+    stored = json.loads((Path(tables_init).parent / "h200-host.json").read_text())
+    dbo_traces = [fixture("prefill-dbo"), fixture("decode-dbo")]
+    serial = [fixture("prefill-serial"), fixture("decode-serial")]
+    # 7.6 us: the H200 host's unprofiled eager op, as dbo/sim/tables/PROVENANCE.md records
+    derived = host_costs_from_traces(serial, dbo_traces, bare_op_us=7.6)
+    derived.update(overlap_rates_from_traces(dbo_traces))
+    assert derived == stored

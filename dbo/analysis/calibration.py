@@ -59,12 +59,40 @@ def host_costs_from_traces(
       ubatch threads minus the median gap between consecutive launches on one thread:
       `handoff_us`.
     """
-    per_kind: dict[str, list[float]] = {}
-    adds: list[float] = []
-    gaps = views = 0.0
-    launching = 0
+    ops = _SerialOps()
     for path in serial:
-        events = _events(path)
+        ops.add_trace(_events(path))
+    if not ops.launching or not ops.adds or "elementwise" not in ops.per_kind:
+        raise ValueError(
+            "the serial traces hold no launching top-level ops (record CPU and CUDA activity)"
+        )
+    factor = bare_op_us / statistics.mean(ops.adds)
+    elementwise = statistics.mean(ops.per_kind["elementwise"])
+    out = {
+        "launch_us": round(factor * elementwise, 2),
+        "python_us": round((ops.gaps + factor * ops.views) / ops.launching, 2),
+        "host_op_scale": {
+            k: round(statistics.mean(v) / elementwise, 3) for k, v in sorted(ops.per_kind.items())
+        },
+        "profiler_factor": round(factor, 4),
+        "ops": ops.launching,
+    }
+    handoff = _handoff_us(dbo_traces)
+    if handoff is not None:
+        out["handoff_us"] = round(handoff, 1)
+    return out
+
+
+class _SerialOps:
+    """The top-level CPU ops of serial traces, accumulated trace by trace."""
+
+    def __init__(self) -> None:
+        self.per_kind: dict[str, list[float]] = {}
+        self.adds: list[float] = []
+        self.gaps = self.views = 0.0
+        self.launching = 0
+
+    def add_trace(self, events: list[dict]) -> None:
         ops = sorted(
             (e for e in events if e.get("cat") == "cpu_op"), key=lambda e: (e["ts"], -e["dur"])
         )
@@ -80,24 +108,22 @@ def host_costs_from_traces(
                 launches, e["ts"]
             )
             if n:
-                launching += 1
-                per_kind.setdefault(
-                    _HOST_NAMES.get(e["name"]) or host_family(e["name"]), []
-                ).append(e["dur"])
+                self.launching += 1
+                kind = _HOST_NAMES.get(e["name"]) or host_family(e["name"])
+                self.per_kind.setdefault(kind, []).append(e["dur"])
             else:
-                views += e["dur"]
+                self.views += e["dur"]
             if e["name"] == "aten::add":
-                adds.append(e["dur"])
+                self.adds.append(e["dur"])
             if i + 1 < len(top):
                 gap = top[i + 1]["ts"] - (e["ts"] + e["dur"])
                 if gap < 1000:  # longer: between steps, not between ops
-                    gaps += gap
-    if not launching or not adds or "elementwise" not in per_kind:
-        raise ValueError(
-            "the serial traces hold no launching top-level ops (record CPU and CUDA activity)"
-        )
-    factor = bare_op_us / statistics.mean(adds)
-    elementwise = statistics.mean(per_kind["elementwise"])
+                    self.gaps += gap
+
+
+def _handoff_us(dbo_traces: Sequence[str | Path]) -> float | None:
+    """The baton pass: median gap across a switch of launching thread minus the median gap
+    between two launches of one thread, over the two threads that launch the most."""
     switch: list[float] = []
     inner: list[float] = []
     for path in dbo_traces:
@@ -111,19 +137,7 @@ def host_costs_from_traces(
         launches = [e for e in launches if e["tid"] in ubatch_threads]
         for a, b in itertools.pairwise(launches):
             (inner if a["tid"] == b["tid"] else switch).append(b["ts"] - a["ts"])
-    handoff = statistics.median(switch) - statistics.median(inner) if switch and inner else None
-    out = {
-        "launch_us": round(factor * elementwise, 2),
-        "python_us": round((gaps + factor * views) / launching, 2),
-        "host_op_scale": {
-            k: round(statistics.mean(v) / elementwise, 3) for k, v in sorted(per_kind.items())
-        },
-        "profiler_factor": round(factor, 4),
-        "ops": launching,
-    }
-    if handoff is not None:
-        out["handoff_us"] = round(handoff, 1)
-    return out
+    return statistics.median(switch) - statistics.median(inner) if switch and inner else None
 
 
 def overlap_rates_from_traces(dbo_traces: Sequence[str | Path]) -> dict:
