@@ -16,7 +16,7 @@ from dbo.analysis.metrics import step_figures
 from dbo.analysis.reader import read_trace
 from dbo.analysis.report import StepReport, TraceReport, verdict
 from dbo.analysis.sidebyside import side_by_side
-from dbo.analysis.timeline import DeviceTimeline, Step, build_timeline, keep_event, split_steps
+from dbo.analysis.timeline import DeviceTimeline, Step, build_timeline, slim_event, split_steps
 
 __all__ = ["analyze_timeline", "analyze_trace", "load_timeline", "step_report"]
 
@@ -24,7 +24,7 @@ __all__ = ["analyze_timeline", "analyze_trace", "load_timeline", "step_report"]
 def load_timeline(path: str | Path) -> tuple[DeviceTimeline, float]:
     """The normalised timeline of the trace at `path`, and the seconds reading it took."""
     began = time.perf_counter()
-    timeline = build_timeline(read_trace(path, keep_event))
+    timeline = build_timeline(read_trace(path, slim_event))
     return timeline, time.perf_counter() - began
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from dbo.analysis.reader import read_trace
 from dbo.analysis.sidebyside import RoleOverlap, side_by_side
-from dbo.analysis.timeline import build_timeline, keep_event
+from dbo.analysis.timeline import build_timeline, slim_event
 from dbo.sim.cost import host_family
 
 __all__ = ["host_costs_from_traces", "overlap_rates_from_traces"]
@@ -147,7 +147,7 @@ def overlap_rates_from_traces(dbo_traces: Sequence[str | Path]) -> dict:
     Empty when neither role has a kernel that shared time (steps without a comm stream)."""
     roles = {"compute": RoleOverlap(), "full_grid": RoleOverlap()}
     for path in dbo_traces:
-        sbs = side_by_side(build_timeline(read_trace(path, keep_event)).records)
+        sbs = side_by_side(build_timeline(read_trace(path, slim_event)).records)
         for role, figures in sbs.roles.items():
             total = roles[role]
             total.kernels += figures.kernels

@@ -7,7 +7,7 @@ of MB of JSON, and `json.load` would keep the whole text plus every event (flow 
 metadata, CPU ops nobody asked about) at once. Here the text is decoded in chunks: the
 top-level object's fields are decoded one by one, and the `traceEvents` array element by
 element (`json.JSONDecoder.raw_decode` on a buffer that never holds more than a chunk plus one
-event), so memory holds only the events the caller's filter keeps.
+event), so memory holds only what the caller's `select` keeps of each event.
 
 Every way a file can fail to be a trace raises `TraceError` with one line saying what was
 wrong: not JSON, JSON without `traceEvents`, a truncated `.gz` or a cut-off JSON text.
@@ -23,13 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["RawTrace", "TraceError", "read_trace"]
+__all__ = ["RawTrace", "Select", "TraceError", "read_trace"]
 
 _CHUNK = 1 << 20  # characters decoded per read: large enough that few events straddle reads
 _WHITESPACE = " \t\n\r"
 # A value still undecoded after this many characters is broken JSON, not a long one: stop
 # reading instead of pulling the rest of a large file into the buffer.
 _MAX_VALUE = 1 << 28
+
+
+Select = Callable[[dict[str, Any]], "dict[str, Any] | None"]
 
 
 class TraceError(ValueError):
@@ -111,18 +114,17 @@ def _opener(path: Path) -> Callable[[], IO[str]]:
     return lambda: open(path, encoding="utf-8")
 
 
-def read_trace(
-    path: str | Path, keep: Callable[[dict[str, Any]], bool] = lambda e: True
-) -> RawTrace:
-    """The events of the trace at `path` that `keep` accepts, and its other top-level fields.
-    Accepts the object form (`{"traceEvents": [...], ...}`) and the bare-array form."""
+def read_trace(path: str | Path, select: Select = lambda e: e) -> RawTrace:
+    """The events of the trace at `path` as `select` keeps them (it returns the event, a
+    slimmer copy, or None to drop it), and the trace's other top-level fields. Accepts the
+    object form (`{"traceEvents": [...], ...}`) and the bare-array form."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"{path}: no such file")
     out = RawTrace(path)
     try:
         with _opener(path)() as f:
-            _parse(_Stream(f), out, keep)
+            _parse(_Stream(f), out, select)
     except (EOFError, gzip.BadGzipFile, zlib.error) as error:
         raise TraceError(f"{path}: the compressed file is damaged or cut short ({error})") from None
     except UnicodeDecodeError:
@@ -132,10 +134,10 @@ def read_trace(
     return out
 
 
-def _parse(s: _Stream, out: RawTrace, keep: Callable[[dict[str, Any]], bool]) -> None:
+def _parse(s: _Stream, out: RawTrace, select: Select) -> None:
     first = s.peek()
     if first == "[":
-        _events(s, out, keep)
+        _events(s, out, select)
     elif first == "{":
         s.pos += 1
         seen_events = False
@@ -147,7 +149,7 @@ def _parse(s: _Stream, out: RawTrace, keep: Callable[[dict[str, Any]], bool]) ->
             if key == "traceEvents":
                 if s.peek() != "[":
                     raise TraceError("traceEvents is not an array")
-                _events(s, out, keep)
+                _events(s, out, select)
                 seen_events = True
             else:
                 out.fields[key] = s.value()
@@ -161,7 +163,7 @@ def _parse(s: _Stream, out: RawTrace, keep: Callable[[dict[str, Any]], bool]) ->
         raise TraceError(f"expected a JSON object or array, found {shown}")
 
 
-def _events(s: _Stream, out: RawTrace, keep: Callable[[dict[str, Any]], bool]) -> None:
+def _events(s: _Stream, out: RawTrace, select: Select) -> None:
     s.expect("[", "at the start of traceEvents")
     while True:
         nxt = s.peek()
@@ -172,8 +174,10 @@ def _events(s: _Stream, out: RawTrace, keep: Callable[[dict[str, Any]], bool]) -
             raise TraceError("the event list is cut short (the file ends inside it)")
         event = s.value()
         out.total_events += 1
-        if isinstance(event, dict) and keep(event):
-            out.events.append(event)
+        if isinstance(event, dict):
+            kept = select(event)
+            if kept is not None:
+                out.events.append(kept)
         after = s.peek()
         if after == ",":
             s.pos += 1

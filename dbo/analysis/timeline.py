@@ -45,7 +45,7 @@ __all__ = [
     "HostThread",
     "Step",
     "build_timeline",
-    "keep_event",
+    "slim_event",
 ]
 
 DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -56,14 +56,25 @@ _STEP_RANGE = re.compile(r"^ProfilerStep#(\d+)$")
 _UBATCH_SHARE = 0.1  # a launching thread with fewer launches than this share is not a ubatch's
 
 
-def keep_event(event: dict[str, Any]) -> bool:
-    """The reader's filter: the events any report reads (flow arrows and the rest dropped)."""
+# The args each kind of profiler event keeps: what the reports read, nothing more (a kernel's
+# args carry a dozen fields, a CPU op's its input shapes).
+_DEVICE_ARGS = ("correlation", "stream", "grid", "block", "bytes")
+_CALL_ARGS = ("correlation",)
+
+
+def slim_event(event: dict[str, Any]) -> dict[str, Any] | None:
+    """The reader's `select`: the events any report reads, profiler events cut to the fields
+    read (flow arrows and the rest dropped); a dbo-sim trace's events whole."""
     cat = event.get("cat")
-    if cat in DEVICE_CATS or cat in _HOST_CATS or cat in _SIM_CATS:
-        return True
-    if isinstance(cat, str) and cat.startswith("range."):
-        return True
-    return event.get("ph") in ("M", "i")
+    if cat in _SIM_CATS or (isinstance(cat, str) and cat.startswith("range.")):
+        return event
+    if cat in DEVICE_CATS or cat in _HOST_CATS:
+        keep = _DEVICE_ARGS if cat in DEVICE_CATS else _CALL_ARGS if cat != "cpu_op" else ()
+        args = event.get("args") or {}
+        slim = {k: event[k] for k in ("ph", "cat", "name", "ts", "dur", "tid") if k in event}
+        slim["args"] = {k: args[k] for k in keep if k in args}
+        return slim
+    return event if event.get("ph") in ("M", "i") else None
 
 
 @dataclass(frozen=True, slots=True)
