@@ -82,6 +82,8 @@ __all__ = [
     "verify",
     "VerifyReport",
     "VerifyError",
+    "analyze_trace",
+    "TraceReport",
 ]
 
 
@@ -91,10 +93,18 @@ __all__ = [
 # loaded on first use instead.
 _VERIFY_NAMES = ("verify", "VerifyReport", "VerifyError")
 
+# `dbo.analyze_trace` (package `dbo.analysis`) reads profiler traces into the simulator's
+# records: loaded on first use so that `import dbo` stays light.
+_ANALYSIS_NAMES = ("analyze_trace", "TraceReport")
+
 
 def __getattr__(name: str):
     if name in _VERIFY_NAMES:
         from dbo import verification  # the layer above; see _VERIFY_NAMES
 
         return getattr(verification, name)
+    if name in _ANALYSIS_NAMES:
+        from dbo import analysis  # see _ANALYSIS_NAMES
+
+        return getattr(analysis, name)
     raise AttributeError(f"module 'dbo' has no attribute {name!r}")
