@@ -35,6 +35,7 @@ from scenarios.harness import RunOptions
 from scenarios.tools import bench as bench_tool
 from scenarios.tools import calibrate_host, gpu_check, race_check, trace_window, verify_cli
 from scenarios.tools import fidelity as fidelity_tool
+from scenarios.tools import plan as plan_tool
 from scenarios.tools import profile as profile_tool
 from scenarios.tools import stress as stress_tool
 from scenarios.tools import sweep as sweep_tool
@@ -561,6 +562,11 @@ VERBS: tuple[Verb, ...] = (
         "stress",
         "concurrent workspace slot access with growth and lock/unlock",
         _Local(_stress_arguments, cmd_stress),
+    ),
+    Verb(
+        "plan",
+        "should DBO be on for your deployment: gain, ubatches, token threshold, engine flags",
+        plan_tool,
     ),
     Verb("bench", "benchmarks, each a ratio against a baseline in the same run", bench_tool),
     Verb(
