@@ -189,6 +189,11 @@ _WIDTHS = (0, len("PASS (fault caught)"), 5, 5, 9, 9, 7, 7, 8, 10)
 def _clock_line(profile_name: str) -> str:
     """What the step times rest on: measured kernels, or the roofline alone."""
     profile = profile_from_name(profile_name)
+    if profile.kernels_derived:
+        return (
+            f"simulated {profile.name}: calibrated (kernels derived from the "
+            f"{profile.extra['kernels_derived_from']} table, not measured on this GPU)"
+        )
     if profile.calibrated:
         return (
             f"simulated {profile.name}: calibrated (measured kernel table; the 'roofline' column "

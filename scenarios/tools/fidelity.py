@@ -242,7 +242,7 @@ def _describe(profile: HardwareProfile) -> str:
 
 def _kernels(p: HardwareProfile) -> str:
     if p.calibrated:
-        return f"measured table {p.kernel_table} (roofline beyond it)"
+        return f"{p.kernel_source} (roofline beyond it)"
     return f"roofline (uncalibrated), {p.kernel_fixed_us:g} us fixed per kernel"
 
 

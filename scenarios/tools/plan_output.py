@@ -139,7 +139,7 @@ def report(inputs: Any, answers: list[PhaseAnswer], points: list[PlanPoint], sho
              "flags": engine_flags(answers)}, indent=2,
         )  # fmt: skip
     c, p = inputs.config, inputs.profile
-    kernels = p.extra.get("kernels", "measured" if p.calibrated else "roofline")
+    kernels = p.kernel_source
     lines = [
         f"dbo-sim plan: {c.name} on {p.name} (kernels: {kernels}), EP {inputs.eps[0]} "
         f"({-(-inputs.eps[0] // inputs.gpus_per_node)} node(s) of {inputs.gpus_per_node}), "
