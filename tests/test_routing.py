@@ -14,6 +14,7 @@ from dbo.sim.routing import (
     dirichlet,
     eplb,
     from_histogram,
+    sampled,
     zipf,
 )
 
@@ -75,3 +76,12 @@ def test_eplb_replicas_flatten_the_ranks_load():
     redundant = eplb(load, 8, 16).rank_shares(load)
     assert redundant.sum() == pytest.approx(1.0)
     assert redundant.max() < plain.max()
+
+
+def test_a_sampled_batch_routes_top_k_distinct_experts_per_token_around_the_shares():
+    base = balanced(2, 64, top_k=8)
+    small = sampled(base, 16, 8, seed=0)
+    large = sampled(base, 20000, 8, seed=0)
+    assert np.allclose(small.load.sum(axis=1), 1.0)
+    assert small.imbalance() > large.imbalance() > 1.0
+    assert np.abs(large.load - base.load).max() < 0.1 / 64

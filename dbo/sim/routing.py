@@ -10,6 +10,9 @@ Families (all seeded, all documented on their constructor):
 - `zipf(s)`: expert popularity proportional to 1 / rank^s, the ranking shuffled per layer.
 - `dirichlet(alpha)`: per layer a draw from a symmetric Dirichlet(alpha) (small alpha: skewed).
 - `from_histogram(path)`: measured tokens per expert per layer (CSV or JSON).
+- `sampled(routing, tokens)`: the counts a batch of `tokens` actually routes, each token
+  drawing top_k distinct experts from the layer's shares (seeded): the statistical imbalance
+  of a finite batch (DeepEP's benchmarks route random scores this way).
 
 A token picks top_k *distinct* experts, so no expert can receive more than one copy of each
 token: shares above 1 / top_k are capped and the excess spread over the others.
@@ -35,6 +38,7 @@ __all__ = [
     "zipf",
     "dirichlet",
     "from_histogram",
+    "sampled",
     "contiguous",
     "eplb",
     "cap_shares",
@@ -154,6 +158,20 @@ def from_histogram(path: str | Path, num_layers: int, num_experts: int, top_k: i
     if (load < 0).any() or (load.sum(axis=1) <= 0).any():
         raise ValueError(f"histogram {str(path)!r}: counts must be >= 0, each layer's sum > 0")
     return _routing(load, top_k, f"histogram {path.name}")
+
+
+def sampled(routing: Routing, tokens: int, top_k: int, *, seed: int = 0) -> Routing:
+    """What `tokens` tokens route under `routing`'s shares: per layer, each token picks
+    `top_k` distinct experts (Gumbel top-k of the log shares, seeded); the result is the
+    counts' shares."""
+    rng = np.random.default_rng(seed)
+    e = routing.num_experts
+    counts = np.zeros((routing.num_layers, e))
+    for j in range(routing.num_layers):
+        keys = np.log(np.maximum(routing.load[j], 1e-300)) + rng.gumbel(size=(tokens, e))
+        picks = np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k]
+        counts[j] = np.bincount(picks.reshape(-1), minlength=e)
+    return Routing(counts / counts.sum(axis=1, keepdims=True), f"{routing.label}, {tokens} tokens")
 
 
 def _numeric(row: list[str]) -> bool:
