@@ -61,6 +61,11 @@ def normal_bandwidth_gbps(kind: str, ep_size: int, profile: HardwareProfile) -> 
 
 
 def deepep_rows(profile: HardwareProfile = H800) -> list[FidelityRow]:
+    """DeepEP's published kernel figures: low-latency times, then normal-mode bandwidths."""
+    return _ll_rows(profile) + _normal_rows(profile)
+
+
+def _ll_rows(profile: HardwareProfile) -> list[FidelityRow]:
     rows = []
     for ep, (dispatch, combine) in DEEPEP_LL_PUBLISHED.items():
         for kind, published in (("dispatch", dispatch), ("combine", combine)):
@@ -88,6 +93,11 @@ def deepep_rows(profile: HardwareProfile = H800) -> list[FidelityRow]:
                     calibration=bool(note),
                 )  # fmt: skip
             )
+    return rows
+
+
+def _normal_rows(profile: HardwareProfile) -> list[FidelityRow]:
+    rows = []
     for kind, published in DEEPEP_NVLINK_PUBLISHED.items():
         bw, _ = normal_bandwidth_gbps(kind, 8, profile)
         rows.append(

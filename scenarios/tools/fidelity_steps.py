@@ -10,7 +10,8 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from dbo.sim.cost import node_dedup_share
-from scenarios.model import Batch
+from dbo.sim.hardware import HardwareProfile
+from scenarios.model import Batch, ModelConfig
 from scenarios.tools.fidelity_rows import (
     DSV3_GROUPS,
     DSV3_TOPK_GROUPS,
@@ -43,15 +44,19 @@ def sglang_rows(
     quick: bool = False, *, on_point: Callable[[str], None] | None = None
 ) -> tuple[list[FidelityRow], dict[str, str], dict[str, Any]]:
     """SGLang's TBO gains on DeepSeek-V3 / H100, prefill (DeepEP normal) and decode (LL)."""
-    rows: list[FidelityRow] = []
     extra: dict[str, Any] = {}
     profile = STEP_PROFILE
-    comm_sms = profile.comm_sms
     share = node_dedup_share(
         8, SGLANG_PREFILL_EP, profile.gpus_per_node, DSV3_GROUPS, DSV3_TOPK_GROUPS
     )
-    prefill_opts = {"dbo_gemm_sms": profile.num_sms - comm_sms, "ht_rdma_share": share}
-    assumptions = {
+    rows = _sglang_prefill_rows(quick, share, extra, on_point)
+    rows += _sglang_decode_rows(quick, extra, on_point)
+    return rows, _sglang_assumptions(profile, share), extra
+
+
+def _sglang_assumptions(profile: HardwareProfile, share: float) -> dict[str, str]:
+    comm_sms = profile.comm_sms
+    return {
         "P": (
             f"{describe_profile(profile)}. SGLang prefill: EP {SGLANG_PREFILL_EP} (4 nodes), "
             "288 experts "
@@ -68,6 +73,13 @@ def sglang_rows(
             f"serial and TBO steps both captured once and replayed as CUDA graphs"
         ),
     }
+
+
+def _sglang_prefill_rows(
+    quick: bool, share: float, extra: dict[str, Any], on_point: Callable[[str], None] | None
+) -> list[FidelityRow]:
+    profile, rows = STEP_PROFILE, []
+    prefill_opts = {"dbo_gemm_sms": profile.num_sms - profile.comm_sms, "ht_rdma_share": share}
     prefill = deepseek_config(SGLANG_PREFILL_EP, quick)
     for tokens in SGLANG_PREFILL_TOKENS:
         batch = Batch.prefill(tokens // SGLANG_PROMPT, SGLANG_PROMPT)
@@ -100,6 +112,13 @@ def sglang_rows(
         )
         if on_point:
             on_point(f"prefill {tokens}")
+    return rows
+
+
+def _sglang_decode_rows(
+    quick: bool, extra: dict[str, Any], on_point: Callable[[str], None] | None
+) -> list[FidelityRow]:
+    profile, rows = STEP_PROFILE, []
     decode = deepseek_config(SGLANG_DECODE_EP, quick)
     for tokens, published in SGLANG_DECODE_GAIN.items():
         batch = Batch.decode(tokens, SGLANG_DECODE_CONTEXT)
@@ -121,17 +140,34 @@ def sglang_rows(
         )
         if on_point:
             on_point(f"decode {tokens}")
-    return rows, assumptions, extra
+    return rows
 
 
 def vllm_rows(
     quick: bool = False, *, on_point: Callable[[str], None] | None = None
 ) -> tuple[list[FidelityRow], dict[str, str], dict[str, Any]]:
     """The vLLM maintainers' two observations, shown on the decode setup of the SGLang rows."""
-    rows: list[FidelityRow] = []
     extra: dict[str, Any] = {}
-    profile = STEP_PROFILE
     decode = deepseek_config(SGLANG_DECODE_EP, quick)
+    rows = [_host_bound_row(decode, extra)]
+    if on_point:
+        on_point("eager vs graph")
+    rows.append(_gain_sweep_row(decode, quick, extra))
+    if on_point:
+        on_point("gain vs comm/GEMM")
+    assumptions = {
+        "V": (
+            f"{describe_profile(STEP_PROFILE)}. DeepSeek-V3 decode, 2 ubatches, "
+            f"EP {SGLANG_DECODE_EP}, 32 "
+            f"tok/dev (host-bound rows), 128 tok/dev with RDMA and NVLink bandwidth x8..x0.25 "
+            f"(gain sweep, CUDA graphs); comm/GEMM = serial comm time / summed GEMM kernel time"
+        )
+    }
+    return rows, assumptions, extra
+
+
+def _host_bound_row(decode: ModelConfig, extra: dict[str, Any]) -> FidelityRow:
+    profile = STEP_PROFILE
     batch = Batch.decode(32, SGLANG_DECODE_CONTEXT)
     eager = simulate_step(decode, batch, "ll", profile=profile, num_ubatches=2, graph=False)
     replayed = simulate_step(decode, batch, "ll", profile=profile, num_ubatches=2, graph=True)
@@ -141,8 +177,10 @@ def vllm_rows(
     sim_eager = eager.host_bound_fraction * 100
     busy_us = eager.step_us * (1 - eager.host_bound_fraction)
     implied_us = busy_us * VLLM_EAGER_STEP_MS / VLLM_EAGER_GPU_BUSY_MS / max(eager.num_ops, 1)
-    rows.append(
-        FidelityRow(
+    # Graph replay removing that host time is true by construction here (a replay pays one
+    # graph launch): shown as a figure in `extra`, never as a row that cannot miss.
+    extra["replayed_host_bound_pct"] = replayed.host_bound_fraction * 100
+    return FidelityRow(
             "vllm-eager-host-bound",
             "vLLM: eager DBO decode host-bound share",
             f"{published:.1f}% (11.8 of 55.6 ms busy)",
@@ -165,14 +203,11 @@ def vllm_rows(
                 f"kernel), or a lighter per-GPU step than theirs is known to be"
             ),
         )  # fmt: skip
-    )
-    # Graph replay removing that host time is true by construction here (a replay pays one
-    # graph launch): shown as a figure in `extra`, never as a row that cannot miss.
-    extra["replayed_host_bound_pct"] = replayed.host_bound_fraction * 100
-    if on_point:
-        on_point("eager vs graph")
 
-    # DBO gain against comm/GEMM: one decode batch, the links made faster or slower.
+
+def _gain_sweep_row(decode: ModelConfig, quick: bool, extra: dict[str, Any]) -> FidelityRow:
+    """DBO gain against comm/GEMM: one decode batch, the links made faster or slower."""
+    profile = STEP_PROFILE
     sweep_config = decode if quick else decode.with_(num_layers=8, num_dense_layers=0)
     sweep_batch = Batch.decode(128, SGLANG_DECODE_CONTEXT)
     points = []
@@ -199,8 +234,7 @@ def vllm_rows(
         and all(g < 0 for g in low)
         and all(g > 0 for g in high)
     )
-    rows.append(
-        FidelityRow(
+    return FidelityRow(
             "vllm-gain-vs-comm",
             "vLLM: DBO gain sign vs comm/GEMM",
             "pays only when comm > GEMM",
@@ -214,18 +248,6 @@ def vllm_rows(
             VLLM_DBO,
             "" if met else "the crossing falls outside comm/GEMM 0.5-2",
         )  # fmt: skip
-    )
-    if on_point:
-        on_point("gain vs comm/GEMM")
-    assumptions = {
-        "V": (
-            f"{describe_profile(profile)}. DeepSeek-V3 decode, 2 ubatches, "
-            f"EP {SGLANG_DECODE_EP}, 32 "
-            f"tok/dev (host-bound rows), 128 tok/dev with RDMA and NVLink bandwidth x8..x0.25 "
-            f"(gain sweep, CUDA graphs); comm/GEMM = serial comm time / summed GEMM kernel time"
-        )
-    }
-    return rows, assumptions, extra
 
 
 def _crossing(points: Sequence[tuple[float, float, float]]) -> float | None:
