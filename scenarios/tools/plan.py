@@ -24,9 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
+from dbo.sim.cluster import ClusterResult
 from dbo.sim.hardware import HardwareProfile, profile_from_name
+from dbo.sim.routing import Placement, Routing
 from scenarios.model import PRESETS, ModelConfig, preset
 from scenarios.tools.cluster_step import (
+    DPAgreement,
     StepSpec,
     cluster_step,
     dp_agreement,
@@ -184,7 +187,15 @@ def _dp_tokens(tokens: int, ranks: int, spread: float, seed: int) -> list[int]:
     return [int(t) for t in real]
 
 
-def _point(spec: StepSpec, routing, placement, skew: str, serial_us: float, dp) -> tuple:
+def _point(
+    spec: StepSpec,
+    routing: Routing,
+    placement: Placement,
+    skew: str,
+    serial_us: float,
+    dp: DPAgreement,
+) -> tuple[PlanPoint, ClusterResult]:
+    """One replayed step; a step the DP ranks agreed not to split gains nothing."""
     result = cluster_step(spec, routing, placement)
     step = result.step_us
     slow = int(np.argmax(step))
@@ -198,10 +209,12 @@ def _point(spec: StepSpec, routing, placement, skew: str, serial_us: float, dp) 
     return point, result
 
 
-def plan_phase(inputs: PlanInputs, phase: str, ep: int, skew: str, args: argparse.Namespace):
+def plan_phase(
+    inputs: PlanInputs, phase: str, ep: int, skew: str, args: argparse.Namespace
+) -> tuple[list[PlanPoint], PhaseAnswer, dict[tuple[int, int], ClusterResult]]:
     """Every token count and ubatch count of one phase, EP size and skew: the points, the
     answer, and the replayed group at the answer's point."""
-    config = inputs.config.with_(ep_size=ep, num_experts=inputs.config.num_experts)
+    config = inputs.config.with_(ep_size=ep)
     record_config = config.with_(num_experts=config.num_experts + inputs.redundant)
     routing = routing_from_spec(skew, config, seed=args.seed, histogram=args.histogram)
     placement = placement_from_spec(
