@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
+import torch
 
+from dbo.sim import SimDevice
 from dbo.sim.cluster import simulate_cluster
-from dbo.sim.cluster_program import HT_COMM, OP, tile_layers
+from dbo.sim.cluster_program import record_program, tile_layers
 from dbo.sim.cluster_report import critical_path, gating_table, rank_figures, rank_records
 from dbo.sim.hardware import H800
 from dbo.sim.routing import Routing, balanced, contiguous, zipf
@@ -120,13 +124,33 @@ def test_a_multi_node_dispatch_is_slower_than_one_node_with_the_same_bytes():
     assert d2.min() > d1.max()
 
 
-def test_ht_kernels_slow_the_compute_they_overlap_and_ll_kernels_do_not():
-    program = record_step(_spec("prefill", 16, 2))
-    assert program.stretchable[program.klass == OP].any()
-    assert (program.klass == HT_COMM).any()
-    ll = record_step(_spec("decode", 16, 2))
-    slowed = [r for r in ll.records if (r.args or {}).get("sm_slowdown_us")]
-    assert not slowed
+def _comm_beside_a_gemm(mode: str):
+    """A dispatch on one stream, then a GEMM on another that runs while it does."""
+    device = SimDevice(H800, tensor_device="meta")
+    comm, compute = device.Stream("comm"), device.Stream("compute")
+    a = torch.empty(4096, 7168, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(7168, 7168, device="meta", dtype=torch.bfloat16)
+
+    def step() -> None:
+        with device.thread_scope(0):
+            device.set_stream(comm)
+            with device.comm_region("dispatch", nbytes=200_000_000, mode=mode, ep_size=16):
+                pass
+            device.set_stream(compute)
+            a @ w
+
+    return record_program(step, device, ep_size=16)
+
+
+@pytest.mark.parametrize("mode,slower", [("ht", True), ("ll", False)])
+def test_ht_kernels_take_sms_from_the_compute_beside_them_and_ll_kernels_do_not(mode, slower):
+    program = _comm_beside_a_gemm(mode)
+    gemm = program.names.index("aten::mm")
+    routing, placement = balanced(1, 256), contiguous(256, 16)
+    held = simulate_cluster(program, routing, placement).end[gemm]
+    free = replace(program, profile=replace(program.profile, comm_sms=0))
+    unheld = simulate_cluster(free, routing, placement).end[gemm]
+    assert (held > unheld).all() if slower else np.allclose(held, unheld)
 
 
 def test_the_critical_path_runs_through_the_hot_rank():

@@ -2,7 +2,8 @@
 
 The bridge between the model presets (`scenarios.model`) and the virtual ranks of
 `dbo.sim.cluster`: record one rank's step of a model on a simulated device (serial or with
-N ubatches, LL decode replayed as a graph or HT prefill eagerly, as engines run them), deepen
+N ubatches; eager or replayed from a captured graph, by default LL decode replayed and HT
+prefill eager, as engines run them), deepen
 the recording to the model's layer count (`tile_layers`), and replay it for the EP group under
 a routing. DP attention: per-rank token counts go through the DP agreement rule
 (`dbo.split.decide_ubatching`: split only if every rank can, pad to the largest), and the
@@ -67,6 +68,12 @@ class StepSpec:
     gpus_per_node: int = 8
     context: int = 2000  # decode: context length per request
     prompt: int = 4096  # prefill: prompt length
+    # Captured once and replayed as a CUDA graph (None: decode yes, prefill no, as engines do).
+    graph: bool | None = None
+
+    @property
+    def replayed(self) -> bool:
+        return self.phase == "decode" if self.graph is None else self.graph
 
     @property
     def mode(self) -> str:
@@ -152,7 +159,7 @@ def record_step(spec: StepSpec) -> StreamProgram:
     try:
         prepare(device.torch_device, step.num_ubatches, [step])
         run = step
-        if spec.phase == "decode":
+        if spec.replayed:
             graph = device.graph()
             step.capture(graph)
             run = graph.replay
