@@ -110,9 +110,9 @@ def run_step(
 ) -> StepRun:
     """Warm up, lock the workspace, and measure one step (serial when num_ubatches is None):
     run eagerly, or (`graph`) captured once after the lock and measured as one replay, as an
-    engine runs decode."""
+    engine runs decode. `timeout_s` bounds the serial forward, and each ubatch's waits."""
     if num_ubatches is None:
-        step = serial_step(model, x, device, mode=mode)
+        step = serial_step(model, x, device, mode=mode, timeout_s=timeout_s)
     else:
         step = ubatched_step(
             model, x, device, mode=mode, num_ubatches=num_ubatches, timeout_s=timeout_s

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -383,13 +384,27 @@ class MoEModel:
     # ---------------------------------------------------------------------------------------
 
     def forward(
-        self, x: torch.Tensor, tokens: UBatchSlice | None = None, *, mode: str = "ht"
+        self,
+        x: torch.Tensor,
+        tokens: UBatchSlice | None = None,
+        *,
+        mode: str = "ht",
+        timeout_s: float | None = None,
     ) -> torch.Tensor:
-        """Run every layer on tokens `tokens.token_slice` of the batch (all tokens if None)."""
+        """Run every layer on tokens `tokens.token_slice` of the batch (all tokens if None).
+        With `timeout_s`, a forward still running after that many seconds raises TimeoutError
+        before its next layer (the serial step's bound; a ubatch's waits are bounded by
+        `run_ubatches`)."""
         if mode not in ("ht", "ll"):
             raise ValueError(f"mode must be 'ht' or 'll', got {mode!r}")
         start = 0 if tokens is None else tokens.token_slice.start
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for index, layer in enumerate(self.layers):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the forward ran past its {timeout_s:g} s timeout after {index} of "
+                    f"{len(self.layers)} layers"
+                )
             x = x + self._attention(index, layer, x, start)
             if index < self.config.num_dense_layers:
                 x = x + self._mlp(self._norm(x), layer["w_gate_up"], layer["w_down"])

@@ -47,6 +47,7 @@ from dbo.sim.records import COMM, COMPUTE, OpRecord
 from dbo.sim.report import summarize
 from scenarios.model import Batch, ModelConfig, MoEModel, preset
 from scenarios.steps import prepare, serial_step, ubatched_step
+from scenarios.tools.progress import progress_bar
 from scenarios.tools.usage import Interrupted
 from workspace import reset_workspace_manager
 
@@ -742,8 +743,15 @@ def run(args: argparse.Namespace) -> int:
     """The table (or JSON). Exit status 0 whether or not every target is met: the table is the
     result; a missed target is a finding, not a failure of the command."""
     report = FidelityReport([], {}, args.quick, 0.0, {})
+    bar = progress_bar(None, "fidelity", quiet=args.json, unit="point")
+
+    def on_point(what: str) -> None:
+        bar.set_postfix_str(what)
+        bar.update()
+
     try:
-        run_fidelity(args.quick, partial=report)
+        with bar:
+            run_fidelity(args.quick, on_point=on_point, partial=report)
     except KeyboardInterrupt:
         if report.rows and not args.json:
             print(format_table(report))
