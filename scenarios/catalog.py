@@ -204,13 +204,18 @@ def _ubatched(opts: RunOptions, fn: Callable[[int], Any]) -> tuple[SimDevice, li
     return device, outs
 
 
-def _with_artifacts(result: ScenarioResult, device: Any, opts: RunOptions) -> ScenarioResult:
+def _with_artifacts(
+    result: ScenarioResult, device: Any, opts: RunOptions, failure: BaseException | None = None
+) -> ScenarioResult:
     """Write the device's timeline (whatever ran, up to a caught fault) as the scenario's trace
-    and PNG, when there is an output folder and the device kept a timeline (the simulator)."""
+    and PNG, when there is an output folder and the device kept a timeline (the simulator);
+    the PNG marks the races, and where the step stopped when it failed with `failure`."""
     records = list(getattr(device, "timeline", []))
     if opts.out_dir is not None and records:
         run = StepRun(torch.empty(0), 0.0, None, records, list(getattr(device, "races", [])))
-        result.trace, result.timeline_png = write_artifacts(result.scenario, run, opts)
+        result.trace, result.timeline_png = write_artifacts(
+            result.scenario, run, opts, failure=failure
+        )
     return result
 
 
@@ -601,7 +606,7 @@ def _expect_failure(
             "threads_alive": threading.active_count(),
         },
     )
-    return _with_artifacts(result, device, opts)
+    return _with_artifacts(result, device, opts, caught)
 
 
 @scenario(
@@ -693,7 +698,7 @@ def _locked_growth(opts: RunOptions) -> ScenarioResult:
         error=None if ok else f"expected WorkspaceLockedError naming model.py, got {caught!r}",
         details={"caught": message if caught is not None else None},
     )
-    return _with_artifacts(result, device, opts)
+    return _with_artifacts(result, device, opts, caught)
 
 
 @scenario(

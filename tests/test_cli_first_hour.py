@@ -68,6 +68,11 @@ def _one_refusal(capsys) -> str:
         ["sweep", "--decode", "abc"],
         ["sweep", "--decode", "1"],
         ["sweep", "-n", "4", "--prefill", "3"],
+        ["sweep", "--layers", "100000"],
+        ["sweep", "--layers", "0"],
+        ["sweep", "--decode", "10000000000"],
+        ["sweep", "--prefill", "10000000000"],
+        ["sweep", "--context", "10000000000"],
         ["stress", "--timeout", "nan"],
         ["stress", "--timeout", "-1"],
         ["stress", "--timeout", "0"],
@@ -86,6 +91,22 @@ def test_a_sweep_token_count_below_the_ubatch_count_names_both(capsys):
     assert main(["sweep", "-n", "4", "--decode", "16", "3"]) == 2
     line = _one_refusal(capsys)
     assert "--decode 3" in line and "4 ubatches" in line
+
+
+def test_sweep_layers_beyond_the_model_are_refused_naming_the_range(capsys):
+    assert main(["sweep", "--layers", "100000"]) == 2
+    assert "--layers: must be between 1 and 61, got 100000" in _one_refusal(capsys)
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_point_past_its_timeout_is_a_failed_row_and_the_sweep_goes_on(capsys, tmp_path):
+    argv = ["sweep", "--layers", "2", "--decode", "16", "--prefill", "1024", "--out", str(tmp_path)]
+    assert main([*argv, "--timeout", "0.000001"]) == 1
+    out, err = capsys.readouterr()
+    failed = [line for line in out.splitlines() if "FAILED:" in line]
+    assert [line.split()[:2] for line in failed] == [["decode", "16"], ["prefill", "1024"]]
+    assert all("TimeoutError: the forward ran past" in line for line in failed)  # serial half
+    assert "2 point(s) FAILED" in out and "Traceback" not in out + err
 
 
 def test_sweep_prefill_without_a_value_is_refused_not_defaulted(capsys, monkeypatch):

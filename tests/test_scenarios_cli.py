@@ -20,6 +20,7 @@ from scenarios.harness import RunOptions, new_device
 from scenarios.model import MoEModel
 from scenarios.tools import run as run_tool
 from scenarios.tools.progress import progress_bar
+from scenarios.tools.run_table import launch_bound_note
 from scenarios.tools.sweep import SweepPoint, pays_from, run_sweep
 
 pytestmark = pytest.mark.timeout(120)
@@ -495,3 +496,37 @@ def test_a_reduced_sweep_model_keeps_its_dense_to_moe_mix():
     full = preset("deepseek-v3")
     assert [reduced(full, n).num_dense_layers for n in (1, 2, 20, 61)] == [0, 0, 1, 3]
     assert reduced(full, 2).num_layers == 2
+
+
+_RACE_RED = (0xE4, 0x1A, 0x1C)  # dbo.sim.plot's colour for races and a failed step's stop
+
+
+def _marked_pixels(png: str) -> int:
+    import matplotlib.image
+
+    rgb = matplotlib.image.imread(png)[..., :3] * 255
+    return int((abs(rgb - _RACE_RED) < 4).all(axis=-1).sum())
+
+
+@pytest.mark.parametrize("name", ["missing-wait-race", "exception-in-ubatch", "yield-mismatch"])
+def test_a_negative_scenarios_png_marks_its_fault(capsys, tmp_path, name):
+    code, (report,) = _run_json(capsys, name, "--out", str(tmp_path))
+    assert code == 0 and report["passed"]
+    assert _marked_pixels(report["timeline_png"]) > 20
+
+
+def test_a_positive_scenarios_png_has_no_fault_mark(capsys, tmp_path):
+    code, (report,) = _run_json(capsys, "moe-decode-ll", "--out", str(tmp_path))
+    assert code == 0 and _marked_pixels(report["timeline_png"]) == 0
+
+
+def test_the_run_table_says_why_a_tiny_value_check_is_slower_under_dbo(capsys):
+    assert main(["run", "moe-decode-ll", "--no-artifacts"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "moe-decode-ll" in notes[0] and "launch-bound" in notes[0]
+
+
+def test_no_launch_bound_note_when_every_value_check_gains():
+    gains = catalog.ScenarioResult("x", passed=True, outputs_match=True, speedup=1.2)
+    timing_only = catalog.ScenarioResult("y", passed=True, speedup=0.8)  # meta: no values
+    assert launch_bound_note([gains, timing_only]) is None
