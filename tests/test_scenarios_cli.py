@@ -14,7 +14,7 @@ import torch
 
 import dbo
 from dbo.sim import SimDevice
-from scenarios import catalog
+from scenarios import catalog, fault_scenarios
 from scenarios.cli import main
 from scenarios.harness import RunOptions, new_device
 from scenarios.model import MoEModel
@@ -315,7 +315,7 @@ def test_a_scenario_that_raises_is_a_failed_verdict_not_a_crash(capsys, monkeypa
 
 def test_missing_wait_scenario_fails_if_the_wait_is_present(capsys, monkeypatch):
     # Without the seeded bug nothing races, and the negative scenario must then fail.
-    monkeypatch.setattr(catalog._NoWaitModel, "_yield_to_comm", catalog.MoEModel._yield_to_comm)
+    monkeypatch.setattr(fault_scenarios.NoWaitModel, "_yield_to_comm", MoEModel._yield_to_comm)
     code, (report,) = _run_json(capsys, "missing-wait-race", "--no-artifacts")
     assert code == 1 and report["passed"] is False and report["races"] == 0
 
