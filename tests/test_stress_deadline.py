@@ -74,3 +74,34 @@ def test_slot_buffers_that_overlap_are_a_violation(monkeypatch):
     monkeypatch.setattr(stress, "WorkspaceManager", Overlapping)
     report = stress.run_stress(2, 50)
     assert any("overlaps slot" in v for v in report.violations)
+
+
+@pytest.mark.timeout(90)
+def test_threads_stuck_inside_torch_past_the_deadline_end_the_command_with_1_not_an_abort():
+    # A manager whose every request is a long run of torch ops: the stopped workers cannot
+    # leave them, so the command reports them hung and exits, without waiting or aborting.
+    driver = textwrap.dedent(
+        """
+        import torch
+        from scenarios.cli import main
+        from scenarios.tools import stress
+
+        class Stuck(stress.WorkspaceManager):
+            def get_simultaneous(self, *pairs):
+                a = torch.ones(300, 300)
+                for _ in range(100000):
+                    a = (a @ a).clamp_(max=1.0)
+                return super().get_simultaneous(*pairs)
+
+        stress.WorkspaceManager = Stuck
+        raise SystemExit(main(["stress", "--threads", "4", "--iterations", "5", "--timeout", "1"]))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", driver], capture_output=True, text=True, timeout=80, env=env
+    )
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert time.monotonic() - start < 1.0 + FEW_SECONDS + 10.0  # + the interpreter's start
+    assert "4 thread(s) still running" in done.stdout and done.stderr == ""
