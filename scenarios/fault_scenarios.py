@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import dbo
-from scenarios.distributed import run_local_ranks
 from scenarios.harness import (
     RunOptions,
     new_device,
@@ -18,6 +17,7 @@ from scenarios.harness import (
 )
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.overlap_scenarios import TINY_PREFILL
+from scenarios.ranks.processes import run_local_ranks
 from scenarios.registry import ScenarioResult, scenario
 from scenarios.steps import ubatched_step
 from scenarios.verdicts import fresh_device, registries_empty, with_artifacts

@@ -14,9 +14,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from scenarios import distributed
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
+from scenarios.ranks import launch as distributed
 from scenarios.tools import trace_window
 from scenarios.tools.common import add_run_options, clock_line, run_options
 from scenarios.tools.progress import emit, progress_bar
