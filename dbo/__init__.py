@@ -13,7 +13,14 @@ from dbo.devices import (
     set_default_device,
     use_device,
 )
-from dbo.errors import UBatchError, UBatchTimeoutError, YieldMismatchError
+from dbo.errors import (
+    ReadyBarrierBroken,
+    StepAborted,
+    UBatchAbandoned,
+    UBatchError,
+    UBatchTimeoutError,
+    YieldMismatchError,
+)
 from dbo.runner import DEFAULT_TIMEOUT_S, merge_outputs, run_ubatches
 from dbo.streams import CudaDevice, Device, Event, Stream, stream_context
 from dbo.ubatching import (
@@ -39,6 +46,9 @@ __all__ = [
     "UBatchError",
     "UBatchTimeoutError",
     "YieldMismatchError",
+    "StepAborted",
+    "ReadyBarrierBroken",
+    "UBatchAbandoned",
     "DEFAULT_TIMEOUT_S",
     "merge_outputs",
     "run_ubatches",

@@ -29,17 +29,17 @@ from typing import Any
 import torch
 
 import workspace
-from dbo._checks import as_int
-from dbo._json import json_safe
+from dbo.checks import as_int
 from dbo.devices import resolve_device, use_device
 from dbo.errors import YieldMismatchError
+from dbo.jsonsafe import json_safe
 from dbo.runner import merge_outputs, run_ubatches
 from dbo.sim.device import SimDevice
 from dbo.sim.records import HANDOFF, EventWait, HostRange, OpRecord, RaceReport
 from dbo.sim.report import plot_runs, summarize, write_chrome_trace_runs
 from dbo.sim.summary import fallback_fraction
 from dbo.sim.trace import TraceRun, Window
-from dbo.split import ubatch_cut_points
+from dbo.split import check_split_inputs, ubatch_cut_points
 from dbo.streams import Device
 
 __all__ = ["VerifyError", "VerifyReport", "split_inputs", "verify"]
@@ -476,6 +476,9 @@ def verify(
     """
     _check_args(forward, num_ubatches, split, merge, warmup, atol, rtol, timeout, artifacts)
     pieces = _ubatch_inputs(inputs, num_ubatches, split)
+    # Attention metadata the pieces carry must describe exactly their part of the batch
+    # (dbo.split's checker); a wrong split is the cause of whatever the step then does.
+    metadata_error = check_split_inputs(inputs, pieces)
     dev = _resolve(device)
     merge = merge or merge_outputs
     owns_workspace = _check_workspace(num_ubatches)
@@ -489,6 +492,8 @@ def verify(
         if owns_workspace:
             workspace.reset_workspace_manager()
     report = _report(serial, ubatched, num_ubatches, dev, atol, rtol)
+    if metadata_error is not None:
+        report.ok, report.error = False, metadata_error
     if artifacts is not None:
         report.write_artifacts(artifacts)
     return report

@@ -24,6 +24,7 @@ from typing import NoReturn
 import torch
 
 from scenarios.tools import bench as bench_tool
+from scenarios.tools import bugs as bugs_tool
 from scenarios.tools import (
     calibrate_host,
     gpu_check,
@@ -120,6 +121,7 @@ VERBS: tuple[Verb, ...] = (
         "seeded race programs: the simulator's checker and torch's CSAN side by side",
         race_check,
     ),
+    Verb("bugs", "real DBO bugs from vLLM's and SGLang's trackers, each caught", bugs_tool),
 )
 
 
