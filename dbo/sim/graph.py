@@ -28,7 +28,14 @@ from dbo.streams import GraphCapture
 if TYPE_CHECKING:
     from dbo.sim.device import SimDevice, SimEvent, SimStream, _CommRegion
 
-__all__ = ["SimGraph", "GraphReplayError"]
+__all__ = [
+    "CapturedComm",
+    "CapturedOp",
+    "CapturedRecord",
+    "CapturedWait",
+    "GraphReplayError",
+    "SimGraph",
+]
 
 
 class GraphReplayError(RuntimeError):
@@ -92,6 +99,14 @@ def _rerun(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         for old, fresh in zip(out, new):
             if isinstance(old, torch.Tensor) and fresh is not old:
                 old.copy_(fresh)
+
+
+# The recorded items of `SimGraph.items`, by public name, for tools that walk a captured step
+# (dbo.sim.reorder re-executes one in another order).
+CapturedOp = _Op
+CapturedRecord = _Record
+CapturedWait = _Wait
+CapturedComm = _Comm
 
 
 class SimGraph(GraphCapture):
