@@ -123,6 +123,9 @@ class _UBatchState:
     # sys._current_frames(), so the yield path itself records nothing (a frame capture per
     # yield measurably slowed every handoff).
     thread_ident: int | None = None
+    # Where the ubatch last yielded (code, line), so a report can place a ubatch that has
+    # finished; reading two frame attributes costs far less than formatting a stack.
+    last_yield: tuple[Any, int] | None = None
 
 
 class UBatchStep:
@@ -176,8 +179,13 @@ class UBatchStep:
         for i, state in enumerate(self.states):
             where = ""
             frame = frames.get(state.thread_ident) if state.thread_ident is not None else None
-            if state.status == PARKED and frame is not None:
+            if state.status in (PARKED, RUNNING) and frame is not None:
                 where = f" at {_frame_site(_user_frame(frame))}"
+            elif state.last_yield is not None:
+                code, line = state.last_yield
+                where = (
+                    f", last yield at {code.co_filename.rsplit('/', 1)[-1]}:{line}:{code.co_name}"
+                )
             lines.append(f"  ubatch {i}: {state.yields} yield(s), {state.status}{where}")
         return "\n".join(lines)
 
@@ -408,6 +416,10 @@ class UBatchContext:
         if step.aborted:
             raise _StepAborted()
         state.yields += 1
+        caller = sys._getframe(1)
+        while caller.f_back is not None and caller.f_code.co_filename == __file__:
+            caller = caller.f_back
+        state.last_yield = (caller.f_code, caller.f_lineno)
         if self._next_state.status in (FINISHED, FAILED):
             raise step._mismatch(f"ubatch {self.id} yielded to a finished ubatch")
         state.status = PARKED

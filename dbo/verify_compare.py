@@ -62,8 +62,7 @@ def _map_tensors(value: Any, fn: Any) -> Any:
 
 def same_values(a: Any, b: Any) -> bool:
     """Whether two snapshots are identical (NaN equal to NaN): did a run write its input?"""
-    _, why = compare(a, b, 0.0, 0.0)
-    return why is None
+    return compare(a, b, 0.0, 0.0).match
 
 
 @dataclass(frozen=True)
@@ -93,9 +92,7 @@ def _compare(
         )
     if isinstance(expected, (tuple, list)):
         if len(got) != len(expected):
-            return math.inf, (
-                f"{where}: {len(got)} items under DBO, {len(expected)} serially"
-            )
+            return math.inf, (f"{where}: {len(got)} items under DBO, {len(expected)} serially")
         return _worst(
             _compare(e, g, atol, rtol, f"{where}[{i}]")
             for i, (e, g) in enumerate(zip(expected, got))

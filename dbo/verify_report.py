@@ -206,8 +206,10 @@ def _outputs_lines(report: VerifyReport) -> list[str]:
         lines = ["  outputs match    not compared (the ubatched step failed)"]
     else:
         flag = "yes" if report.outputs_match else "NO"
+        reordered = report.adversarial is not None and report.adversarial.mismatch is not None
+        order = "in the adversarial order; issue order: " if reordered else ""
         lines = [
-            f"  outputs match    {flag} (max abs diff {report.max_abs_diff:.3g}; atol "
+            f"  outputs match    {flag} ({order}max abs diff {report.max_abs_diff:.3g}; atol "
             f"{report.atol:g}, rtol {report.rtol:g})"
         ]
     if report.mismatch:

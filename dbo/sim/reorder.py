@@ -73,9 +73,7 @@ class ReorderOutcome:
         if not self.changed:
             if self.moved == 0:
                 return f"{head}: no legal order differs from issue order; benign here"
-            return (
-                f"{head}: benign for these inputs (same outputs and memory as in issue order)"
-            )
+            return f"{head}: benign for these inputs (same outputs and memory as in issue order)"
         lines = [f"{head}: the race changes values"]
         if self.mismatch:
             lines.append(f"  outputs: {self.mismatch}")
