@@ -33,6 +33,12 @@ class RaceCause:
     races: tuple[RaceReport, ...]
 
     @property
+    def ubatches(self) -> list[int | None]:
+        """The ubatches whose accesses race here (the same code races in each of them)."""
+        found = {s.ubatch for r in self.races for s in (r.first, r.second)}
+        return sorted(found, key=lambda u: -1 if u is None else u)
+
+    @property
     def missing(self) -> str:
         """The ordering edge that is missing, in words."""
         if self.reused_after_free:
@@ -58,7 +64,12 @@ class RaceCause:
             f"{second.stream!r} wait on it before {second.op} (stream.wait_event(event); in a "
             f"ubatch, a dbo_yield_and_switch_* or *_sync switch instead of the plain one)"
         )
-        if first.ubatch is not None and second.ubatch is not None and first.ubatch != second.ubatch:
+        if any(
+            r.first.ubatch is not None
+            and r.second.ubatch is not None
+            and r.first.ubatch != r.second.ubatch
+            for r in self.races
+        ):
             text += "; or give each ubatch its own buffer (a workspace slot per ubatch)"
         return text
 
@@ -66,18 +77,24 @@ class RaceCause:
         """Three lines: the op pair, the missing edge, the fix."""
         return "\n".join(
             [
-                f"{self.ranges} byte range(s), {self.nbytes} bytes: {_site(self.first)} and "
-                f"{_site(self.second)}",
+                f"{self.ranges} byte range(s), {self.nbytes} bytes, {_ubatches(self.ubatches)}: "
+                f"{_site(self.first)} and {_site(self.second)}",
                 f"  missing: {self.missing}",
                 f"  fix:     {self.fix}",
             ]
         )
 
 
+def _ubatches(ubatches: list[int | None]) -> str:
+    if ubatches == [None]:
+        return "outside ubatches"
+    return f"ubatch{'es' if len(ubatches) > 1 else ''} {', '.join(map(str, ubatches))}"
+
+
 def _site(site: OpSite) -> str:
     rw = "writes" if site.is_write else "reads"
     at = f" at {site.stack[-1]}" if site.stack else ""
-    return f"{site.op} (ubatch {site.ubatch}, stream {site.stream!r}) {rw}{at}"
+    return f"{site.op} (stream {site.stream!r}) {rw}{at}"
 
 
 def _overlap(race: RaceReport) -> int:
@@ -87,7 +104,7 @@ def _overlap(race: RaceReport) -> int:
 
 def _key(race: RaceReport) -> tuple:
     def site(s: OpSite) -> tuple:
-        return (s.op, s.ubatch, s.stream, s.is_write, s.stack[-1] if s.stack else "")
+        return (s.op, s.stream, s.is_write, s.stack[-1] if s.stack else "")
 
     reuse = race.freed_allocation is not None
     freed_at = race.freed_allocation[-1] if race.freed_allocation else None
@@ -95,7 +112,8 @@ def _key(race: RaceReport) -> tuple:
 
 
 def group_races(races: Iterable[RaceReport]) -> list[RaceCause]:
-    """One `RaceCause` per (op pair, missing edge), in the order each was first found."""
+    """One `RaceCause` per (op pair, missing edge), in the order each was first found: the
+    same two lines of code racing in several ubatches (or layers) are one cause."""
     groups: dict[tuple, list[RaceReport]] = {}
     for race in races:
         groups.setdefault(_key(race), []).append(race)
