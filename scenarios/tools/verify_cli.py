@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
-import os
 import importlib.util
 import json
 import math
+import os
 import sys
 import traceback
 from collections.abc import Callable
