@@ -5,6 +5,7 @@ the adversarial order, or is explicitly benign; the race-free twins never change
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dbo.sim import SimDevice
 from dbo.sim.reorder import run_adversarially
@@ -54,3 +55,21 @@ def test_the_values_read_after_each_order_are_returned():
     program = PROGRAMS[0]
     outcome = run_adversarially(device, lambda: program.body(device), read=lambda _: "read")
     assert outcome.issue_value == outcome.adversarial_value == "read"
+
+
+@pytest.mark.timeout(60)
+def test_an_order_dependent_update_changes_values_and_memory_is_left_as_captured():
+    device = SimDevice("h200", tensor_device="cpu")
+    buf = torch.arange(8.0)
+
+    def body() -> None:
+        with device.thread_scope(0):
+            a, b = device.Stream("a"), device.Stream("b")
+            device.set_stream(a)
+            buf.mul_(2)
+            device.set_stream(b)
+            buf.add_(1)  # no wait: (x * 2) + 1 on issue order, (x + 1) * 2 the other way
+
+    outcome = run_adversarially(device, body)
+    assert outcome.changed and outcome.changes[0].written_by.startswith("aten::mul_")
+    assert torch.equal(buf, torch.arange(8.0) * 2 + 1)  # as the captured run left it

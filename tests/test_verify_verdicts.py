@@ -224,3 +224,78 @@ def test_a_tiny_step_says_it_is_host_bound():
     report = dbo.verify(forward, batch())
     assert "host-bound" in report.describe()
     assert "no communication" not in report.describe()
+
+
+def racy(x: torch.Tensor) -> torch.Tensor:
+    h = x * 2
+    dbo.dbo_yield()
+    dbo.dbo_switch_to_comm()  # the bug: the comm stream does not wait for h
+    with dbo.current_device().comm_region("dispatch", nbytes=h.numel() * 8, ep_size=8):
+        out = h + 1
+    dbo.dbo_switch_to_compute_sync()
+    return out
+
+
+def correct(x: torch.Tensor) -> torch.Tensor:
+    h = x * 2
+    dbo.dbo_yield_and_switch_from_compute_to_comm()
+    with dbo.current_device().comm_region("dispatch", nbytes=h.numel() * 8, ep_size=8):
+        out = h + 1
+    dbo.dbo_switch_to_compute_sync()
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_in_issue_order_a_race_leaves_the_outputs_matching():
+    report = dbo.verify(racy, batch())
+    assert report.outputs_match and report.races and not report.ok
+    assert report.adversarial is None and report.race_order == "issue"
+
+
+@pytest.mark.timeout(30)
+def test_the_adversarial_order_shows_the_values_a_race_changes():
+    report = dbo.verify(racy, batch(), race_order="adversarial")
+    assert not report.ok and not report.outputs_match
+    assert report.adversarial is not None and report.adversarial.changed
+    assert "the race changes values" in report.describe()
+    assert "in the adversarial order" in report.describe().splitlines()[1]
+    assert report.to_dict()["adversarial"]["changed"] is True
+
+
+@pytest.mark.timeout(30)
+def test_the_adversarial_order_of_a_correct_forward_is_benign():
+    report = dbo.verify(correct, batch(), race_order="adversarial")
+    assert report.ok, report.describe()
+    assert not report.adversarial.changed and "benign here" in report.describe()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"race_order": "random"}, "race_order must be one of"),
+        ({"race_order": "adversarial", "inputs": torch.zeros(8, 4, device="meta")}, "meta"),
+    ],
+)
+def test_a_race_order_that_cannot_run_is_refused_before_any_work(kwargs, message):
+    inputs = kwargs.pop("inputs", batch())
+    with pytest.raises(ValueError, match=message):
+        dbo.verify(racy, inputs, **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_an_ep_group_all_to_all_counts_as_communication():
+    from examples import ep_moe
+
+    report = dbo.verify(ep_moe.forward, ep_moe.make_batch(), atol=1e-9, rtol=1e-9)
+    assert report.ok, report.describe()
+    assert report.comm_us and report.comm_us > 0
+    assert "no communication" not in report.describe()
+
+
+@pytest.mark.timeout(60)
+def test_an_exchange_written_as_plain_ops_is_reported_as_no_communication():
+    from examples import ep_moe
+
+    report = dbo.verify(ep_moe.hand_rolled_forward, ep_moe.make_batch(), atol=1e-9, rtol=1e-9)
+    assert report.ok and report.comm_us == 0.0
+    assert "no communication" in report.describe()

@@ -57,13 +57,15 @@ class ReorderOutcome:
     adversarial_value: Any = None
     mismatch: str | None = None  # set by the caller that compares the two values
     max_abs_diff: float | None = None
-    extra: list[str] = field(default_factory=list)
+    skipped: str | None = None  # why the re-execution did not run (then nothing else is set)
 
     @property
     def changed(self) -> bool:
         return bool(self.changes) or self.mismatch is not None
 
     def describe(self) -> str:
+        if self.skipped is not None:
+            return f"adversarial order: not run ({self.skipped})"
         head = f"adversarial order ({self.moved} op(s) moved, {self.races} race(s))"
         if not self.changed and self.races == 0:
             return (
@@ -93,6 +95,7 @@ class ReorderOutcome:
             "changed": self.changed,
             "mismatch": self.mismatch,
             "max_abs_diff": self.max_abs_diff,
+            "skipped": self.skipped,
             "storages_changed": [dict(c.__dict__) for c in self.changes],
             "summary": self.describe().splitlines()[0],
         }
@@ -341,12 +344,10 @@ def run_adversarially(
     racy, first = _sides(races, alias)
     _conflict_deps(tasks, racy, alias)
     poisoned, writer = _first_writes(tasks, alias)
+    captured = {key: st.clone() for key, st in storages.items()}
     start = {}
-    for key, st in storages.items():
-        saved = st.clone()
-        if key in poisoned:
-            saved.fill_(_POISON)
-        start[key] = saved
+    for key, saved in captured.items():
+        start[key] = saved.clone().fill_(_POISON) if key in poisoned else saved
     read = read or (lambda v: None)
     with device.suspended():
         _execute(tasks, start, storages)
@@ -355,13 +356,19 @@ def run_adversarially(
         order = adversarial_order(tasks, _held_back(tasks, first, alias))
         _execute(order, start, storages)
         adversarial_value = read(value)
-    changes = []
-    for key, before in issue_bytes.items():
-        after = storages[key]
-        differ = int((_bytes(before) != _bytes(after)).sum().item())
-        if differ:
-            changes.append(StorageChange(writer[key], differ, before.nbytes()))
+        changes = _changes(issue_bytes, storages, writer)
+        for key, saved in captured.items():  # the step's memory as the captured run left it
+            storages[key].copy_(saved)
     return ReorderOutcome(_moved(order), len(races), changes, issue_value, adversarial_value)
+
+
+def _changes(before: dict, storages: dict, writer: dict[int, str]) -> list[StorageChange]:
+    changes = []
+    for key, saved in before.items():
+        differ = int((_bytes(saved) != _bytes(storages[key])).sum().item())
+        if differ:
+            changes.append(StorageChange(writer[key], differ, saved.nbytes()))
+    return changes
 
 
 def _moved(order: list[_Task]) -> int:
