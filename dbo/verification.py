@@ -104,6 +104,8 @@ def _check_args(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if artifacts is not None and not isinstance(artifacts, (str, Path)):
         raise TypeError(f"artifacts must be a folder path or None, got {type(artifacts).__name__}")
+    if artifacts is not None and Path(artifacts).exists() and not Path(artifacts).is_dir():
+        raise ValueError(f"artifacts={str(artifacts)!r} is a file; name a folder for the trace")
     if race_order not in RACE_ORDERS:
         raise ValueError(f"race_order must be one of {RACE_ORDERS}, got {race_order!r}")
     if dbo_enabled():
@@ -286,7 +288,7 @@ def _bounded(step: Callable[[], Any], timeout: float) -> Any:
         raise UBatchTimeoutError(
             f"the serial run of forward did not finish within {timeout:g} s (timeout=); it is "
             f"stuck at {where}; its thread is left running",
-            stacks={-1: stack},
+            stacks={-1: stack},  # -1: the serial run, which is no ubatch
         )
     if "error" in box:
         raise box["error"]

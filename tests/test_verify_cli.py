@@ -262,3 +262,24 @@ def test_race_order_adversarial_on_cuda_is_a_bad_command_line(user_module, capsy
     argv = ["user_model:forward", "--inputs", "user_model:make_batch", "--race-order"]
     err = one_line_exit_2([*argv, "adversarial", "--device", "cuda"], capsys)
     assert "adversarial" in err or "CUDA" in err
+
+
+HANGS_SERIALLY = (
+    "import threading\n\nimport dbo\n\nRELEASE = threading.Event()\n\n\n"
+    "def forward(x):\n    if not dbo.dbo_enabled():\n        RELEASE.wait(10)\n    return x\n"
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_serial_run_past_the_timeout_exits_1_saying_where_it_hangs(user_module, tmp_path, capsys):
+    (tmp_path / "hangs.py").write_text(HANGS_SERIALLY)
+    try:
+        code = run_cli(
+            ["verify", "hangs:forward", "--inputs", "user_model:make_batch", "--timeout", "0.5"]
+        )
+    finally:
+        sys.modules["hangs"].RELEASE.set()
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "did not finish within 0.5 s" in err and "hangs.py" in err
+    assert "Traceback" not in err

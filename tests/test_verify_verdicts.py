@@ -299,3 +299,12 @@ def test_an_exchange_written_as_plain_ops_is_reported_as_no_communication():
     report = dbo.verify(ep_moe.hand_rolled_forward, ep_moe.make_batch(), atol=1e-9, rtol=1e-9)
     assert report.ok and report.comm_us == 0.0
     assert "no communication" in report.describe()
+
+
+def test_artifacts_naming_a_file_is_refused_before_any_work(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    ran: list[bool] = []
+    with pytest.raises(ValueError, match="is a file"):
+        dbo.verify(lambda x: ran.append(True) or x, batch(), artifacts=taken)
+    assert not ran

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from dbo.errors import UBatchTimeoutError
 from dbo.sim.trace import WindowSpec
 from dbo.verification import RACE_ORDERS, VerifyReport, verify
 from scenarios.tools.trace_window import window_type
@@ -266,6 +267,10 @@ def _raised_by_verify(error: BaseException) -> bool:
 
 
 def _serial_failed(error: BaseException) -> int:
+    if isinstance(error, UBatchTimeoutError):  # a hang has no traceback, only where it stands
+        print(f"dbo.verify: FAILED: {error}", file=sys.stderr)
+        print(error.stacks.get(-1, ""), file=sys.stderr, end="")
+        return 1
     print("dbo.verify: FAILED: the serial forward raised; nothing to compare", file=sys.stderr)
     traceback.print_exception(error, file=sys.stderr)
     return 1
