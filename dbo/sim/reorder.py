@@ -10,8 +10,10 @@ The adversarial order is legal for the device: an op never runs before an earlie
 own stream (or of the link track, for a low-latency transfer), nor before the recorded event
 a wait of its stream waits on. Two accesses to common bytes (one a write) that the race
 checker did not report keep their issue order too: something the graph does not record (a
-host sync) ordered them. Among the ops free to run, the one issued last runs first, so every
-stream falls as far behind as its waits allow and each reported race runs the other way round.
+host sync) ordered them, so only a reported race can run the other way round. Ops run in issue
+order as soon as they may, except the earlier op of each reported race, which runs only when
+nothing else can: its stream falls as far behind as its waits allow, and the later op of the
+race runs first (a read before the write it should see, or a write clobbering a pending read).
 
 Starting memory: a storage the step first writes is filled with 0xFF bytes (NaN in every
 floating type) so that reading it too early shows; any other storage starts as the captured
@@ -30,7 +32,7 @@ import torch
 from dbo.sim.graph import CapturedComm, CapturedOp, CapturedRecord, CapturedWait, SimGraph
 from dbo.sim.records import Access, RaceReport
 
-__all__ = ["ReorderOutcome", "StorageChange", "adversarial_order", "run_adversarially"]
+__all__ = ["ReorderOutcome", "StorageChange", "run_adversarially"]
 
 _SEED = 0
 _POISON = 0xFF
@@ -230,7 +232,7 @@ def _held_back(tasks: list[_Task], first: set, alias: dict[int, int]) -> set[int
     }
 
 
-def adversarial_order(tasks: list[_Task], held: set[int]) -> list[_Task]:
+def _adversarial_order(tasks: list[_Task], held: set[int]) -> list[_Task]:
     """A legal order: tasks run in issue order once their dependencies have run, except the
     `held` ones (each race's earlier side), which run only when nothing else can, so their
     stream falls as far behind as its waits allow and the race's later side runs first."""
@@ -353,7 +355,7 @@ def run_adversarially(
         _execute(tasks, start, storages)
         issue_value = read(value)
         issue_bytes = {k: st.clone() for k, st in storages.items() if k in writer}
-        order = adversarial_order(tasks, _held_back(tasks, first, alias))
+        order = _adversarial_order(tasks, _held_back(tasks, first, alias))
         _execute(order, start, storages)
         adversarial_value = read(value)
         changes = _changes(issue_bytes, storages, writer)
