@@ -243,11 +243,13 @@ def _frame_site(frame: Any) -> str:
 def _user_frame(frame: Any) -> Any:
     """From a parked thread's innermost frame, the first one outside the baton machinery
     (threading's lock wait, this module): where the user called a dbo_* helper."""
-    inside = frame
+    innermost, inside = frame, None
     while frame is not None:
         if frame.f_code.co_filename == __file__:
             inside = frame
         frame = frame.f_back
+    if inside is None:  # a running thread outside the baton machinery: where it is now
+        return innermost
     return inside.f_back if inside.f_back is not None else inside
 
 
