@@ -46,7 +46,7 @@ from dbo.devices import resolve_device, use_device
 from dbo.errors import UBatchTimeoutError, YieldMismatchError
 from dbo.runner import merge_outputs, run_ubatches
 from dbo.sim.device import SimDevice
-from dbo.sim.records import HANDOFF, EventWait, HostRange, OpRecord, RaceReport
+from dbo.sim.records import COMM, HANDOFF, EventWait, HostRange, OpRecord, RaceReport
 from dbo.sim.reorder import ReorderOutcome, run_adversarially
 from dbo.sim.report import summarize
 from dbo.sim.summary import fallback_fraction
@@ -492,9 +492,16 @@ def _report(
         roofline_fraction=fallback_fraction(ubatched.records) if ubatched.records else None,
         host_bound_fraction=None if summary is None else summary.host_bound_fraction,
         comm_us=None if summary is None else summary.comm_us,
+        local_comm=_all_local(ubatched.records) if ubatched.records else None,
         records={"serial": serial.records, "ubatched": ubatched.records},
         runs=[
             TraceRun("serial", serial.records, serial.races, serial.waits, serial.ranges),
             TraceRun("DBO", ubatched.records, ubatched.races, ubatched.waits, ubatched.ranges),
         ],
     )
+
+
+def _all_local(records: list[OpRecord]) -> bool:
+    """Whether every comm op of the run stayed on one GPU (comm_regions with ep_size 1)."""
+    comm = [r for r in records if r.kind == COMM]
+    return bool(comm) and all(r.args.get("link") == "local" for r in comm)

@@ -101,6 +101,7 @@ class VerifyReport:
     # a real GPU (no timeline).
     host_bound_fraction: float | None = None
     comm_us: float | None = None
+    local_comm: bool | None = None  # every comm op stayed on one GPU (ep_size 1)
     race_order: str = "issue"  # "adversarial": the ubatched step re-executed out of issue order
     adversarial: ReorderOutcome | None = None
     trace: str | None = None
@@ -193,6 +194,7 @@ class VerifyReport:
                 "roofline_fraction": self.roofline_fraction,
                 "host_bound_fraction": self.host_bound_fraction,
                 "comm_us": self.comm_us,
+                "local_comm": self.local_comm,
                 "num_ubatches": self.num_ubatches,
                 "device": self.device,
                 "trace": self.trace,
@@ -257,6 +259,13 @@ def _time_lines(report: VerifyReport) -> list[str]:
             "  note             no communication: nothing in the step is marked as "
             "communication (device.comm_region or dbo.EPGroup), so DBO has nothing to overlap "
             "and only adds baton passes"
+        )
+    if report.local_comm:
+        lines.append(
+            "  note             all communication is local (comm_regions with ep_size 1): no "
+            "byte leaves the GPU, so it runs as full-grid kernels in turn with compute and "
+            "there is little to overlap; give comm_region the EP size (ep_size=8) or use "
+            "dbo.EPGroup"
         )
     fraction = report.host_bound_fraction
     if fraction is not None and fraction > HOST_BOUND_FRACTION:

@@ -308,3 +308,18 @@ def test_artifacts_naming_a_file_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="is a file"):
         dbo.verify(lambda x: ran.append(True) or x, batch(), artifacts=taken)
     assert not ran
+
+
+@pytest.mark.timeout(30)
+def test_communication_that_never_leaves_the_gpu_is_explained():
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        dbo.dbo_yield_and_switch_from_compute_to_comm()
+        with dbo.current_device().comm_region("dispatch", nbytes=h.numel() * 8):  # ep_size 1
+            h = h + 1
+        dbo.dbo_switch_to_compute_sync()
+        return h
+
+    report = dbo.verify(forward, batch())
+    assert report.local_comm and "all communication is local" in report.describe()
+    assert not dbo.verify(correct, batch()).local_comm  # ep_size=8: it leaves the GPU
