@@ -2,7 +2,9 @@
 user's device argument turned into a `Device` (`resolve_device`).
 
 This is the one module that knows both implementations of the `dbo.streams` interface: the
-default is the simulated H200, so a laptop with no GPU runs the same code as a GPU node.
+default is the simulated H200, so a laptop with no GPU runs the same code as a GPU node. The
+simulator (`dbo.sim`: its dispatch modes, its NVTX hooks) is imported when a simulated device
+is first resolved, not by `import dbo`: a process that only uses CUDA never loads it.
 
 Documented registry: the process-wide default device (`set_default_device`), used by threads
 that have not entered `use_device`.
@@ -17,7 +19,6 @@ from typing import Any
 
 import torch
 
-from dbo.sim import SimDevice
 from dbo.streams import CudaDevice, Device, Stream
 
 __all__ = [
@@ -48,7 +49,7 @@ def get_default_device() -> Device:
     global _DEFAULT_DEVICE
     with _DEFAULT_LOCK:
         if _DEFAULT_DEVICE is None:
-            _DEFAULT_DEVICE = SimDevice()
+            _DEFAULT_DEVICE = _sim_device()
         return _DEFAULT_DEVICE
 
 
@@ -88,7 +89,7 @@ def resolve_device(device: Device | str | None, **sim_options: Any) -> Device:
         return device
     if isinstance(device, str):
         if device == "sim":
-            return SimDevice(**sim_options)
+            return _sim_device(**sim_options)
         if device == "cuda" or device.startswith("cuda:"):
             suffix = device.split(":", 1)[1] if ":" in device else None
             if suffix is not None and not suffix.isdigit():
@@ -99,6 +100,13 @@ def resolve_device(device: Device | str | None, **sim_options: Any) -> Device:
     raise ValueError(
         f"device must be 'sim', 'cuda', 'cuda:N' or a dbo.streams.Device, got {device!r}"
     )
+
+
+def _sim_device(**sim_options: Any) -> Device:
+    """A new simulated device; the first call imports the simulator (see the module doc)."""
+    from dbo.sim import SimDevice  # deferred: `import dbo` does not load the simulator
+
+    return SimDevice(**sim_options)
 
 
 def record_stream(tensor: torch.Tensor, stream: Stream | None = None) -> None:

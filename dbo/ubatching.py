@@ -35,7 +35,10 @@ from typing import Any
 
 from dbo._checks import as_int
 from dbo.errors import UBatchError, YieldMismatchError, _describe, _StepAborted
+from dbo.frames import register_runtime_file
 from dbo.streams import Device, Event, Stream, stream_context
+
+register_runtime_file(__file__)  # race reports leave the runtime's frames out of user stacks
 
 __all__ = [
     "UBatchContext",

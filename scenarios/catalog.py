@@ -17,7 +17,6 @@ import torch
 import dbo
 from dbo import ubatching
 from dbo.sim import GraphReplayError, SimDevice
-from scenarios.distributed import run_local_ranks
 from scenarios.harness import (
     Comparison,
     RunOptions,
@@ -28,6 +27,7 @@ from scenarios.harness import (
     write_artifacts,
 )
 from scenarios.model import Batch, MoEModel, preset
+from scenarios.ranks.processes import run_local_ranks
 from scenarios.registry import SCENARIOS, Scenario, ScenarioResult, scenario
 from scenarios.steps import ubatched_step
 from workspace import (

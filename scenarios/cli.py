@@ -29,9 +29,9 @@ import torch
 
 from dbo.sim import profile_from_name
 from dbo.sim.hardware import PROFILES
-from scenarios import distributed
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
+from scenarios.ranks import launch as distributed
 from scenarios.tools import bench as bench_tool
 from scenarios.tools import calibrate_host, gpu_check, race_check, trace_window, verify_cli
 from scenarios.tools import fidelity as fidelity_tool

@@ -4,7 +4,7 @@ A scenario runs in one process (`run(opts) -> ScenarioResult`, registered with `
 across ranks (`rank(env, opts) -> RankOutcome`, one rank's half, registered with
 `@rank_scenario`), or both under one name. Negative scenarios pass when the fault they inject
 is caught. Adding a scenario is one decorated function in `scenarios.catalog` (one process)
-or `scenarios.distributed` (its half on each rank).
+or `scenarios.ranks.halves` (its half on each rank).
 
 The listing order is the order of the one-process registrations, so a scenario whose rank
 half registers first still lists where its one-process half stands.
@@ -14,13 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dbo._json import json_safe
 from scenarios.harness import RunOptions
-
-if TYPE_CHECKING:  # for the annotation only: distributed imports this module
-    from scenarios.distributed import RankEnv, RankOutcome
+from scenarios.ranks.records import RankEnv, RankOutcome
 
 __all__ = [
     "ScenarioResult",
@@ -61,7 +59,7 @@ class ScenarioResult:
 
 
 RunHalf = Callable[[RunOptions], ScenarioResult]
-RankHalf = Callable[["RankEnv", RunOptions], "RankOutcome"]
+RankHalf = Callable[[RankEnv, RunOptions], RankOutcome]
 
 
 @dataclass(frozen=True)

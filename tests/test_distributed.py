@@ -22,9 +22,12 @@ import pytest
 import torch
 
 import dbo
-from scenarios import distributed
+from dbo.split import split_batch
 from scenarios.cli import main
 from scenarios.harness import RunOptions
+from scenarios.ranks import group, halves
+from scenarios.ranks import launch as distributed
+from scenarios.ranks.step import rank_device
 
 REPO = Path(dbo.__file__).resolve().parent.parent
 
@@ -116,8 +119,8 @@ def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
     import torch.distributed as dist
 
     from dbo.comm import EPGroup, use_ep_group
-    from scenarios.distributed import run_rank_step
     from scenarios.model import Batch, MoEModel, preset
+    from scenarios.ranks.step import run_rank_step
     from scenarios.registry import SCENARIOS
 
     rank = env.rank
@@ -160,14 +163,14 @@ def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
     batch = Batch(query_start_loc=(0, 30, 64), context_lens=(0, 0))
     model = FailingModel(config, batch)
     failing_ep = EPGroup(fail_group, num_experts=E, store=env.store, timeout_s=30)
-    slices = distributed.split_batch(batch.query_start_loc, batch.num_tokens, 2)
+    slices = split_batch(batch.query_start_loc, batch.num_tokens, 2)
 
     def failing_step() -> None:
         with use_ep_group(failing_ep):
             run_rank_step(
                 model,
                 model.inputs(),
-                device=distributed.rank_device(env, opts),
+                device=rank_device(env, opts),
                 ep=failing_ep,
                 slices=slices,
                 mode="ht",
@@ -259,7 +262,7 @@ def _start(
                 "LOCAL_RANK": str(rank),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(store.port),
-                distributed._HOSTED_ENV: "1",
+                group.HOSTED_ENV: "1",
             }
             with open(log, "wb") as f:
                 procs.append(
@@ -557,7 +560,7 @@ def test_a_rank_count_that_does_not_divide_the_experts_is_refused_before_any_pro
     capsys, monkeypatch
 ):
     started = []
-    monkeypatch.setattr(distributed.subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
     assert main(["run", "--ranks", "3", "moe-prefill-ht"]) == 2
     err = capsys.readouterr().err
     assert "--ranks 3" in err and "must divide 8: 1, 2, 4, 8" in err
@@ -585,23 +588,23 @@ def test_the_disagreement_verdict_passes_only_when_the_mismatch_is_caught_naming
         ubatch_counts={0: 2, 1: 1},
         steps={0: 1, 1: 1},
     )
-    assert all(distributed.disagreement_checks(named, 2, 0.1, 0.0).values())
+    assert all(halves.disagreement_checks(named, 2, 0.1, 0.0).values())
     # Not caught (a real system would hang), caught late, caught as a timeout, or unnamed ranks.
-    assert not all(distributed.disagreement_checks(None, 2, 0.1, 0.0).values())
-    assert not all(distributed.disagreement_checks(named, 2, 30.0, 0.0).values())
+    assert not all(halves.disagreement_checks(None, 2, 0.1, 0.0).values())
+    assert not all(halves.disagreement_checks(named, 2, 30.0, 0.0).values())
     assert not all(
-        distributed.disagreement_checks(
+        halves.disagreement_checks(
             EPTimeoutError("rank 0: rank 1:", what="x"), 2, 0.1, 0.0
         ).values()
     )
-    assert not all(distributed.disagreement_checks(named, 3, 0.1, 0.0).values())
-    assert not all(distributed.disagreement_checks(named, 2, 0.1, 1.0).values())
+    assert not all(halves.disagreement_checks(named, 3, 0.1, 0.0).values())
+    assert not all(halves.disagreement_checks(named, 2, 0.1, 1.0).values())
 
 
 @pytest.mark.timeout(60)
 def test_an_unreachable_store_and_a_group_that_never_forms_end_with_errors(monkeypatch):
     opts = RunOptions(timeout_s=1.0)
-    for name in ("TORCHELASTIC_USE_AGENT_STORE", distributed._HOSTED_ENV):
+    for name in ("TORCHELASTIC_USE_AGENT_STORE", group.HOSTED_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))  # nothing listens there

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import dbo
-from scenarios import distributed
 from scenarios.harness import RunOptions
+from scenarios.ranks import processes as distributed
 
 REPO = Path(dbo.__file__).resolve().parent.parent
 
@@ -80,7 +80,7 @@ def _kill(pid: int) -> None:
 def test_ranks_die_with_a_launcher_killed_by_sigkill_or_sigterm():
     script = (
         "import subprocess, sys, time\n"
-        "from scenarios import distributed\n"
+        "from scenarios.ranks import processes as distributed\n"
         f"rank = distributed._spawn_rank({_SLEEPER!r}, {{}}, subprocess.DEVNULL)\n"
         "print(rank.pid, flush=True)\nprint('started', flush=True)\ntime.sleep(60)\n"
     )
@@ -114,7 +114,7 @@ def test_a_rank_watching_its_launcher_exits_when_the_launcher_dies_without_prctl
     # The portable half: a child started by a plain Popen (no parent-death signal) that runs
     # the watch child_main starts.
     watcher = (
-        "import os, time\nfrom scenarios.distributed import _exit_with_launcher\n"
+        "import os, time\nfrom scenarios.ranks.processes import _exit_with_launcher\n"
         "_exit_with_launcher(os.getppid(), 0.05)\nprint('watching', flush=True)\n"
         "time.sleep(60)\n"
     )

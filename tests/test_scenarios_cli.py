@@ -139,7 +139,7 @@ def test_artifact_names_carry_the_ubatch_and_rank_counts(capsys, tmp_path):
 
 
 def test_every_json_field_is_documented_in_the_readme():
-    readme = (Path(catalog.__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(catalog.__file__).resolve().parent.parent / "docs/scenarios.md").read_text()
     section = readme[readme.index("### JSON report") :]
     documented = set(re.findall(r"`([a-z_]+)`", section[: section.index("\n#", 1)]))
     assert set(JSON_FIELDS) <= documented

@@ -156,7 +156,7 @@ def test_a_registered_cost_wins_for_its_profile_then_for_every_profile() -> None
 def test_one_list_of_gemm_ops_is_shared_by_the_device_and_the_reports() -> None:
     from dbo.sim import device
 
-    assert device._GEMMS is GEMM_OPS
+    assert device.RESERVED_SM_OPS is GEMM_OPS
     assert {"aten::mm", "aten::_grouped_mm", "aten::_scaled_mm", "aten::bmm"} <= GEMM_OPS
 
 

@@ -8,7 +8,7 @@ import torch
 
 import dbo
 from dbo.sim import SimDevice
-from dbo.sim.plot import _lanes, _legend, plot_runs
+from dbo.sim.plot import legend_handles, plot_lanes, plot_runs
 from dbo.sim.records import OpSite, RaceReport
 from dbo.sim.trace import TraceRun, Window, chrome_trace, chrome_trace_runs
 
@@ -168,9 +168,9 @@ def test_the_png_stacks_runs_marks_races_and_explains_the_link_track(tmp_path):
     runs = [TraceRun("serial", records), TraceRun("DBO", device.timeline, [race])]
     path = plot_runs(tmp_path / "runs.png", runs, title="two runs")
     assert path.read_bytes()[:4] == b"\x89PNG"
-    lanes = _lanes(runs)
+    lanes = plot_lanes(runs)
     assert (lanes[0][1], lanes[-1][1]) == ("serial", "DBO")
-    labels = [h.get_label() for h in _legend(runs, lanes)]
+    labels = [h.get_label() for h in legend_handles(runs, lanes)]
     assert any(label.startswith("link: low-latency transfers") for label in labels)
     assert "race: the two unordered ops" in labels
 

@@ -10,15 +10,28 @@
     device.timeline, device.races, device.mark() / since() / elapsed_us(), device.reset()
     with device.graph() as g: ...; g.replay()
 
-Modules, one job each: hardware (profiles), cost (roofline and comm time, pure functions),
-device (clocks, streams, events, placement), intercept (dispatch and function modes),
-races (happens-before over byte ranges), graph (capture and replay), records (the contract
-with the reports).
+Modules, one job each (dependencies point down this list's reverse: device imports the rest,
+state and timeline import none of the device modules): device (`SimDevice`: the one path of an
+op, `issue`; streams, events, syncs, comm regions, capture), handles (`SimStream`, `SimEvent`,
+`SimMark`), clock (the device's virtual time and vector clocks), timeline (placement arithmetic,
+pure), regions (what a comm region is placed as, pure), options (checked device options),
+state (the shared records: `Track`, `CommRegion`, `ThreadState`, `SimDeviceProtocol`),
+intercept (op classification and the two torch modes), graph (capture and replay), races
+(happens-before over byte ranges) with footprints and stacks, ranges (named host ranges),
+hardware (profiles), cost (roofline and comm time, pure functions), records (the contract
+with the reports), summary / trace / window / plot / report (the reports).
 """
 
 from dbo.sim.cost import comm_time_us, compute_time_us
 from dbo.sim.device import SimDevice, SimEvent, SimMark, SimStream
-from dbo.sim.graph import GraphReplayError, SimGraph
+from dbo.sim.graph import (
+    GraphComm,
+    GraphEventRecord,
+    GraphEventWait,
+    GraphOp,
+    GraphReplayError,
+    SimGraph,
+)
 from dbo.sim.hardware import B200, H100, H200, H800, PROFILES, HardwareProfile, profile_from_name
 from dbo.sim.races import RaceError
 from dbo.sim.records import (
@@ -50,6 +63,10 @@ __all__ = [
     "RaceError",
     "GraphReplayError",
     "SimGraph",
+    "GraphOp",
+    "GraphEventRecord",
+    "GraphEventWait",
+    "GraphComm",
     "GRAPH_LAUNCH",
     "Access",
     "OpRecord",

@@ -7,7 +7,9 @@ CUDA graph's private pool keeps its memory. `g.replay()` re-executes the recorde
 recorded tensors (values recomputed from their current contents; a fresh output is copied into
 the tensor captured as that op's output, so later ops read it) and places them again on the
 same streams with the same event dependencies, with no per-op host launch cost: the host pays
-one `graph_launch_us`.
+one `graph_launch_us`. The recorded items (`SimGraph.items`: `GraphOp`, `GraphEventRecord`,
+`GraphEventWait`, `GraphComm`) are public records, for tools that re-execute a captured step
+in another order or replay it per rank.
 
 Before replaying, every recorded data pointer is shown to the device's buffer owners
 (`device.add_buffer_owner`): a pointer an owner no longer calls live (a workspace slot that
@@ -16,25 +18,26 @@ grew and was replaced) raises `GraphReplayError` naming the buffer and the op.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from dbo.sim.records import Access, OpRecord
-from dbo.streams import GraphCapture
-
-if TYPE_CHECKING:
-    from dbo.sim.device import SimDevice, SimEvent, SimStream, _CommRegion
+from dbo.sim.state import CommRegion, SimDeviceProtocol
+from dbo.streams import Event, GraphCapture, Stream
 
 __all__ = [
-    "CapturedComm",
-    "CapturedOp",
-    "CapturedRecord",
-    "CapturedWait",
-    "GraphReplayError",
+    "BufferOwners",
     "SimGraph",
+    "GraphReplayError",
+    "GraphItem",
+    "GraphOp",
+    "GraphEventRecord",
+    "GraphEventWait",
+    "GraphComm",
 ]
 
 
@@ -43,13 +46,18 @@ class GraphReplayError(RuntimeError):
 
 
 @dataclass
-class _Op:
+class GraphOp:
+    """One captured kernel: the op overload and the very tensors it ran on (`out` is the
+    tensor captured as its output, which a replay writes), where it ran and what it cost.
+    `reads`/`writes` are its accesses as the race checker parsed them; `trace_args` the
+    record's args (shapes, dtype, cost source, slowdowns) at capture."""
+
     func: Any
     args: tuple
     kwargs: dict
     out: Any
     name: str
-    stream: SimStream
+    stream: Stream
     ubatch: int | None
     cost_us: float
     flops: float
@@ -60,23 +68,34 @@ class _Op:
 
 
 @dataclass
-class _Record:
-    event: SimEvent
-    stream: SimStream
+class GraphEventRecord:
+    """A captured `event.record(stream)`."""
+
+    event: Event
+    stream: Stream
 
 
 @dataclass
-class _Wait:
-    stream: SimStream
-    event: SimEvent
+class GraphEventWait:
+    """A captured `stream.wait_event(event)`."""
+
+    stream: Stream
+    event: Event
 
 
 @dataclass
-class _Comm:
-    region: _CommRegion
-    event: SimEvent
+class GraphComm:
+    """A captured comm region: the region as it was placed, the event marking its data
+    usable, its ubatch, and the torch ops of its block as (func, args, kwargs, out)."""
+
+    region: CommRegion
+    event: Event
     ubatch: int | None
     ops: list[tuple[Any, tuple, dict, Any]] = field(default_factory=list)
+
+
+# What `SimGraph.items` holds, in issue order.
+GraphItem = GraphOp | GraphEventRecord | GraphEventWait | GraphComm
 
 
 def _tensor_list(values: Iterable[Any]) -> list[torch.Tensor]:
@@ -101,20 +120,36 @@ def _rerun(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
                 old.copy_(fresh)
 
 
-# The recorded items of `SimGraph.items`, by public name, for tools that walk a captured step
-# (dbo.sim.reorder re-executes one in another order).
-CapturedOp = _Op
-CapturedRecord = _Record
-CapturedWait = _Wait
-CapturedComm = _Comm
+class BufferOwners:
+    """The objects a device's graph replays show their recorded pointers to: each has
+    `describe_buffer(data_ptr) -> info | None` (info has `label` and `live`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owners: list[Any] = []
+
+    def add(self, owner: Any) -> None:
+        if not callable(getattr(owner, "describe_buffer", None)):
+            raise TypeError(f"{owner!r} has no describe_buffer(data_ptr) method")
+        with self._lock:
+            if not any(o is owner for o in self._owners):
+                self._owners.append(owner)
+
+    def remove(self, owner: Any) -> None:
+        with self._lock:
+            self._owners = [o for o in self._owners if o is not owner]
+
+    def snapshot(self) -> list[Any]:
+        with self._lock:
+            return list(self._owners)
 
 
 class SimGraph(GraphCapture):
     """One captured step; a context manager while capturing, then `replay()` at will."""
 
-    def __init__(self, device: SimDevice) -> None:
+    def __init__(self, device: SimDeviceProtocol) -> None:
         self.device = device
-        self.items: list[_Op | _Record | _Wait | _Comm] = []
+        self.items: list[GraphItem] = []
         self.notes: list[str] = []  # things a real CUDA graph would refuse (host syncs)
         self.replays = 0
         self._pointers: list[tuple[int, str]] = []  # (data_ptr, which op) checked at replay
@@ -142,7 +177,7 @@ class SimGraph(GraphCapture):
         if record.kind == "compute" and func._schema.name.endswith("_local_scalar_dense"):
             self.notes.append(f"host read {record.name} during capture (not replayed as a sync)")
         self.items.append(
-            _Op(
+            GraphOp(
                 func,
                 args,
                 kwargs,
@@ -159,20 +194,20 @@ class SimGraph(GraphCapture):
             )  # fmt: skip
         )
 
-    def on_record(self, event: SimEvent, stream: SimStream) -> None:
-        self.items.append(_Record(event, stream))
+    def on_record(self, event: Event, stream: Stream) -> None:
+        self.items.append(GraphEventRecord(event, stream))
 
-    def on_wait(self, stream: SimStream, event: SimEvent) -> None:
-        self.items.append(_Wait(stream, event))
+    def on_wait(self, stream: Stream, event: Event) -> None:
+        self.items.append(GraphEventWait(stream, event))
 
-    def on_comm(self, region: _CommRegion, event: SimEvent) -> None:
+    def on_comm(self, region: CommRegion, event: Event) -> None:
         self.items.append(
-            _Comm(region, event, self.device.current_ubatch(), list(region.graph_ops))
+            GraphComm(region, event, self.device.current_ubatch(), list(region.graph_ops))
         )
 
     @property
     def num_ops(self) -> int:
-        return sum(isinstance(i, (_Op, _Comm)) for i in self.items)
+        return sum(isinstance(i, (GraphOp, GraphComm)) for i in self.items)
 
     def _collect_pointers(self) -> list[tuple[int, str]]:
         seen: set[int] = set()
@@ -188,10 +223,10 @@ class SimGraph(GraphCapture):
                     pointers.append((ptr, what))
 
         for item in self.items:
-            if isinstance(item, _Op):
+            if isinstance(item, GraphOp):
                 where = f"{item.name} (ubatch {item.ubatch}, stream {item.stream.name!r})"
                 add(_tensor_list((*item.args, *item.kwargs.values(), item.out)), where)
-            elif isinstance(item, _Comm):
+            elif isinstance(item, GraphComm):
                 where = (
                     f"comm::{item.region.kind} (ubatch {item.ubatch}, stream "
                     f"{item.region.stream.name!r})"
@@ -232,16 +267,16 @@ class SimGraph(GraphCapture):
         tls.suspended += 1  # values are recomputed here; placement is ours, not the mode's
         try:
             for item in self.items:
-                if isinstance(item, _Op):
+                if isinstance(item, GraphOp):
                     _rerun(item.func, item.args, item.kwargs, item.out)
                     device.place_op(
                         item.name, item.cost_us, stream=item.stream, flops=item.flops,
                         nbytes=item.nbytes, reads=item.reads, writes=item.writes,
                         args=dict(item.trace_args), ubatch=item.ubatch,
                     )  # fmt: skip
-                elif isinstance(item, _Record):
+                elif isinstance(item, GraphEventRecord):
                     item.event.record(item.stream)
-                elif isinstance(item, _Wait):
+                elif isinstance(item, GraphEventWait):
                     item.stream.wait_event(item.event)
                 else:
                     for func, args, kwargs, out in item.ops:

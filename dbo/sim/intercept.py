@@ -1,5 +1,6 @@
-"""Op interception: a per-thread TorchDispatchMode that runs each aten op eagerly and places it
-on the simulated device, and a TorchFunctionMode that turns host reads into host syncs.
+"""Op interception: a per-thread TorchDispatchMode that runs each aten op eagerly and hands
+each kernel to the simulated device (`SimDevice.issue`, which prices and places it), and a
+TorchFunctionMode that turns host reads into host syncs.
 
 Both are entered by `SimDevice.thread_scope` in the calling thread (torch's mode stacks are
 thread-local), so each ubatch thread's ops are attributed to its ubatch and current stream.
@@ -12,19 +13,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dbo.sim.cost import OpCall, aliased_input_bytes, flop_formula, price_op
-from dbo.sim.ranges import ENTER, EXIT, close_range, open_range, profiler_range_op
+from dbo.sim.cost import OpCall, aliased_input_bytes, flop_formula
+from dbo.sim.ranges import ENTER, EXIT, profiler_range_op
+from dbo.sim.state import SimDeviceProtocol
 
-if TYPE_CHECKING:
-    from dbo.sim.device import SimDevice
-
-__all__ = ["enter_modes", "op_info", "OpInfo", "FREE", "ALLOC", "KERNEL", "HOST_READ"]
+__all__ = [
+    "enter_modes",
+    "measure",
+    "op_info",
+    "OpInfo",
+    "FREE",
+    "ALLOC",
+    "KERNEL",
+    "HOST_READ",
+]
 
 FREE = 0  # views, metadata: no kernel, no time, not placed
 ALLOC = 1  # an allocation without a kernel (empty): not placed, but a fresh storage
@@ -103,11 +111,6 @@ def _tensors(values: Iterable[Any], into: list[torch.Tensor]) -> None:
                     into.append(w)
 
 
-def _shape(t: torch.Tensor) -> Any:
-    # A nested tensor has no single shape; the trace gets its layout instead.
-    return "nested" if t.is_nested else tuple(t.shape)
-
-
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -123,7 +126,7 @@ def _cost_dtype(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> torch.dtyp
 class SimDispatchMode(TorchDispatchMode):
     """Runs every op and places each kernel on the thread's current stream of `device`."""
 
-    def __init__(self, device: SimDevice) -> None:
+    def __init__(self, device: SimDeviceProtocol) -> None:
         super().__init__()
         self.device = device
 
@@ -149,16 +152,15 @@ class SimDispatchMode(TorchDispatchMode):
             if isinstance(out, torch.Tensor):
                 device.note_allocation(out)
             return out
-        issue_op(device, tls, func, info, args, kwargs, out)
+        device.issue(measure(func, info, args, kwargs, out))
         if kind == HOST_READ:
             device.host_read(info.name)
         return out
 
 
-def issue_op(
-    device: SimDevice, tls: Any, func: Any, info: OpInfo, args: tuple, kwargs: dict, out: Any
-) -> None:
-    """Cost one executed kernel and place it (or fold it into the thread's comm region)."""
+def measure(func: Any, info: OpInfo, args: tuple, kwargs: dict, out: Any) -> OpCall:
+    """One executed kernel as the cost model sees it: its tensor inputs and outputs, the
+    bytes it moves and the FLOPs its formula gives, and the dtype its math runs in."""
     ins: list[torch.Tensor] = []
     _tensors(args, ins)
     if kwargs:
@@ -173,40 +175,7 @@ def issue_op(
         except Exception:  # an unusual overload the formula does not parse: memory bound
             flops = 0.0
     dtype = _cost_dtype(ins, outs)
-
-    # The race checker parses the op's arguments itself (names, footprints, fresh outputs).
-    reads, writes, fresh = device.accesses(func, args, kwargs, out)
-
-    call = OpCall(info.name, func, args, kwargs, out, ins, outs, flops, nbytes, dtype)
-    priced = price_op(call, device.profile)
-    region = tls.comm
-    graph = device.capturing_graph
-    if region is not None:
-        region.add_op(nbytes, priced, info.name)  # an EP group of one is these ops (place_comm)
-        region.reads.extend(reads)
-        region.writes.extend(writes)
-        region.fresh.extend(fresh)
-        if graph is not None and not tls.replaying:
-            region.graph_ops.append((func, args, kwargs, out))
-        return
-
-    cost = priced.us
-    record = device.place_op(
-        info.name,
-        cost,
-        flops=flops,
-        nbytes=nbytes,
-        reads=reads,
-        writes=writes,
-        fresh=fresh,
-        args={
-            "shapes": [_shape(t) for t in ins],
-            "dtype": str(dtype).replace("torch.", ""),
-            "cost": priced.source,
-        },
-    )
-    if graph is not None and not tls.replaying:
-        graph.on_op(func, args, kwargs, out, record, cost, reads, writes)
+    return OpCall(info.name, func, args, kwargs, out, ins, outs, flops, nbytes, dtype)
 
 
 # `.item()` is absent: it dispatches `_local_scalar_dense`, a HOST_READ op placed above.
@@ -231,7 +200,7 @@ class HostReadMode(TorchFunctionMode):
     which on a GPU waits for the current stream. On a CPU tensor most of these never reach the
     dispatcher, hence a function mode."""
 
-    def __init__(self, device: SimDevice) -> None:
+    def __init__(self, device: SimDeviceProtocol) -> None:
         super().__init__()
         self.device = device
 
@@ -246,19 +215,22 @@ class HostReadMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _carry_profiler_range(device: SimDevice, func: Any, args: tuple) -> None:
+def _carry_profiler_range(device: SimDeviceProtocol, func: Any, args: tuple) -> None:
     """`torch.profiler.record_function` enters and exits through these ops: carry them into
     the trace as named host ranges (`dbo.sim.ranges`)."""
     what = profiler_range_op(func)
-    if what is None or device.thread_state().suspended:
+    if what is None:
+        return
+    state = device.thread_state()
+    if state.suspended:
         return
     if what == ENTER:
-        open_range(device, str(args[0]) if args else "?", "record_function")
+        state.ranges.open(str(args[0]) if args else "?", "record_function")
     elif what == EXIT:
-        close_range(device)
+        state.ranges.close()
 
 
-def enter_modes(device: SimDevice, stack: ExitStack) -> None:
+def enter_modes(device: SimDeviceProtocol, stack: ExitStack) -> None:
     """Enter both modes in the calling thread; `stack.close()` leaves them."""
     stack.enter_context(SimDispatchMode(device))
     stack.enter_context(HostReadMode(device))

@@ -37,7 +37,7 @@ from dbo.sim.trace import (
     windowed,
 )
 
-__all__ = ["plot_runs", "plot_timeline"]
+__all__ = ["Lane", "legend_handles", "plot_lanes", "plot_runs", "plot_timeline"]
 
 Style = tuple[int | None, str]  # (ubatch, kind)
 
@@ -128,7 +128,7 @@ def plot_runs(
     for run in runs:
         check_records(run.records)
     path = Path(path)
-    lanes = _lanes(runs)
+    lanes = plot_lanes(runs)
     everything = [r for run in runs for r in run.records]
     if window is not None:
         t0, span = window.start_us, window.end_us - window.start_us
@@ -153,7 +153,7 @@ def plot_runs(
     if not everything:
         ax.text(0.5, 0.5, "no ops", ha="center", va="center", transform=ax.transAxes)
     ax.legend(
-        handles=_legend(runs, lanes),
+        handles=legend_handles(runs, lanes),
         loc="upper left",
         bbox_to_anchor=(1.005, 1.0),
         fontsize=8,
@@ -169,7 +169,9 @@ def plot_runs(
 Lane = tuple[int, str | None, int, str]  # (run index, run label, rank, track)
 
 
-def _lanes(runs: Sequence[TraceRun]) -> list[Lane]:
+def plot_lanes(runs: Sequence[TraceRun]) -> list[Lane]:
+    """The rows of a PNG timeline, top to bottom: per run, per rank, its tracks in the trace's
+    order (host first)."""
     tracks = track_order(r for run in runs for r in run.records)
     lanes: list[Lane] = []
     for k, run in enumerate(runs):
@@ -241,7 +243,9 @@ def _draw_run_separators(ax: Any, lanes: list[Lane]) -> None:
             ax.axhline(i - 0.5, color="black", linewidth=1.0)
 
 
-def _legend(runs: Sequence[TraceRun], lanes: list[Lane]) -> list[Any]:
+def legend_handles(runs: Sequence[TraceRun], lanes: list[Lane]) -> list[Any]:
+    """The legend entries of a PNG timeline: a colour per ubatch present, then the marks
+    (comm, syncs, races, the link track) that appear in it."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 

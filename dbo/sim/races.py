@@ -36,39 +36,34 @@ reads only), and a device-wide synchronize clears everything.
 from __future__ import annotations
 
 import bisect
-import math
-import os
-import sys
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
+from dbo.sim.footprints import Dims, canonical_footprint, footprint, footprints_meet
 from dbo.sim.records import Access, OpRecord, OpSite, RaceReport
+from dbo.sim.stacks import format_stack, user_stack
+from dbo.sim.state import Track
 
-if TYPE_CHECKING:
-    from dbo.sim.device import SimDevice, _Track
-
-__all__ = ["RaceChecker", "RaceError", "footprint", "footprints_meet", "user_stack"]
+__all__ = [
+    "MAX_REPORTS",
+    "RaceChecker",
+    "RaceError",
+    "RaceSink",
+    "footprint",
+    "footprints_meet",
+    "user_stack",
+]
 
 MAX_REPORTS = 1000  # a broken schedule races on every layer; the first reports say enough
 ALLOC_ROUND = 512  # the caching allocator rounds every request up to this many bytes
 POOL_DEPTH = 8  # freed blocks with pending hazards kept per (stream, size); older ones drop
-# Search steps an exact strided-overlap test may take before it answers "may overlap": a
-# bound on the cost per pair of entries that keeps the answer sound (never a missed race).
-MEET_BUDGET = 512
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_SIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_SKIP_FILES = ("threading.py", "contextlib.py", "weakref.py")
-# The runtime's own frames (ubatch threads' loops, the yield and switch calls): they are the
-# same in every report, so a user stack shows them only when nothing of the user's is there.
-_DBO_DIR = os.path.dirname(_SIM_DIR.rstrip(os.sep)) + os.sep
-_RUNTIME_FILES = frozenset(_DBO_DIR + name for name in ("runner.py", "ubatching.py"))
-
-Dims = tuple[tuple[int, int], ...]  # (count, byte stride), largest stride first
+# Where the checker hands each race it finds (the device keeps, raises or warns).
+RaceSink = Callable[[RaceReport], None]
 
 
 class RaceError(RuntimeError):
@@ -77,126 +72,6 @@ class RaceError(RuntimeError):
     def __init__(self, report: RaceReport) -> None:
         super().__init__(report.describe())
         self.report = report
-
-
-def user_stack(depth: int = 4, skip: int = 1) -> tuple[tuple[str, int, str], ...]:
-    """The innermost `depth` frames of the user's code (outside torch, dbo.sim, the ubatch
-    runtime and stdlib context plumbing), as raw (file, line, function) tuples, innermost
-    last; the innermost runtime frame alone when no user frame is on the stack. Raw so that
-    capturing stays cheap; format only when a race is reported."""
-    frames: list[tuple[str, int, str]] = []
-    runtime: tuple[str, int, str] | None = None
-    f = sys._getframe(skip)
-    while f is not None and len(frames) < depth:
-        filename = f.f_code.co_filename
-        if filename in _RUNTIME_FILES:
-            if runtime is None:
-                runtime = (filename, f.f_lineno, f.f_code.co_name)
-        elif not (filename.startswith((_TORCH_DIR, _SIM_DIR)) or filename.endswith(_SKIP_FILES)):
-            frames.append((filename, f.f_lineno, f.f_code.co_name))
-        f = f.f_back
-    if not frames and runtime is not None:
-        return (runtime,)
-    frames.reverse()
-    return tuple(frames)
-
-
-def _format_stack(raw: Any) -> tuple[str, ...]:
-    cwd = os.getcwd()
-    return tuple(
-        f"{os.path.relpath(fn) if fn.startswith(cwd) else fn}:{ln}:{name}"
-        for fn, ln, name in (raw or ())
-    )
-
-
-# ------------------------------------------------------------------------------ footprints
-
-
-def footprint(t: torch.Tensor) -> tuple[int, int, int, Dims] | None:
-    """(first byte, one past the last byte, run, dims) of a strided tensor's elements in
-    memory, by absolute address; None for an empty tensor. Dense tensors have dims () and
-    cover every byte of the interval; otherwise the bytes are base + sum(i_k * stride_k) +
-    [0, run) over the dims. Raises for tensors without addressable strided memory."""
-    n = t.numel()
-    if n == 0:
-        return None
-    size = t.element_size()
-    start = t.data_ptr()
-    if t.is_contiguous():
-        return start, start + n * size, 0, ()
-    return _canonical(start, t.shape, t.stride(), size)
-
-
-def _canonical(base: int, shape: Sequence[int], stride: Sequence[int], size: int) -> Any:
-    # Innermost first: fold dims that extend the contiguous run, merge dims that extend the
-    # dim below them; broadcast (stride 0) and size-1 dims add no byte.
-    dims = sorted((st * size, n) for n, st in zip(shape, stride) if n > 1 and st != 0)
-    run = size
-    out: list[list[int]] = []
-    for s, n in dims:
-        if not out and s <= run:
-            run += (n - 1) * s
-        elif out and s == out[-1][0] * out[-1][1]:
-            out[-1][0] *= n
-        else:
-            out.append([n, s])
-    extent = run + sum((n - 1) * s for n, s in out)
-    if not out:
-        return base, base + run, 0, ()
-    return base, base + extent, run, tuple((n, s) for n, s in reversed(out))
-
-
-def footprints_meet(a: tuple[int, int, int, Dims], b: tuple[int, int, int, Dims]) -> bool:
-    """True when two footprints share a byte (exact within MEET_BUDGET search steps, "may
-    share" beyond)."""
-    a0, a1, ar, ad = a
-    b0, b1, br, bd = b
-    if a1 <= b0 or b1 <= a0:
-        return False
-    if not ad and not bd:
-        return True
-    return _meet(a0, a1, ar or a1 - a0, ad, b0, b1, br or b1 - b0, bd, [MEET_BUDGET])
-
-
-def _residues_disjoint(a0: int, ar: int, ad: Dims, b0: int, br: int, bd: Dims) -> bool:
-    # Every stride a multiple of g: each footprint's bytes lie in one interval of residues
-    # mod g, so disjoint residue intervals mean disjoint footprints.
-    g = 0
-    for _, s in ad:
-        g = math.gcd(g, s)
-    for _, s in bd:
-        g = math.gcd(g, s)
-    if g == 0 or ar >= g or br >= g:
-        return False
-    d = (b0 - a0) % g
-    return ar <= d <= g - br
-
-
-def _meet(
-    a0: int, a1: int, ar: int, ad: Dims, b0: int, b1: int, br: int, bd: Dims, budget: list[int]
-) -> bool:
-    """Footprints [a0, a1) and [b0, b1) as base, run, dims (a dense one: run = its length)."""
-    if a1 <= b0 or b1 <= a0:
-        return False
-    if not ad and not bd:
-        return True
-    if _residues_disjoint(a0, ar, ad, b0, br, bd):
-        return False
-    budget[0] -= 1
-    if budget[0] < 0:
-        return True  # out of budget: answer "may overlap", never miss a race
-    if not ad or (bd and bd[0][1] > ad[0][1]):
-        a0, a1, ar, ad, b0, b1, br, bd = b0, b1, br, bd, a0, a1, ar, ad
-    # Split `a` along its largest stride; visit only the slices inside b's span.
-    (n, s), inner = ad[0], ad[1:]
-    extent = a1 - a0 - (n - 1) * s  # span of one slice
-    first = max(0, -(-(b0 - a0 - extent + 1) // s))
-    last = min(n - 1, (b1 - 1 - a0) // s)
-    for i in range(first, last + 1):
-        base = a0 + i * s
-        if _meet(base, base + extent, ar, inner, b0, b1, br, bd, budget):
-            return True
-    return False
 
 
 # ------------------------------------------------------------------------------ memory
@@ -250,9 +125,9 @@ class _Block:
         self.end = end
         self.entries: list[_Entry] = []
         self.storages: set[_Storage] = set()  # by identity: a dead one's key may be reused
-        self.alloc_track: _Track | None = None  # set when the allocation was seen
+        self.alloc_track: Track | None = None  # set when the allocation was seen
         self.alloc_stack: Any = None
-        self.recorded: list[_Track] = []  # streams named by record_stream
+        self.recorded: list[Track] = []  # streams named by record_stream
 
 
 class _Storage:
@@ -324,8 +199,8 @@ def _components(t: torch.Tensor) -> list[torch.Tensor] | None:
 class RaceChecker:
     """Access history by memory block of one device, checked at every placed op."""
 
-    def __init__(self, device: SimDevice, transfer_tracks: Iterable[int] = ()) -> None:
-        self.device = device
+    def __init__(self, on_race: RaceSink, transfer_tracks: Iterable[int] = ()) -> None:
+        self._on_race = on_race  # every race found, once per pair of ops
         # Timelines of data in flight between GPUs (low-latency transfers): their writes land
         # in registered communication buffers, which the caching allocator never hands on.
         self._transfer_tracks = frozenset(transfer_tracks)
@@ -454,7 +329,7 @@ class RaceChecker:
         pool.append(_Freed(pending, block.alloc_stack))
         del pool[:-POOL_DEPTH]
 
-    def allocated(self, t: torch.Tensor, track: _Track, stack: Any) -> None:
+    def allocated(self, t: torch.Tensor, track: Track, stack: Any) -> None:
         """`t`'s storage was just allocated on `track` by an op that launches no kernel."""
         try:
             st = t.untyped_storage()
@@ -464,7 +339,7 @@ class RaceChecker:
         if rec.block.alloc_track is None:
             self._take_from_pool(rec, track, stack)
 
-    def record_stream(self, t: torch.Tensor, track: _Track) -> None:
+    def record_stream(self, t: torch.Tensor, track: Track) -> None:
         """The allocator must not reuse `t`'s memory before `track`'s work at the free."""
         try:
             st = t.untyped_storage()
@@ -522,7 +397,7 @@ class RaceChecker:
                 start = t.data_ptr()
                 fp: tuple = (start, start + n * t.element_size(), 0, ())
             else:
-                fp = _canonical(t.data_ptr(), t.shape, t.stride(), t.element_size())
+                fp = canonical_footprint(t.data_ptr(), t.shape, t.stride(), t.element_size())
         except (RuntimeError, NotImplementedError):
             parts = _components(t)
             if parts is None:
@@ -555,7 +430,7 @@ class RaceChecker:
     def on_op(
         self,
         record: OpRecord,
-        track: _Track,
+        track: Track,
         epoch: int,
         reads: Sequence[Access],
         writes: Sequence[Access],
@@ -576,7 +451,7 @@ class RaceChecker:
             if rec is not None:
                 self._check(access, rec, record, me, vc, epoch, stack)
 
-    def _take_from_pool(self, rec: _Storage, track: _Track, stack: Any) -> None:
+    def _take_from_pool(self, rec: _Storage, track: Track, stack: Any) -> None:
         """A new allocation on `track`: the allocator may hand it a freed block of the same
         rounded size from that stream's pool, and with it the block's pending accesses."""
         block = rec.block
@@ -620,7 +495,7 @@ class RaceChecker:
         self, access: Access, rec: _Storage, old: _Entry, record: OpRecord, stack: Any
     ) -> None:
         key = (access.storage, old.record.seq, record.seq)
-        if key in self._reported or len(self.device.races) >= MAX_REPORTS:
+        if key in self._reported:
             return
         self._reported.add(key)
         base = rec.base
@@ -631,7 +506,7 @@ class RaceChecker:
             start=old.start - base,
             end=old.end - base,
             is_write=old.is_write,
-            stack=_format_stack(old.stack),
+            stack=format_stack(old.stack),
             argument=old.argument,
         )
         second = OpSite(
@@ -641,22 +516,17 @@ class RaceChecker:
             start=access.start - base,
             end=access.end - base,
             is_write=access.is_write,
-            stack=_format_stack(stack),
+            stack=format_stack(stack),
             argument=access.argument,
         )
         report = RaceReport(
             storage=access.storage,
             first=first,
             second=second,
-            allocation=_format_stack(rec.block.alloc_stack),
-            freed_allocation=None if old.freed_alloc is None else _format_stack(old.freed_alloc),
+            allocation=format_stack(rec.block.alloc_stack),
+            freed_allocation=None if old.freed_alloc is None else format_stack(old.freed_alloc),
         )
-        self.device.races.append(report)
-        action = self.device.race_action
-        if action == "raise":
-            raise RaceError(report)
-        if action == "warn":
-            warnings.warn(report.describe(), RuntimeWarning, stacklevel=2)
+        self._on_race(report)
 
 
 def _on_death(dead: list, rec: _Storage) -> None:

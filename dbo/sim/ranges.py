@@ -2,9 +2,9 @@
 
 A user's `with torch.profiler.record_function("attn"):` reaches the interception modes as the
 ops `profiler._record_function_enter_new` / `profiler._record_function_exit`; the function
-mode hands them here, and each closed range becomes a `HostRange` on `device.host_ranges`,
-drawn on the host track of the trace. Ranges nest per thread, so each thread keeps its own
-stack of open ones.
+mode hands them to the thread's `HostRanges`, and each closed range goes to the device's sink
+(which keeps it as a `HostRange`, drawn on the host track of the trace). Ranges nest per
+thread, so each thread keeps its own stack of open ones.
 
 NVTX calls are plain functions, not ops: `torch.cuda.nvtx.range_push` / `range_pop` are
 wrapped once, on import, so that a thread working inside a simulated device's scope records a
@@ -16,16 +16,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from dbo.sim.records import HostRange
-
-if TYPE_CHECKING:
-    from dbo.sim.device import SimDevice
-
-__all__ = ["ENTER", "EXIT", "close_range", "open_range", "profiler_range_op"]
+__all__ = ["ENTER", "EXIT", "HostRanges", "RangeSink", "device_scope", "profiler_range_op"]
 
 ENTER = "enter"
 EXIT = "exit"
@@ -51,56 +46,69 @@ def profiler_range_op(func: Any) -> str | None:
     return what
 
 
-def _open_stack(device: SimDevice) -> list[tuple[str, float, int | None, str]]:
-    tls = device.thread_state()
-    stack = getattr(tls, "host_range_stack", None)
-    if stack is None:
-        stack = tls.host_range_stack = []
-    return stack
+# A closed range goes to its device's sink: (name, start_us, end_us, ubatch, source).
+RangeSink = Callable[[str, float, float, "int | None", str], None]
 
 
-def open_range(device: SimDevice, name: str, source: str) -> None:
-    """Start a named range at the device's host clock, in the calling thread."""
-    _open_stack(device).append((name, device.host_time_us, device.current_ubatch(), source))
+class HostRanges:
+    """One thread's open named ranges on one device (`ThreadState.ranges`): they nest, so a
+    stack; each one closed goes to `sink`, timed by `clock` (the device's host clock)."""
+
+    __slots__ = ("_clock", "_ubatch", "_sink", "_open")
+
+    def __init__(
+        self, clock: Callable[[], float], ubatch: Callable[[], int | None], sink: RangeSink
+    ) -> None:
+        self._clock = clock
+        self._ubatch = ubatch  # the ubatch the thread's work is attributed to now
+        self._sink = sink
+        self._open: list[tuple[str, float, int | None, str]] = []
+
+    @property
+    def depth(self) -> int:
+        """How many ranges are open."""
+        return len(self._open)
+
+    def open(self, name: str, source: str) -> None:
+        """Start a named range at the host clock."""
+        self._open.append((name, self._clock(), self._ubatch(), source))
+
+    def close(self) -> None:
+        """End the innermost open range (an unmatched close is ignored)."""
+        if not self._open:
+            return
+        name, start, ubatch, source = self._open.pop()
+        self._sink(name, start, max(self._clock(), start), ubatch, source)
 
 
-def close_range(device: SimDevice) -> None:
-    """End the calling thread's innermost open range (an unmatched close is ignored)."""
-    stack = _open_stack(device)
-    if not stack:
-        return
-    name, start, ubatch, source = stack.pop()
-    end = max(device.host_time_us, start)
-    if device.record_timeline:
-        device.host_ranges.append(HostRange(device.rank, ubatch, name, start, end, source))
-
-
-# The simulated device whose scope (`SimDevice.thread_scope`) the calling thread is in.
+# The open ranges of the simulated device whose scope (`SimDevice.thread_scope`) the calling
+# thread is in: NVTX calls, plain functions, find them here.
 _IN_SCOPE = threading.local()
 
 
 @contextmanager
-def device_scope(device: SimDevice) -> Iterator[None]:
-    """Mark the calling thread as working inside `device`'s scope (NVTX calls record ranges)."""
-    previous = getattr(_IN_SCOPE, "device", None)
-    _IN_SCOPE.device = device
+def device_scope(ranges: HostRanges) -> Iterator[None]:
+    """Mark the calling thread as working inside a device's scope: NVTX calls record ranges
+    into `ranges` (the thread's on that device)."""
+    previous = getattr(_IN_SCOPE, "ranges", None)
+    _IN_SCOPE.ranges = ranges
     try:
         yield
     finally:
-        _IN_SCOPE.device = previous
+        _IN_SCOPE.ranges = previous
 
 
-def _sim_device_in_scope() -> SimDevice | None:
-    return getattr(_IN_SCOPE, "device", None)
+def _ranges_in_scope() -> HostRanges | None:
+    return getattr(_IN_SCOPE, "ranges", None)
 
 
 def _wrap_push(original: Callable[..., Any]) -> Callable[..., Any]:
     def range_push(msg: str) -> Any:
-        device = _sim_device_in_scope()
-        if device is None:
+        ranges = _ranges_in_scope()
+        if ranges is None:
             return original(msg)
-        open_range(device, str(msg), "nvtx")
-        return len(_open_stack(device)) - 1  # NVTX's answer: the depth of the range
+        ranges.open(str(msg), "nvtx")
+        return ranges.depth - 1  # NVTX's answer: the depth of the range
 
     range_push.__doc__ = original.__doc__
     range_push.__wrapped__ = original  # type: ignore[attr-defined]
@@ -109,11 +117,11 @@ def _wrap_push(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_pop(original: Callable[..., Any]) -> Callable[..., Any]:
     def range_pop() -> Any:
-        device = _sim_device_in_scope()
-        if device is None:
+        ranges = _ranges_in_scope()
+        if ranges is None:
             return original()
-        close_range(device)
-        return len(_open_stack(device))
+        ranges.close()
+        return ranges.depth
 
     range_pop.__doc__ = original.__doc__
     range_pop.__wrapped__ = original  # type: ignore[attr-defined]

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from dbo.sim.graph import CapturedComm, CapturedOp, CapturedRecord, CapturedWait, SimGraph
+from dbo.sim.graph import GraphComm, GraphEventRecord, GraphEventWait, GraphOp, SimGraph
 from dbo.sim.records import Access, RaceReport
+from dbo.sim.regions import region_ops
 
 __all__ = ["ReorderOutcome", "StorageChange", "run_adversarially"]
 
@@ -129,25 +130,37 @@ def _rerun(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
                 old.copy_(fresh)
 
 
-def _comm_tasks(item: CapturedComm, start: int) -> list[_Task]:
+def _comm_tasks(graph: SimGraph, item: GraphComm, start: int) -> list[_Task]:
+    """The tasks a comm region was placed as (`dbo.sim.regions.region_ops`): one on its
+    stream, or a send there and a transfer on the link track. The block's torch ops run with
+    the task that writes (the transfer: its data lands then)."""
     region = item.region
-    name = f"comm::{region.kind}"
+    device = graph.device
+    placed = region_ops(device.profile, region, device.ht_rdma_share, True)
     ops = list(item.ops)
+    kernels = tuple(func._schema.name for func, *_ in ops)
 
     def run() -> None:
         for func, args, kwargs, out in ops:
             _rerun(func, args, kwargs, out)
 
-    local = region.ep_size == 1 and region.link is None and bool(ops)
-    if region.mode == "ht" or local:
-        accesses = [*region.reads, *region.writes]
-        kernels = tuple(func._schema.name for func, *_ in ops)
-        return [_Task(start, name, region.stream, item.ubatch, accesses, run, kernels=kernels)]
-    send = _Task(start, f"{name}.send", region.stream, item.ubatch, list(region.reads), None)
-    kernels = tuple(func._schema.name for func, *_ in ops)
-    transfer = _Task(start + 1, name, _LINK, item.ubatch, list(region.writes), run, kernels=kernels)
-    transfer.deps.add(start)
-    return [send, transfer]
+    tasks = []
+    for k, op in enumerate(placed):
+        last = k == len(placed) - 1
+        tasks.append(
+            _Task(
+                start + k,
+                op.name,
+                _LINK if op.on_link else region.stream,
+                item.ubatch,
+                [*op.reads, *op.writes],
+                run if last else None,
+                kernels=kernels if last else (),
+            )  # fmt: skip
+        )
+        if k:
+            tasks[-1].deps.add(start + k - 1)
+    return tasks
 
 
 def _tasks(graph: SimGraph) -> list[_Task]:
@@ -158,19 +171,19 @@ def _tasks(graph: SimGraph) -> list[_Task]:
     last_record: dict[int, int] = {}
     for item in graph.items:
         i = len(tasks)
-        if isinstance(item, CapturedOp):
+        if isinstance(item, GraphOp):
             op = item
             new = [
                 _Task(i, op.name, op.stream, op.ubatch, [*op.reads, *op.writes],
                       lambda op=op: _rerun(op.func, op.args, op.kwargs, op.out))
             ]  # fmt: skip
-        elif isinstance(item, CapturedComm):
-            new = _comm_tasks(item, i)
+        elif isinstance(item, GraphComm):
+            new = _comm_tasks(graph, item, i)
             last_record[id(item.event)] = new[-1].index
-        elif isinstance(item, CapturedRecord):
+        elif isinstance(item, GraphEventRecord):
             new = [_Task(i, "record", item.stream, None, [], None)]
             last_record[id(item.event)] = i
-        elif isinstance(item, CapturedWait):
+        elif isinstance(item, GraphEventWait):
             new = [_Task(i, "wait", item.stream, None, [], None)]
             if id(item.event) in last_record:
                 new[0].deps.add(last_record[id(item.event)])
@@ -277,9 +290,9 @@ def _storages(graph: SimGraph) -> tuple[dict[int, torch.UntypedStorage], dict[in
                     alias[st._cdata] = st.data_ptr()
 
     for item in graph.items:
-        if isinstance(item, CapturedOp):
+        if isinstance(item, GraphOp):
             add((*item.args, *item.kwargs.values(), item.out))
-        elif isinstance(item, CapturedComm):
+        elif isinstance(item, GraphComm):
             for _func, args, kwargs, out in item.ops:
                 add((*args, *kwargs.values(), out))
     return found, alias

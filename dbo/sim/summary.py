@@ -248,6 +248,31 @@ def _summarize_rank(rank: int, records: Sequence[OpRecord], lo: float, hi: float
     )
 
 
+def _empty_summary(
+    w_lo: float | None, w_hi: float | None, num_races: int, workspace_peak_bytes: int
+) -> StepSummary:
+    """A step with no op: all of its window (if any) is idle."""
+    lo = w_lo if w_lo is not None else 0.0
+    hi = w_hi if w_hi is not None else lo
+    step = max(0.0, float(hi - lo))
+    return StepSummary(
+        step_us=step,
+        busy_us_per_stream=_frozen_map({}),
+        compute_us=0.0,
+        comm_us=0.0,
+        hidden_comm_us=0.0,
+        overlap_fraction=0.0,
+        exposed_comm_us=0.0,
+        # An empty window of positive length is all idle.
+        host_bound_fraction=1.0 if step > 0 else 0.0,
+        num_ops=0,
+        num_races=num_races,
+        workspace_peak_bytes=int(workspace_peak_bytes),
+        slowest_rank=None,
+        ranks=(),
+    )
+
+
 def summarize(
     records: Sequence[OpRecord],
     *,
@@ -268,25 +293,7 @@ def summarize(
         raise ValueError(f"window end {w_hi} is before its start {w_lo}")
 
     if not records:
-        lo = w_lo if w_lo is not None else 0.0
-        hi = w_hi if w_hi is not None else lo
-        step = max(0.0, float(hi - lo))
-        return StepSummary(
-            step_us=step,
-            busy_us_per_stream=_frozen_map({}),
-            compute_us=0.0,
-            comm_us=0.0,
-            hidden_comm_us=0.0,
-            overlap_fraction=0.0,
-            exposed_comm_us=0.0,
-            # An empty window of positive length is all idle.
-            host_bound_fraction=1.0 if step > 0 else 0.0,
-            num_ops=0,
-            num_races=len(races),
-            workspace_peak_bytes=int(workspace_peak_bytes),
-            slowest_rank=None,
-            ranks=(),
-        )
+        return _empty_summary(w_lo, w_hi, len(races), workspace_peak_bytes)
 
     lo = float(w_lo) if w_lo is not None else min(min(r.issue_us, r.start_us) for r in records)
     by_rank: dict[int, list[OpRecord]] = {}

@@ -1,0 +1,431 @@
+"""The house rules a reviewer would otherwise check by eye, over `dbo/`, `workspace/` and
+`scenarios/`: no import cycle, no module over 600 lines, no function over 60, and no private
+name of one first-party module used from another.
+
+What counts:
+- The import graph has an edge for every `import`/`from ... import` of a first-party module,
+  wherever it stands: module level, under `if TYPE_CHECKING:`, inside a function. `from P
+  import m` is an edge to the module `P.m` when there is one, else to `P`; the packages an
+  import initialises on the way (`a` and `a.b` for `import a.b.c`) are not edges, as in
+  grimp/import-linter.
+- A function's length is `end_lineno - lineno + 1` of its `def` (decorators excluded); a
+  nested function is measured on its own and also counts in its parent.
+- A private name is one with a leading underscore that is not a dunder. Using another module's
+  private name means `from X import _name` or `X._name` on a name bound to module X by an
+  import. A private module (`dbo/_json.py`) is private to its package: importing it from inside
+  that package is fine, from outside it is not. Attributes of objects other than modules
+  (`device._tracks`) cannot be resolved statically and are not checked.
+- `tests/` and `examples/` are outside these checks: tests reach into internals on purpose.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("dbo", "workspace", "scenarios")
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 60
+
+# Violations in files other helpers are fixing on their branches; the lead drops these marks
+# once those branches are merged.
+_BEING_FIXED = pytest.mark.xfail(strict=False, reason="violations being fixed on other branches")
+
+
+@dataclass(frozen=True)
+class Module:
+    """One first-party source file, parsed."""
+
+    name: str
+    path: str  # relative to the root, as reports name it
+    tree: ast.Module
+    lines: int
+
+    @property
+    def package(self) -> str:
+        """The package relative imports in this module start from."""
+        return self.name if self.path.endswith("__init__.py") else self.name.rpartition(".")[0]
+
+
+def load_modules(root: Path, packages: Iterable[str]) -> dict[str, Module]:
+    """Every `.py` file under `root/<package>`, by dotted module name."""
+    modules = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            text = path.read_text(encoding="utf-8")
+            name, relative = ".".join(parts), path.relative_to(root).as_posix()
+            modules[name] = Module(
+                name, relative, ast.parse(text, relative), len(text.splitlines())
+            )
+    return modules
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _from_base(module: Module, node: ast.ImportFrom) -> str:
+    """The absolute module a `from ... import` reads from."""
+    if not node.level:
+        return node.module or ""
+    base = module.package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _owning_module(dotted: str, modules: dict[str, Module]) -> str | None:
+    """The longest prefix of `dotted` that is a first-party module (None: not first-party)."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return None
+
+
+def imports_of(module: Module, modules: dict[str, Module]) -> Iterator[tuple[str, int]]:
+    """(imported first-party module, line) for every import anywhere in `module`."""
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = _owning_module(alias.name, modules)
+                if target is not None:
+                    yield target, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(module, node)
+            for alias in node.names:
+                target = _owning_module(f"{base}.{alias.name}", modules)
+                if target is not None:
+                    yield target, node.lineno
+
+
+def import_graph(modules: dict[str, Module]) -> dict[str, dict[str, int]]:
+    """module -> {imported module: first line importing it}, self-imports left out."""
+    graph: dict[str, dict[str, int]] = {name: {} for name in modules}
+    for name, module in modules.items():
+        for target, line in imports_of(module, modules):
+            if target != name:
+                graph[name].setdefault(target, line)
+    return graph
+
+
+def _strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's components, iteratively (the graph may be deep)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(graph[nxt])))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    components.append(sorted(component))
+    return components
+
+
+def _shortest_cycle(graph: dict[str, dict[str, int]], members: list[str]) -> list[str]:
+    """A shortest cycle through the first of `members` (one strongly connected component)."""
+    inside = set(members)
+    start = members[0]
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in graph[node]:
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if nxt in inside and nxt not in came_from:
+                    came_from[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"{members} is not a cycle")
+
+
+def import_cycles(modules: dict[str, Module]) -> list[str]:
+    """One line per import cycle: its modules in order, each edge with the importing line."""
+    graph = import_graph(modules)
+    found = []
+    for members in _strongly_connected(graph):
+        if len(members) < 2:
+            continue
+        cycle = _shortest_cycle(graph, members)
+        edges = ", ".join(
+            f"{modules[a].path}:{graph[a][b]} imports {b}" for a, b in zip(cycle, cycle[1:])
+        )
+        others = f" (component of {len(members)}: {', '.join(members)})"
+        found.append(" -> ".join(cycle) + f": {edges}" + (others if len(members) > 2 else ""))
+    return found
+
+
+def long_modules(modules: dict[str, Module], limit: int = MAX_MODULE_LINES) -> list[str]:
+    """Every module over `limit` lines."""
+    return [f"{m.name}: {m.lines} lines" for m in modules.values() if m.lines > limit]
+
+
+def _functions(
+    node: ast.AST, prefix: str = ""
+) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield f"{prefix}{child.name}", child
+            yield from _functions(child, f"{prefix}{child.name}.")
+        elif isinstance(child, ast.ClassDef):
+            yield from _functions(child, f"{prefix}{child.name}.")
+        else:
+            yield from _functions(child, prefix)
+
+
+def long_functions(modules: dict[str, Module], limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every function or method over `limit` lines, decorators excluded."""
+    found = []
+    for m in modules.values():
+        for qualname, fn in _functions(m.tree):
+            length = fn.end_lineno - fn.lineno + 1
+            if length > limit:
+                found.append(f"{m.name}.{qualname} (line {fn.lineno}): {length} lines")
+    return found
+
+
+def _module_bindings(module: Module, modules: dict[str, Module]) -> dict[str, str]:
+    """Local names bound to first-party modules by any import in `module`."""
+    bound = {}
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname is not None and alias.name in modules:
+                    bound[alias.asname] = alias.name
+                elif alias.asname is None and alias.name.split(".")[0] in modules:
+                    bound[alias.name.split(".")[0]] = alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(module, node)
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+    return bound
+
+
+def _private_module_use(importer: str, dotted: str) -> str | None:
+    """Why importing module `dotted` from `importer` uses a private module (None: it does not)."""
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        owner = ".".join(parts[:i])
+        if _is_private(part) and not (importer == owner or importer.startswith(owner + ".")):
+            return f"private module {'.'.join(parts[: i + 1])} of {owner} used outside {owner}"
+    return None
+
+
+def _private_imports(module: Module, modules: dict[str, Module]) -> Iterator[tuple[int, str]]:
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _owning_module(alias.name, modules) is not None:
+                    why = _private_module_use(module.name, alias.name)
+                    if why:
+                        yield node.lineno, why
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(module, node)
+            if base in modules or _owning_module(base, modules) is not None:
+                why = _private_module_use(module.name, base)
+                if why:
+                    yield node.lineno, why
+            for alias in node.names:
+                dotted = f"{base}.{alias.name}"
+                if dotted in modules:
+                    why = _private_module_use(module.name, dotted)
+                    if why:
+                        yield node.lineno, why
+                elif base in modules and _is_private(alias.name):
+                    yield node.lineno, f"from {base} import {alias.name}"
+
+
+def _resolve(node: ast.expr, bound: dict[str, str], modules: dict[str, Module]) -> str | None:
+    """The first-party module an expression names (`x`, `x.y`), None when it names none."""
+    if isinstance(node, ast.Name):
+        return bound.get(node.id)
+    if isinstance(node, ast.Attribute):
+        parent = _resolve(node.value, bound, modules)
+        if parent is not None and f"{parent}.{node.attr}" in modules:
+            return f"{parent}.{node.attr}"
+    return None
+
+
+def _private_attributes(module: Module, modules: dict[str, Module]) -> Iterator[tuple[int, str]]:
+    bound = _module_bindings(module, modules)
+    for node in ast.walk(module.tree):
+        if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+            continue
+        owner = _resolve(node.value, bound, modules)
+        if owner is None or owner == module.name:
+            continue
+        if f"{owner}.{node.attr}" in modules:
+            why = _private_module_use(module.name, f"{owner}.{node.attr}")
+            if why:
+                yield node.lineno, why
+        else:
+            yield node.lineno, f"{owner}.{node.attr}"
+
+
+def private_name_uses(modules: dict[str, Module]) -> list[str]:
+    """Every use of another first-party module's private name (see the module docstring)."""
+    found = []
+    for m in modules.values():
+        uses = sorted(set(_private_imports(m, modules)) | set(_private_attributes(m, modules)))
+        found.extend(f"{m.name}:{line}: {what}" for line, what in uses)
+    return found
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, Module]:
+    return load_modules(ROOT, PACKAGES)
+
+
+# --------------------------------------------------------------------------------------------
+# The tree
+
+
+@_BEING_FIXED
+def test_the_import_graph_has_no_cycle(modules):
+    cycles = import_cycles(modules)
+    assert not cycles, "import cycle(s):\n" + "\n".join(cycles)
+
+
+@_BEING_FIXED
+def test_no_module_is_over_600_lines(modules):
+    found = long_modules(modules)
+    assert not found, "modules over 600 lines:\n" + "\n".join(found)
+
+
+@_BEING_FIXED
+def test_no_function_is_over_60_lines(modules):
+    found = long_functions(modules)
+    assert not found, "functions over 60 lines:\n" + "\n".join(found)
+
+
+@_BEING_FIXED
+def test_no_module_uses_another_modules_private_name(modules):
+    found = private_name_uses(modules)
+    assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+# --------------------------------------------------------------------------------------------
+# The checks themselves, on small trees written here
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Module]:
+    for relative, text in files.items():
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return load_modules(tmp_path, sorted({r.split("/")[0] for r in files}))
+
+
+def test_a_cycle_through_a_type_checking_import_is_found_and_named(tmp_path):
+    modules = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg import b\n",
+            "pkg/b.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import X\n"
+            ),
+            "pkg/c.py": "import pkg.a\n",
+        },
+    )
+    (cycle,) = import_cycles(modules)
+    assert cycle.startswith("pkg.a -> pkg.b -> pkg.a: ")
+    assert "pkg/b.py:3 imports pkg.a" in cycle
+
+
+def test_a_function_level_and_a_relative_import_close_a_cycle(tmp_path):
+    modules = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "def f():\n    from . import b\n",
+            "pkg/b.py": "from .a import f\n",
+        },
+    )
+    assert len(import_cycles(modules)) == 1
+
+
+def test_a_tree_whose_imports_point_one_way_has_no_cycle(tmp_path):
+    modules = _tree(
+        tmp_path,
+        {"pkg/__init__.py": "", "pkg/a.py": "import pkg.b\n", "pkg/b.py": "import os\n"},
+    )
+    assert import_cycles(modules) == []
+
+
+def test_a_function_is_measured_from_its_def_line_without_decorators(tmp_path):
+    fits = ["@dec", "@dec", "def fits():"] + [f"    x{i} = {i}" for i in range(59)]  # 60 lines
+    too_long = ["class C:", "    def too_long(self):"] + [f"        x{i} = {i}" for i in range(60)]
+    modules = _tree(
+        tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "\n".join(fits + too_long) + "\n"}
+    )
+    assert long_functions(modules) == ["pkg.a.C.too_long (line 64): 61 lines"]
+
+
+def test_a_module_over_the_line_limit_is_named(tmp_path):
+    modules = _tree(tmp_path, {"pkg/__init__.py": "", "pkg/big.py": "x = 1\n" * 601})
+    assert long_modules(modules) == ["pkg.big: 601 lines"]
+
+
+def test_private_names_imported_or_read_from_another_module_are_found(tmp_path):
+    modules = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "_hidden = 1\n__all__ = []\n",
+            "pkg/_util.py": "x = 1\n",
+            "pkg/b.py": (
+                "from pkg.a import _hidden\nfrom pkg import a\nprint(a._hidden, a.__all__)\n"
+                "from pkg import _util\n"
+            ),
+            "other/__init__.py": "",
+            "other/c.py": "import pkg.a\nfrom pkg._util import x\nprint(pkg.a._hidden)\n",
+        },
+    )
+    assert private_name_uses(modules) == [
+        "other.c:2: private module pkg._util of pkg used outside pkg",
+        "other.c:3: pkg.a._hidden",
+        "pkg.b:1: from pkg.a import _hidden",
+        "pkg.b:3: pkg.a._hidden",
+    ]
