@@ -123,8 +123,8 @@ class _UBatchState:
     status: str = NOT_STARTED
     yields: int = 0
     # The ubatch's thread: error reports look up where it is parked through
-    # sys._current_frames(), so the yield path itself records nothing (a frame capture per
-    # yield measurably slowed every handoff).
+    # sys._current_frames(), so the yield path formats no stack (a stack capture per yield
+    # measurably slowed every handoff).
     thread_ident: int | None = None
     # Where the ubatch last yielded (code, line), so a report can place a ubatch that has
     # finished; reading two frame attributes costs far less than formatting a stack.
