@@ -51,7 +51,7 @@ from dbo.sim.reorder import ReorderOutcome, run_adversarially
 from dbo.sim.report import summarize
 from dbo.sim.summary import fallback_fraction
 from dbo.sim.trace import TraceRun
-from dbo.split import ubatch_cut_points
+from dbo.split import check_split_inputs, ubatch_cut_points
 from dbo.streams import Device
 from dbo.ubatching import dbo_enabled
 from dbo.verify_compare import compare, copy_batch, same_values, snapshot
@@ -325,7 +325,10 @@ def verify(
     _check_args(
         forward, num_ubatches, split, merge, warmup, atol, rtol, timeout, artifacts, race_order
     )
-    _ubatch_inputs(inputs, num_ubatches, split)  # refuse a bad split before any work
+    pieces = _ubatch_inputs(inputs, num_ubatches, split)  # a bad split: refused before work
+    # Attention metadata the pieces carry must describe exactly their part of the batch
+    # (dbo.split's checker); a wrong split is the cause of whatever the step then does.
+    metadata_error = check_split_inputs(inputs, pieces)
     dev = _resolve(device)
     if race_order == "adversarial":
         _check_adversarial(dev, inputs)
@@ -342,10 +345,8 @@ def verify(
         if owns_workspace:
             workspace.reset_workspace_manager()
     report = _report(serial, ubatched, num_ubatches, dev, atol, rtol)
-    report.input_mutated = mutated
-    report.race_order = race_order
-    if outcome is not None:
-        _apply_adversarial(report, outcome)
+    report.input_mutated, report.race_order = mutated, race_order
+    _add_findings(report, outcome, metadata_error)
     if artifacts is not None:
         report.write_artifacts(artifacts)
     return report
@@ -457,11 +458,16 @@ def _adversarial(plan: _Plan, expected: Any, atol: float, rtol: float) -> Reorde
     return replace(outcome, mismatch=found.mismatch, max_abs_diff=found.max_abs_diff)
 
 
-def _apply_adversarial(report: VerifyReport, outcome: ReorderOutcome) -> None:
-    report.adversarial = outcome
-    if outcome.mismatch is not None:
-        report.outputs_match = False
-        report.ok = False
+def _add_findings(
+    report: VerifyReport, outcome: ReorderOutcome | None, metadata_error: Exception | None
+) -> None:
+    """What the adversarial order changed, and a split that broke the metadata's invariants."""
+    if outcome is not None:
+        report.adversarial = outcome
+        if outcome.mismatch is not None:
+            report.outputs_match = report.ok = False
+    if metadata_error is not None:
+        report.ok, report.error = False, metadata_error
 
 
 def _report(

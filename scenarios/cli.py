@@ -33,6 +33,7 @@ from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_
 from scenarios.harness import RunOptions
 from scenarios.ranks import launch as distributed
 from scenarios.tools import bench as bench_tool
+from scenarios.tools import bugs as bugs_tool
 from scenarios.tools import calibrate_host, gpu_check, race_check, trace_window, verify_cli
 from scenarios.tools import fidelity as fidelity_tool
 from scenarios.tools import profile as profile_tool
@@ -591,6 +592,7 @@ VERBS: tuple[Verb, ...] = (
         "seeded race programs: the simulator's checker and torch's CSAN side by side",
         race_check,
     ),
+    Verb("bugs", "real DBO bugs from vLLM's and SGLang's trackers, each caught", bugs_tool),
 )
 
 

@@ -27,7 +27,6 @@ import pytest
 import torch
 
 import dbo
-from dbo import split as split_module
 from dbo.split import (
     CommonAttentionMetadata,
     DBOConfig,
@@ -48,6 +47,7 @@ from dbo.split import (
     split_attn_metadata,
     split_batch,
 )
+from dbo.split import agreement as agreement_module
 
 NO_THRESHOLDS = UBatchThresholds(decode_min_tokens=0, prefill_min_tokens=0)
 
@@ -641,14 +641,14 @@ def test_without_dp_coordinate_batch_across_dp_returns_vllms_early_answer() -> N
 
 def test_the_exchange_runs_on_the_current_gpu_over_nccl_and_the_cpu_over_gloo(monkeypatch):
     # No GPU here: the NCCL path is checked up to the device choice, torch's answers stubbed.
-    monkeypatch.setattr(split_module.dist, "get_backend", lambda group=None: "nccl")
-    monkeypatch.setattr(split_module.torch.cuda, "current_device", lambda: 3)
-    assert split_module._exchange_device(None) == torch.device("cuda", 3)
-    monkeypatch.setattr(split_module.dist, "get_backend", lambda group=None: "gloo")
-    assert split_module._exchange_device(None) == torch.device("cpu")
-    monkeypatch.setattr(split_module.dist, "get_backend", lambda group=None: "ucc")
+    monkeypatch.setattr(agreement_module.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(agreement_module.torch.cuda, "current_device", lambda: 3)
+    assert agreement_module.exchange_device(None) == torch.device("cuda", 3)
+    monkeypatch.setattr(agreement_module.dist, "get_backend", lambda group=None: "gloo")
+    assert agreement_module.exchange_device(None) == torch.device("cpu")
+    monkeypatch.setattr(agreement_module.dist, "get_backend", lambda group=None: "ucc")
     with pytest.raises(ValueError, match="gloo .* or NCCL"):
-        split_module._exchange_device(None)
+        agreement_module.exchange_device(None)
 
 
 def test_without_a_process_group_a_split_needing_one_ubatch_is_refused() -> None:
