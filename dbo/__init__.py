@@ -13,7 +13,14 @@ from dbo.devices import (
     set_default_device,
     use_device,
 )
-from dbo.errors import UBatchError, UBatchTimeoutError, YieldMismatchError
+from dbo.errors import (
+    ReadyBarrierBroken,
+    StepAborted,
+    UBatchAbandoned,
+    UBatchError,
+    UBatchTimeoutError,
+    YieldMismatchError,
+)
 from dbo.runner import DEFAULT_TIMEOUT_S, merge_outputs, run_ubatches
 from dbo.streams import CudaDevice, Device, Event, Stream, stream_context
 from dbo.ubatching import (
@@ -39,6 +46,9 @@ __all__ = [
     "UBatchError",
     "UBatchTimeoutError",
     "YieldMismatchError",
+    "StepAborted",
+    "ReadyBarrierBroken",
+    "UBatchAbandoned",
     "DEFAULT_TIMEOUT_S",
     "merge_outputs",
     "run_ubatches",
@@ -72,6 +82,8 @@ __all__ = [
     "verify",
     "VerifyReport",
     "VerifyError",
+    "analyze_trace",
+    "TraceReport",
 ]
 
 
@@ -81,10 +93,18 @@ __all__ = [
 # loaded on first use instead.
 _VERIFY_NAMES = ("verify", "VerifyReport", "VerifyError")
 
+# `dbo.analyze_trace` (package `dbo.analysis`) reads profiler traces into the simulator's
+# records: loaded on first use so that `import dbo` stays light.
+_ANALYSIS_NAMES = ("analyze_trace", "TraceReport")
+
 
 def __getattr__(name: str):
     if name in _VERIFY_NAMES:
         from dbo import verification  # the layer above; see _VERIFY_NAMES
 
         return getattr(verification, name)
+    if name in _ANALYSIS_NAMES:
+        from dbo import analysis  # see _ANALYSIS_NAMES
+
+        return getattr(analysis, name)
     raise AttributeError(f"module 'dbo' has no attribute {name!r}")

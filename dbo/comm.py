@@ -38,15 +38,17 @@ different ubatch's collective elsewhere: mismatched sizes, data silently crossin
 for a collective no peer will issue. Hence `step()`'s handshake: an all_gather of every rank's
 ubatch count (and step number) before the step's first collective, checked on every rank.
 
-Failure. Every wait for a collective is bounded (`timeout_s`) and, when the group has a `store`,
-watches an abort key in it: a rank whose step fails writes its error there (`step()` does this)
-and its peers stop waiting within `abort_poll_s`, each raising `EPPeerFailedError` naming the
-failed rank. Bad routing (expert ids out of range) travels in the count exchange as -1 counts,
-so every rank raises instead of one raising and the rest waiting. After an abort or a timeout a
-collective is left half-done, so the group refuses further use: destroy and re-create the
-process group. On NCCL a wait is stream-ordered (`work.wait()`), not a host poll, so there the
-process group's own timeout bounds a hang. Constructing an `EPGroup` whose `ep_size` is smaller
-than its group is itself collective over the whole world (it creates the EP subgroups).
+Failure (the torch.distributed path is `dbo.comm_collectives`; the records and errors are
+`dbo.comm_records`, all importable from here). Every wait for a collective is bounded
+(`timeout_s`) and, when the group has a `store`, watches an abort key in it: a rank whose step
+fails writes its error there (`step()` does this) and its peers stop waiting within
+`abort_poll_s`, each raising `EPPeerFailedError` naming the failed rank. Bad routing (expert
+ids out of range) travels in the count exchange as -1 counts, so every rank raises instead of
+one raising and the rest waiting. After an abort or a timeout a collective is left half-done,
+so the group refuses further use: destroy and re-create the process group. On NCCL a wait is
+stream-ordered (`work.wait()`), not a host poll, so there the process group's own timeout
+bounds a hang. Constructing an `EPGroup` whose `ep_size` is smaller than its group is itself
+collective over the whole world (it creates the EP subgroups).
 
     ep = EPGroup(num_experts=8, ep_size=8)                          # in one process
     plan = ep.prepare(topk_ids, topk_weights, dtype=x.dtype)
@@ -57,22 +59,26 @@ than its group is itself collective over the whole world (it creates the EP subg
 
 from __future__ import annotations
 
-import itertools
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dbo._checks import as_int
+from dbo.checks import as_int
+from dbo.comm_collectives import Collectives, ep_subgroup
+from dbo.comm_records import (
+    DispatchPlan,
+    DispatchResult,
+    EPError,
+    EPHandle,
+    EPPeerFailedError,
+    EPStepMismatchError,
+    EPTimeoutError,
+)
 from dbo.devices import current_device
-from dbo.split import UBatchAgreementError
-from dbo.streams import Event
-from dbo.ubatching import dbo_current_ubatch_id
 
 __all__ = [
     "MODES",
@@ -91,102 +97,6 @@ __all__ = [
 ]
 
 MODES = ("ht", "ll")
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-
-
-class EPError(RuntimeError):
-    """A collective of the EP group did not complete; the group is unusable afterwards."""
-
-
-class EPPeerFailedError(EPError):
-    """Another EP rank's step failed (`rank`, a global rank; `reason`, its error)."""
-
-    def __init__(self, message: str, *, rank: int, reason: str) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.reason = reason
-
-
-class EPTimeoutError(EPError):
-    """A collective did not complete within the group's `timeout_s`; `what` names it."""
-
-    def __init__(self, message: str, *, what: str) -> None:
-        super().__init__(message)
-        self.what = what
-
-
-class EPStepMismatchError(UBatchAgreementError):
-    """EP ranks entered a step with different ubatch counts or at different steps. Raised on
-    every rank with the same message, before any of the step's data moves; the group stays
-    usable. `ubatch_counts` and `steps` are keyed by global rank."""
-
-    def __init__(
-        self, message: str, *, ubatch_counts: dict[int, int], steps: dict[int, int]
-    ) -> None:
-        super().__init__(message)
-        self.ubatch_counts = ubatch_counts
-        self.steps = steps
-
-
-# --------------------------------------------------------------------------------------------
-# Records
-
-
-@dataclass(frozen=True, eq=False)
-class DispatchPlan:
-    """Where each routed (token, top-k slot) row goes: the layout of one dispatch.
-
-    Send rows are expert-major (stable, so ties keep token order): row i carries token
-    `token_of_row[i]` to expert `row_expert[i]`, weighted by `row_weight[i]` on the way back.
-    `send_counts[r]` / `recv_counts[r]` are the rows sent to / received from EP rank r (empty in
-    one process, where no counts are needed and reading them would cost a host sync).
-    """
-
-    num_tokens: int
-    top_k: int
-    order: torch.Tensor  # (T*k,) flat index (token * k + slot) of each send row
-    token_of_row: torch.Tensor  # (T*k,)
-    row_expert: torch.Tensor  # (T*k,), non-decreasing
-    row_weight: torch.Tensor  # (T*k, 1)
-    send_counts: tuple[int, ...]
-    recv_counts: tuple[int, ...]
-    num_recv_rows: int
-
-    @property
-    def num_rows(self) -> int:
-        """Rows this rank sends: one per (token, top-k slot)."""
-        return self.num_tokens * self.top_k
-
-
-@dataclass(eq=False)
-class EPHandle:
-    """What combine needs from a dispatch (DeepEP's `handle`), and the arrival events: each
-    transfer's `comm_region` event, for a low-latency recv hook to wait on. `recv_order[i]`
-    is the arrival position of received row i (None in one process, where rows arrive in
-    expert-major order already)."""
-
-    plan: DispatchPlan
-    recv_order: torch.Tensor | None = None
-    dispatch_event: Event | None = None
-    combine_event: Event | None = None
-
-
-@dataclass(frozen=True, eq=False)
-class DispatchResult:
-    """This rank's received rows (`recv_x`, expert-major), the global expert id of each
-    (non-decreasing), and the handle."""
-
-    recv_x: torch.Tensor
-    recv_expert_ids: torch.Tensor
-    handle: EPHandle
-
-    @property
-    def event(self) -> Event | None:
-        """Arrival of the dispatch (what a low-latency recv hook waits for)."""
-        return self.handle.dispatch_event
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,23 +132,6 @@ def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-# Abort-key generations, counted per process group (by its name, which every member agrees on).
-_GENERATIONS: dict[str, Iterator[int]] = {}
-_GENERATIONS_LOCK = threading.Lock()
-
-
-def _abort_key(pg: Any, members: tuple[int, ...]) -> str:
-    """The store key this EP group's aborts go under: its process group's name and how many
-    EPGroups this process has built over that group before. The members of a group build their
-    EPGroups over it at the same points, so the key agrees across them; a rank outside the
-    group is refused before drawing one, and groups it is not in keep their own counts (one
-    process-wide count went out of step when a non-member's construction failed)."""
-    name = str(getattr(pg, "group_name", "") or ",".join(map(str, members)))
-    with _GENERATIONS_LOCK:
-        generation = next(_GENERATIONS.setdefault(name, itertools.count()))
-    return f"dbo-ep-abort/{name}/{generation}"
-
-
 # --------------------------------------------------------------------------------------------
 # The group
 
@@ -272,87 +165,51 @@ class EPGroup:
             )
         self.timeout_s = float(timeout_s)
         self.abort_poll_s = float(abort_poll_s)
-        self._store = store
-        self._lock = threading.Lock()
-        self._step = 0
-        self._issued = 0  # collectives issued in the current step
-        self._broken: str | None = None
+        # The torch.distributed path (None in one process): made below, once the arguments
+        # are known to be good, so that a refused group draws no abort key.
+        self.collectives: Collectives | None = None
+        pg: Any = None
         if group is None:
-            self._pg: Any = None
             self.ep_size = 1 if ep_size is None else _as_positive("ep_size", ep_size)
             self.rank = 0
-            self._members: tuple[int, ...] = (0,)
             self.backend = "local"
         else:
-            self._pg = self._ep_subgroup(group, ep_size)
-            self.ep_size = dist.get_world_size(self._pg)
-            self.rank = dist.get_rank(self._pg)
-            self._members = tuple(dist.get_process_group_ranks(self._pg))
-            self.backend = str(dist.get_backend(self._pg))
+            pg = ep_subgroup(group, ep_size)
+            self.ep_size = dist.get_world_size(pg)
+            self.rank = dist.get_rank(pg)
+            self.backend = str(dist.get_backend(pg))
         if self.num_experts % self.ep_size:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by ep_size ({self.ep_size}): "
                 f"each EP rank owns the same number of experts"
             )
         self.experts_per_rank = self.num_experts // self.ep_size
-        # A later EPGroup over the same process group gets a fresh key, so an old abort stays
-        # with the group it ended.
-        self._abort_key = _abort_key(self._pg, self._members) if self._pg is not None else ""
-        # A host poll would turn NCCL's stream-ordered collectives into host syncs.
-        self._poll = self._pg is not None and "nccl" not in self.backend
-
-    @staticmethod
-    def _ep_subgroup(group: Any, ep_size: int | None) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "EPGroup(group=...) needs torch.distributed initialised: call "
-                "dist.init_process_group(...) first, or pass group=None to keep every expert in "
-                "this process"
+        if pg is not None:
+            self.collectives = Collectives.over(
+                pg, store=store, timeout_s=self.timeout_s, abort_poll_s=self.abort_poll_s
             )
-        members = dist.get_process_group_ranks(group)
-        size = len(members)
-        if dist.get_rank(group) < 0:
-            raise ValueError("this process is not a member of the given process group")
-        ep = size if ep_size is None else _as_positive("ep_size", ep_size)
-        if ep > size or size % ep:
-            raise ValueError(
-                f"ep_size ({ep}) must divide the process group's size ({size}): the group is cut "
-                f"into DP x EP blocks of ep_size consecutive ranks"
-            )
-        if ep == size:
-            return group
-        backend = dist.get_backend(group)
-        mine = None
-        me = dist.get_rank()
-        # new_group is collective over the world: every process creates every block, in order.
-        for start in range(0, size, ep):
-            block = members[start : start + ep]
-            sub = dist.new_group(block, backend=backend)
-            if me in block:
-                mine = sub
-        return mine
 
     # ------------------------------------------------------------------------------ facts
 
     @property
     def is_distributed(self) -> bool:
-        return self._pg is not None
+        return self.collectives is not None
 
     @property
     def global_ranks(self) -> tuple[int, ...]:
         """The world ranks of this EP group's members, in EP rank order."""
-        return self._members
+        return (0,) if self.collectives is None else self.collectives.members
 
     @property
     def local_experts(self) -> range:
         """The experts this rank computes (all of them in one process)."""
-        if self._pg is None:
+        if self.collectives is None:
             return range(self.num_experts)
         lo = self.rank * self.experts_per_rank
         return range(lo, lo + self.experts_per_rank)
 
     def __repr__(self) -> str:
-        where = "in-process" if self._pg is None else f"{self.backend} rank {self.rank}"
+        where = "in-process" if self.collectives is None else f"{self.backend} rank {self.rank}"
         return f"<EPGroup {where}, ep_size={self.ep_size}, num_experts={self.num_experts}>"
 
     # ------------------------------------------------------------------------------ steps
@@ -376,54 +233,14 @@ class EPGroup:
     def begin_step(self, num_ubatches: int) -> None:
         """Check that every EP rank runs this step with the same ubatch count (1: no DBO)."""
         n = _as_positive("num_ubatches", num_ubatches)
-        self._check_usable()
-        with self._lock:
-            self._step += 1
-            self._issued = 0
-        if self._pg is None:
-            return
-        mine = torch.tensor([n, self._step], dtype=torch.int64, device=self._small_device())
-        rows = [torch.empty_like(mine) for _ in range(self.ep_size)]
-        work = dist.all_gather(rows, mine, group=self._pg, async_op=True)
-        self._wait(work, f"step {self._step}'s handshake")
-        table = [row.tolist() for row in rows]
-        counts = {self._members[r]: v[0] for r, v in enumerate(table)}
-        steps = {self._members[r]: v[1] for r, v in enumerate(table)}
-        if len(set(counts.values())) > 1:
-            listing = ", ".join(
-                f"rank {r}: {c} ubatch{'es' if c != 1 else ''}" for r, c in counts.items()
-            )
-            most, least = max(counts.values()), min(counts.values())
-            raise EPStepMismatchError(
-                f"EP ranks disagree on step {self._step}'s ubatching ({listing}). Each ubatch "
-                f"issues its own dispatch and combine per layer, so a rank running {most} "
-                f"would issue {most} of each per layer where a rank running {least} issues "
-                f"{least}, and wait forever for collectives no peer issues; agree first "
-                f"(dbo.split.coordinate_ubatching): split on every rank, or on none",
-                ubatch_counts=counts,
-                steps=steps,
-            )
-        if len(set(steps.values())) > 1:
-            listing = ", ".join(f"rank {r}: step {s}" for r, s in steps.items())
-            raise EPStepMismatchError(
-                f"EP ranks are at different steps ({listing}): a rank skipped or repeated a "
-                f"step, so its collectives would pair with another step's",
-                ubatch_counts=counts,
-                steps=steps,
-            )
+        if self.collectives is not None:
+            self.collectives.begin_step(n)
 
     def abort(self, reason: str) -> None:
         """Mark the group failed here and, with a store, tell every peer (first failure wins).
         In one process nothing was left half-done, so the group stays usable."""
-        if self._pg is None:
-            return
-        global_rank = self._members[self.rank]
-        self._broken = self._broken or f"rank {global_rank} aborted: {reason}"
-        if self._store is not None:
-            try:
-                self._store.compare_set(self._abort_key, "", f"{global_rank}\n{reason}")
-            except Exception:  # noqa: BLE001 - a dead store must not mask the error being raised
-                pass
+        if self.collectives is not None:
+            self.collectives.abort(reason)
 
     # ---------------------------------------------------------------------- data movement
 
@@ -467,20 +284,20 @@ class EPGroup:
         token_of_row = order // k
         row_expert = flat[order]
         row_weight = topk_weights.reshape(-1)[order].unsqueeze(1).to(dtype or topk_weights.dtype)
-        if self._pg is None:
+        if self.collectives is None:
             return DispatchPlan(t, k, order, token_of_row, row_expert, row_weight, (), (), t * k)
         if topk_ids.is_meta:
             raise ValueError(
                 "an EPGroup over a process group moves real data, and meta tensors have none; "
                 "run shape-only models with an in-process EPGroup (group=None)"
             )
-        send, recv = self._exchange_counts(flat, mode)
+        send, recv = self._exchange_counts(self.collectives, flat, mode)
         return DispatchPlan(
             t, k, order, token_of_row, row_expert, row_weight, send, recv, sum(recv)
         )
 
     def _exchange_counts(
-        self, flat: torch.Tensor, mode: str
+        self, collectives: Collectives, flat: torch.Tensor, mode: str
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         w = self.ep_size
         bad = (flat < 0) | (flat >= self.num_experts)
@@ -493,7 +310,7 @@ class EPGroup:
         with current_device().comm_region(
             "dispatch_counts", nbytes=2 * w * send.element_size(), mode=mode, ep_size=w
         ) as exchanged:
-            self._all_to_all(recv, send, None, None, "dispatch count exchange")
+            collectives.all_to_all(recv, send, None, None, "dispatch count exchange")
         # The host sizes the receive buffer from these counts, so it waits for them.
         exchanged.event.synchronize()
         values = torch.cat([send, recv]).tolist()
@@ -501,9 +318,9 @@ class EPGroup:
         if send_counts[0] < 0:
             raise ValueError(
                 f"topk_ids holds expert ids outside [0, {self.num_experts}) on rank "
-                f"{self._members[self.rank]}"
+                f"{collectives.global_rank}"
             )
-        bad_peers = [self._members[r] for r, c in enumerate(recv_counts) if c < 0]
+        bad_peers = [collectives.members[r] for r, c in enumerate(recv_counts) if c < 0]
         if bad_peers:
             raise ValueError(
                 f"EP rank(s) {bad_peers} routed tokens to expert ids outside "
@@ -532,15 +349,8 @@ class EPGroup:
         _check_rows("x", x, None)
         if plan is None:
             plan = self.prepare(topk_ids, topk_weights, dtype=x.dtype, mode=mode)
-        elif not isinstance(plan, DispatchPlan):
-            raise TypeError(
-                f"plan must be a DispatchPlan from prepare(), got {type(plan).__name__}"
-            )
-        elif tuple(topk_ids.shape) != (plan.num_tokens, plan.top_k):
-            raise ValueError(
-                f"topk_ids has shape {tuple(topk_ids.shape)} but the plan was prepared for "
-                f"{(plan.num_tokens, plan.top_k)}"
-            )
+        else:
+            _check_plan(plan, topk_ids)
         _check_rows("x", x, plan.num_tokens)
         hidden = x.shape[1]
         if out is None:
@@ -551,10 +361,9 @@ class EPGroup:
                 raise TypeError(f"out must have x's dtype {x.dtype}, got {out.dtype}")
         bpe = x.element_size() if bytes_per_elem is None else bytes_per_elem
         handle = EPHandle(plan)
-        device = current_device()
-        if self._pg is None:
+        if self.collectives is None:
             nbytes = int(plan.num_rows * hidden * bpe * self._remote_share)
-            with device.comm_region(
+            with current_device().comm_region(
                 "dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size
             ) as sent:
                 torch.index_select(x, 0, plan.token_of_row, out=out)
@@ -565,21 +374,10 @@ class EPGroup:
                 plan.num_recv_rows, dtype=plan.row_expert.dtype, device=x.device
             )
             arrived = torch.empty(plan.num_recv_rows, hidden, dtype=x.dtype, device=x.device)
-            with device.comm_region(
+            with current_device().comm_region(
                 "dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size
             ) as sent:
-                rows = x.index_select(0, plan.token_of_row)
-                splits = (plan.recv_counts, plan.send_counts)  # (output, input) rows per rank
-                self._all_to_all(arrived_ids, plan.row_expert, *splits, "dispatch expert ids")
-                self._all_to_all(
-                    _as_bytes(arrived, "receive buffer"),
-                    _as_bytes(rows, "x rows"),
-                    *splits,
-                    "dispatch",
-                )
-                handle.recv_order = arrived_ids.argsort(stable=True)
-                recv_ids = arrived_ids[handle.recv_order]
-                torch.index_select(arrived, 0, handle.recv_order, out=out)
+                recv_ids = _dispatch_across(self.collectives, x, handle, out, arrived_ids, arrived)
         handle.dispatch_event = sent.event
         return DispatchResult(out, recv_ids, handle)
 
@@ -611,7 +409,7 @@ class EPGroup:
             _check_rows("out", out, plan.num_tokens, hidden)
         bpe = expert_out.element_size() if bytes_per_elem is None else bytes_per_elem
         device = current_device()
-        if self._pg is None:
+        if self.collectives is None:
             nbytes = int(plan.num_rows * hidden * bpe * self._remote_share)
             with device.comm_region(
                 "combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size
@@ -628,18 +426,7 @@ class EPGroup:
             with device.comm_region(
                 "combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size
             ) as sent:
-                # Back to arrival order, so each source rank gets its rows in the order it sent
-                # them: its expert-major send order, and the scatter-add below is then the
-                # in-process one, row for row.
-                staged.index_copy_(0, handle.recv_order, expert_out)
-                self._all_to_all(
-                    _as_bytes(back, "combine buffer"),
-                    _as_bytes(staged, "expert_out"),
-                    plan.send_counts,
-                    plan.recv_counts,
-                    "combine",
-                )
-                out.index_add_(0, plan.token_of_row, back * plan.row_weight)
+                _combine_across(self.collectives, expert_out, handle, out, staged, back)
         handle.combine_event = sent.event
         return out
 
@@ -648,100 +435,66 @@ class EPGroup:
         # In one process the cost model charges the share of rows that would leave the rank.
         return (self.ep_size - 1) / self.ep_size
 
-    # ------------------------------------------------------------------------ collectives
 
-    def _small_device(self) -> torch.device:
-        if "nccl" in self.backend:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def _all_to_all(
-        self,
-        output: torch.Tensor,
-        inp: torch.Tensor,
-        output_splits: Sequence[int] | None,
-        input_splits: Sequence[int] | None,
-        what: str,
-    ) -> None:
-        self._check_usable()
-        with self._lock:
-            self._issued += 1
-            where = (
-                f"{what} (collective {self._issued} of step {self._step}, ubatch "
-                f"{dbo_current_ubatch_id()}) on rank {self._members[self.rank]}"
-            )
-        # Issued by the ubatch holding the baton and waited for before it yields: this keeps
-        # the k-th collective the same on every rank (module docstring, "Ordering").
-        try:
-            work = dist.all_to_all_single(
-                output,
-                inp,
-                list(output_splits) if output_splits is not None else None,
-                list(input_splits) if input_splits is not None else None,
-                group=self._pg,
-                async_op=True,
-            )
-        except Exception as error:
-            self._broken = f"{where} could not be issued: {error}"
-            raise EPError(self._broken) from error
-        self._wait(work, where)
-
-    def _wait(self, work: Any, what: str) -> None:
-        if not self._poll:
-            work.wait()
-            return
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        next_abort_check = start + self.abort_poll_s
-        delay = 1e-5
-        while not work.is_completed():
-            now = time.monotonic()
-            if now >= next_abort_check:
-                self._raise_if_aborted(what)
-                next_abort_check = now + self.abort_poll_s
-            if now >= deadline:
-                self._raise_if_aborted(what)
-                self._broken = f"{what} timed out after {self.timeout_s:g} s"
-                raise EPTimeoutError(
-                    f"{what} did not complete within {self.timeout_s:g} s: a peer never issued "
-                    f"the matching collective (it failed without a store to report it, hangs, "
-                    f"or runs a different ubatch count or layer sequence)",
-                    what=what,
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
-        try:
-            work.wait()
-        except Exception as error:
-            self._raise_if_aborted(what)  # a peer's reported failure explains this one best
-            self._broken = f"{what} failed: {error}"
-            raise EPError(f"{what} failed: {error}") from error
-
-    def _raise_if_aborted(self, what: str) -> None:
-        if self._store is None:
-            return
-        try:
-            if not self._store.check([self._abort_key]):
-                return
-            payload = self._store.get(self._abort_key).decode(errors="replace")
-        except Exception:  # noqa: BLE001 - an unreachable store cannot report an abort
-            return
-        rank_text, _, reason = payload.partition("\n")
-        rank = int(rank_text) if rank_text.lstrip("-").isdigit() else -1
-        self._broken = f"peer rank {rank} failed: {reason}"
-        raise EPPeerFailedError(
-            f"EP rank {rank} failed during the step ({reason}); rank "
-            f"{self._members[self.rank]} stopped waiting in {what}",
-            rank=rank,
-            reason=reason,
+def _check_plan(plan: Any, topk_ids: torch.Tensor) -> None:
+    if not isinstance(plan, DispatchPlan):
+        raise TypeError(f"plan must be a DispatchPlan from prepare(), got {type(plan).__name__}")
+    if tuple(topk_ids.shape) != (plan.num_tokens, plan.top_k):
+        raise ValueError(
+            f"topk_ids has shape {tuple(topk_ids.shape)} but the plan was prepared for "
+            f"{(plan.num_tokens, plan.top_k)}"
         )
 
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise EPError(
-                f"this EP group is unusable after a failed collective ({self._broken}); a "
-                f"collective was left half-done, so destroy and re-create the process group"
-            )
+
+def _dispatch_across(
+    collectives: Collectives,
+    x: torch.Tensor,
+    handle: EPHandle,
+    out: torch.Tensor,
+    arrived_ids: torch.Tensor,
+    arrived: torch.Tensor,
+) -> torch.Tensor:
+    """Dispatch's data movement between processes, inside its comm region: the rows and their
+    expert ids out to their owners (into `arrived`, `arrived_ids`), then what arrived
+    reordered expert-major into `out`. Returns the received rows' expert ids
+    (non-decreasing); sets `handle.recv_order`."""
+    plan = handle.plan
+    rows = x.index_select(0, plan.token_of_row)
+    splits = (plan.recv_counts, plan.send_counts)  # (output, input) rows per rank
+    collectives.all_to_all(arrived_ids, plan.row_expert, *splits, "dispatch expert ids")
+    collectives.all_to_all(
+        _as_bytes(arrived, "receive buffer"), _as_bytes(rows, "x rows"), *splits, "dispatch"
+    )
+    handle.recv_order = arrived_ids.argsort(stable=True)
+    torch.index_select(arrived, 0, handle.recv_order, out=out)
+    return arrived_ids[handle.recv_order]
+
+
+def _combine_across(
+    collectives: Collectives,
+    expert_out: torch.Tensor,
+    handle: EPHandle,
+    out: torch.Tensor,
+    staged: torch.Tensor,
+    back: torch.Tensor,
+) -> None:
+    """Combine's data movement between processes, inside its comm region: the expert outputs
+    (through `staged`) back to their tokens' ranks (into `back`), scatter-added there,
+    weighted, into `out`."""
+    plan = handle.plan
+    assert handle.recv_order is not None  # checked by combine
+    # Back to arrival order, so each source rank gets its rows in the order it sent them: its
+    # expert-major send order, and the scatter-add below is then the in-process one, row for
+    # row.
+    staged.index_copy_(0, handle.recv_order, expert_out)
+    collectives.all_to_all(
+        _as_bytes(back, "combine buffer"),
+        _as_bytes(staged, "expert_out"),
+        plan.send_counts,
+        plan.recv_counts,
+        "combine",
+    )
+    out.index_add_(0, plan.token_of_row, back * plan.row_weight)
 
 
 def _caused_by_peer(error: BaseException) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import workspace
-from dbo._checks import as_int
+from dbo.checks import as_int
 from dbo.sim import SimDevice
 from dbo.verification import VerifyReport, verify
 

@@ -2,7 +2,7 @@
 
 `run_ubatches(fn, inputs)` is the launcher half of vLLM's `UBatchWrapper`: it builds the
 contexts, hands each ubatch to a worker thread (long-lived, reused across steps, unlike
-vLLM's thread per ubatch per step: see `_UBatchWorker`), waits for all of them at the ready
+vLLM's thread per ubatch per step: see `UBatchWorker`), waits for all of them at the ready
 barrier, releases ubatch 0, and waits for the step to finish. Unlike the reference it always
 comes back: a raising ubatch, a yield-count mismatch, a stuck thread or a failing launcher
 ends the step with one error (`dbo.errors`), the peers released, the registries empty and
@@ -33,16 +33,23 @@ from typing import Any
 
 import torch
 
-from dbo import ubatching
+from dbo import ubatch_registry, ubatching
 from dbo.devices import resolve_device, use_device
-from dbo.errors import UBatchError, UBatchTimeoutError, _describe, _StepAborted
+from dbo.errors import StepAborted, UBatchError, UBatchTimeoutError, describe_error
 from dbo.frames import register_runtime_file
 from dbo.streams import Device, Stream
 from dbo.ubatching import UBatchContext, make_ubatch_contexts
 
 register_runtime_file(__file__)  # race reports leave the runtime's frames out of user stacks
 
-__all__ = ["run_ubatches", "merge_outputs", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "run_ubatches",
+    "merge_outputs",
+    "DEFAULT_TIMEOUT_S",
+    "UBatchWorker",
+    "WorkerPool",
+    "idle_worker_count",
+]
 
 DEFAULT_TIMEOUT_S = 60.0
 # How long the launcher waits, after it gave up on a step (timeout, Ctrl-C), for the ubatches
@@ -87,15 +94,16 @@ def run_ubatches(
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     inputs = _indexed("ubatch_inputs", ubatch_inputs)
-    num = len(inputs)
-    if num < 2:
+    if len(inputs) < 2:
         raise ValueError(
-            f"run_ubatches needs >= 2 ubatch inputs, got {num}; call fn directly for one"
+            f"run_ubatches needs >= 2 ubatch inputs, got {len(inputs)}; call fn directly for one"
         )
-    timeout = _check_timeout(timeout)
-    if forward_contexts is not None:
-        forward_contexts = _indexed("forward_contexts", forward_contexts)
-    device = resolve_device(device)
+    seconds = _check_timeout(timeout)
+    contexts = None if forward_contexts is None else _indexed("forward_contexts", forward_contexts)
+    request = _StepRequest(
+        fn, inputs, resolve_device(device), seconds, contexts, compute_stream, comm_stream,
+        schedule, graph,
+    )  # fmt: skip
     # Non-blocking: the holder may be this very thread's caller (fn calling run_ubatches),
     # which would deadlock a blocking acquire.
     if not _STEP_LOCK.acquire(blocking=False):
@@ -105,19 +113,7 @@ def run_ubatches(
             "are process-wide)"
         )
     try:
-        return _run_step(
-            _StepRequest(
-                fn,
-                inputs,
-                device,
-                timeout,
-                forward_contexts,
-                compute_stream,
-                comm_stream,
-                schedule,
-                graph,
-            )
-        )
+        return _run_step(request)
     finally:
         _STEP_LOCK.release()
 
@@ -148,7 +144,7 @@ def _indexed(name: str, values: Any) -> list[Any]:
     except (TypeError, KeyError, IndexError) as error:
         raise TypeError(
             f"{name} must be a sequence indexed 0..{num - 1} (a list or tuple), but a {kind} "
-            f"of length {num} refused an index ({_describe(error)})"
+            f"of length {num} refused an index ({describe_error(error)})"
         ) from error
 
 
@@ -247,6 +243,9 @@ class _Launch:
         if self.step.error is None:
             self.gave_up = True
             self.step.abort(_timeout_error(self.step, self.threads, self.request.timeout, where))
+            # A thread in user code now cannot be stopped: cut it off from the runtime, so
+            # that when its blocking call returns it unwinds instead of reaching a later step.
+            self.step.cut_off_running()
 
     def run(self) -> None:
         """Submit every ubatch, wait for all to be ready, then release the ring."""
@@ -268,7 +267,7 @@ class _Launch:
             # a baton that never comes, holding their worker threads forever.
             self.launcher_error, self.launcher_first = error, self.step.error is None
             if self.launcher_first:
-                self.step.abort(UBatchError(f"the launcher failed: {_describe(error)}"))
+                self.step.abort(UBatchError(f"the launcher failed: {describe_error(error)}"))
 
     def _release(self) -> None:
         graph = self.request.graph
@@ -311,7 +310,7 @@ class _Launch:
             failure = _lost_outputs(self.returned)
         if failure is not None:
             if self.capturing:
-                self.request.graph.refuse_replay(_describe(failure).splitlines()[0])
+                self.request.graph.refuse_replay(describe_error(failure).splitlines()[0])
             # The launcher's own error if it came first, an interrupt always; else the step's.
             if self.launcher_error is not None and (self.launcher_first or self.interrupted):
                 raise self.launcher_error
@@ -340,7 +339,7 @@ def _lost_outputs(returned: list[bool]) -> UBatchError:
     )
 
 
-class _UBatchWorker:
+class UBatchWorker:
     """One long-lived ubatch thread: it runs one ubatch per step, then waits for the next.
 
     The first step a thread runs costs much more host time than later ones (per-thread CUDA
@@ -387,15 +386,15 @@ class _UBatchWorker:
                 return
 
 
-class _WorkerPool:
+class WorkerPool:
     """The process's idle ubatch threads (a documented registry: `dbo.runner._WORKERS`)."""
 
     def __init__(self) -> None:
-        self._idle: list[_UBatchWorker] = []
+        self._idle: list[UBatchWorker] = []
         self._created = 0
         self._lock = threading.Lock()
 
-    def acquire(self, num: int) -> list[_UBatchWorker]:
+    def acquire(self, num: int) -> list[UBatchWorker]:
         with self._lock:
             # Most recently used first, so a steady N-ubatch loop keeps the same N threads.
             self._idle = [w for w in self._idle if w.thread.is_alive()]
@@ -403,14 +402,14 @@ class _WorkerPool:
             taken, self._idle = self._idle[keep:], self._idle[:keep]
             try:
                 while len(taken) < num:
-                    taken.append(_UBatchWorker(self._created))
+                    taken.append(UBatchWorker(self._created))
                     self._created += 1
             except BaseException:  # thread creation failed: keep what we have for later
                 self._idle.extend(taken)
                 raise
             return taken
 
-    def release(self, workers: list[_UBatchWorker]) -> None:
+    def release(self, workers: list[UBatchWorker]) -> None:
         with self._lock:
             for worker in workers:
                 if worker.busy or not worker.thread.is_alive():
@@ -424,7 +423,13 @@ class _WorkerPool:
             return len(self._idle)
 
 
-_WORKERS = _WorkerPool()
+_WORKERS = WorkerPool()
+
+
+def idle_worker_count() -> int:
+    """Idle ubatch threads of the process's pool, ready for the next step (for tests and
+    reports: after a clean step every worker thread is back here)."""
+    return _WORKERS.idle_count()
 
 
 def _release_and_wait(
@@ -459,12 +464,16 @@ def _ubatch_main(
             output = fn(ubatch_input)
         outputs[ctx.id] = output
         returned[ctx.id] = True
-    except _StepAborted:
-        pass  # an unwind; the context has reported one raised while the step was live
+    except StepAborted:
+        pass  # an unwind (UBatchAbandoned included); the context reported a live-step one
     except BaseException as error:  # noqa: BLE001 - every failure ends the step, never a thread
         # ctx.__exit__ has recorded errors raised inside the context (the first one wins);
         # this catches failures around it (entering the device scope, say).
         ctx.step.fail(ctx.id, error)
+    finally:
+        # The job is over: if the launcher abandoned this thread, it runs no more of that
+        # step's user code, and may serve a later step when its worker is reused.
+        ubatch_registry.clear_abandoned_mark()
 
 
 def _timeout_error(

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 import workspace
-from dbo._checks import as_int
+from dbo.checks import as_int
 from dbo.devices import resolve_device, use_device
 from dbo.errors import UBatchTimeoutError, YieldMismatchError
 from dbo.runner import merge_outputs, run_ubatches

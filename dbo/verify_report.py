@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dbo._json import json_safe
+from dbo.jsonsafe import json_safe
 from dbo.race_causes import group_races
 from dbo.sim.records import OpRecord, RaceReport
 from dbo.sim.reorder import ReorderOutcome

@@ -32,6 +32,7 @@ from dbo.sim.hardware import PROFILES
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
 from scenarios.ranks import launch as distributed
+from scenarios.tools import analyze as analyze_tool
 from scenarios.tools import bench as bench_tool
 from scenarios.tools import bugs as bugs_tool
 from scenarios.tools import calibrate_host, gpu_check, race_check, trace_window, verify_cli
@@ -586,6 +587,9 @@ VERBS: tuple[Verb, ...] = (
         "calibrate-host",
         "this host's launch and handoff costs, for a profile (needs a GPU, or --device sim)",
         calibrate_host,
+    ),
+    Verb(
+        "analyze", "what a real GPU profiler trace says DBO did (report, PNG, trace)", analyze_tool
     ),
     Verb(
         "race-check",

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dbo._json import json_safe
+from dbo.jsonsafe import json_safe
 from scenarios.harness import RunOptions
 from scenarios.ranks.records import RankEnv, RankOutcome
 

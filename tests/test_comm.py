@@ -25,6 +25,7 @@ from dbo.comm import (
     ep_group_for,
     use_ep_group,
 )
+from dbo.comm_collectives import Collectives
 from dbo.sim import SimDevice
 from dbo.split import split_batch
 from scenarios.harness import run_step
@@ -229,10 +230,18 @@ class _NeverDone:
         raise AssertionError
 
 
-def _pretend_distributed(ep: EPGroup) -> EPGroup:
-    ep._poll = True  # the wait logic only; no collective is issued
-    ep._pg = object()
-    ep._members = (0, 1)
+def _pretend_distributed(ep: EPGroup, store=None, rank: int = 0) -> EPGroup:
+    # the wait logic only (a gloo-like backend: waits poll); no collective is issued
+    ep.collectives = Collectives(
+        object(),
+        members=(0, 1),
+        rank=rank,
+        backend="gloo",
+        store=store,
+        timeout_s=ep.timeout_s,
+        abort_poll_s=ep.abort_poll_s,
+        key="dbo-ep-abort/pretend/0",  # two ranks of one generation
+    )
     return ep
 
 
@@ -240,7 +249,7 @@ def test_a_wait_ends_at_the_timeout_and_leaves_the_group_refusing_use():
     ep = _pretend_distributed(EPGroup(num_experts=8, timeout_s=0.3))
     start = time.monotonic()
     with pytest.raises(EPTimeoutError, match="did not complete within 0.3 s") as info:
-        ep._wait(_NeverDone(), "dispatch (collective 3 of step 1, ubatch 1) on rank 0")
+        ep.collectives.wait(_NeverDone(), "dispatch (collective 3 of step 1, ubatch 1) on rank 0")
     assert 0.25 < time.monotonic() - start < 3.0
     assert "ubatch 1" in info.value.what
     with pytest.raises(EPError, match="unusable"):
@@ -249,45 +258,43 @@ def test_a_wait_ends_at_the_timeout_and_leaves_the_group_refusing_use():
 
 def test_a_peer_abort_ends_a_wait_promptly_naming_the_peer():
     store = dist.HashStore()
-    waiting = _pretend_distributed(EPGroup(num_experts=8, store=store, timeout_s=30))
-    failing = _pretend_distributed(EPGroup(num_experts=8, store=store))
-    failing._abort_key = waiting._abort_key  # two ranks of one generation
-    failing.rank = 1
+    waiting = _pretend_distributed(EPGroup(num_experts=8, timeout_s=30), store)
+    failing = _pretend_distributed(EPGroup(num_experts=8), store, rank=1)
     failing.abort("RuntimeError: expert kernel failed")
     failing.abort("a later error must not replace the first")
     start = time.monotonic()
     with pytest.raises(EPPeerFailedError, match="EP rank 1 failed") as info:
-        waiting._wait(_NeverDone(), "combine")
+        waiting.collectives.wait(_NeverDone(), "combine")
     assert time.monotonic() - start < 2.0
     assert info.value.rank == 1 and info.value.reason == "RuntimeError: expert kernel failed"
 
 
 def test_step_reports_a_local_failure_to_peers_but_not_a_peer_failure_back():
     store = dist.HashStore()
-    ep = _pretend_distributed(EPGroup(num_experts=8, store=store))
+    ep = _pretend_distributed(EPGroup(num_experts=8), store)
     ep.begin_step = lambda n: None  # type: ignore[method-assign]
     with pytest.raises(EPPeerFailedError):
         with ep.step(2):
             raise EPPeerFailedError("peer", rank=1, reason="x")
-    assert not store.check([ep._abort_key])
+    assert not store.check([ep.collectives.key])
     with pytest.raises(ZeroDivisionError):
         with ep.step(2):
             _ = 1 / 0
-    assert store.get(ep._abort_key).decode().startswith("0\nZeroDivisionError")
+    assert store.get(ep.collectives.key).decode().startswith("0\nZeroDivisionError")
 
 
 def test_abort_keys_are_counted_per_process_group():
     # A rank refused by one group (not a member) must not shift the keys of the groups it is in.
-    from dbo.comm import _abort_key
+    from dbo.comm_collectives import abort_key
 
     class Group:
         def __init__(self, name: str) -> None:
             self.group_name = name
 
     first, second = Group("test-keys-a"), Group("test-keys-b")
-    assert _abort_key(first, (0, 1)) == "dbo-ep-abort/test-keys-a/0"
-    assert _abort_key(second, (0, 1)) == "dbo-ep-abort/test-keys-b/0"
-    assert _abort_key(first, (0, 1)) == "dbo-ep-abort/test-keys-a/1"
+    assert abort_key(first, (0, 1)) == "dbo-ep-abort/test-keys-a/0"
+    assert abort_key(second, (0, 1)) == "dbo-ep-abort/test-keys-b/0"
+    assert abort_key(first, (0, 1)) == "dbo-ep-abort/test-keys-a/1"
 
 
 # --------------------------------------------------------------------------------------------

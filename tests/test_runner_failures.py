@@ -408,6 +408,47 @@ def test_contexts_used_by_hand_leave_empty_registries_after_an_abort(device):
     assert _registries_empty()
 
 
+def test_a_failed_step_says_which_microbatch_failed_in_vllms_words_too(device):
+    def fn(i):
+        if i == 0:
+            raise ValueError("boom")
+        dbo.dbo_yield()
+
+    with pytest.raises(RuntimeError, match=r"^Microbatch 0 of 2 failed: ubatch 0 raised") as info:
+        dbo.run_ubatches(fn, [0, 1], device=device, timeout=20)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_a_peer_waiting_at_the_ready_barrier_when_a_ubatch_fails_sees_broken_barrier(device):
+    # vLLM's launcher protocol: a thread of one's own per context. Ubatch 0 fails before its
+    # context (here: reported the way run_ubatches reports a failing device scope) while its
+    # peers wait at the ready barrier.
+    compute, comm = device.Stream("compute"), device.Stream("comm")
+    contexts = dbo.make_ubatch_contexts(3, compute, comm, [None] * 3, threading.Barrier(4))
+    errors: dict[int, BaseException] = {}
+
+    def peer(i):
+        try:
+            with contexts[i]:
+                dbo.dbo_yield()
+        except BaseException as exc:  # handed to the test below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=peer, args=(i,), daemon=True) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    while contexts[0].ready_barrier.n_waiting < 2:
+        time.sleep(0.001)
+    contexts[0].step.fail(0, ValueError("device scope failed"))
+    for t in threads:
+        t.join(10)
+    assert sorted(errors) == [1, 2]
+    assert all(isinstance(e, threading.BrokenBarrierError) for e in errors.values())
+    assert all(isinstance(e, dbo.StepAborted) for e in errors.values())  # still an unwind
+    assert contexts[0].step.error.ubatch_id == 0
+    assert _registries_empty()
+
+
 def test_a_step_started_while_another_runs_cannot_take_over_its_slots(device):
     compute, comm = device.Stream("compute"), device.Stream("comm")
     # Made before the first step runs, so make_ubatch_contexts' own check cannot see it.
@@ -466,8 +507,8 @@ def test_a_thread_reaching_a_step_that_timed_out_cannot_register_into_the_next()
 
 
 def test_an_abandoned_worker_ends_even_if_it_was_already_back_waiting_for_jobs():
-    pool = runner._WorkerPool()
-    worker = runner._UBatchWorker(-1)
+    pool = runner.WorkerPool()
+    worker = runner.UBatchWorker(-1)
     # As if the pool saw it busy just before the thread finished and went back to waiting.
     worker.busy = True
     pool.release([worker])
@@ -552,16 +593,16 @@ def test_a_ubatch_error_raised_by_user_code_is_wrapped_to_name_the_ubatch(device
 def test_a_step_abort_raised_outside_an_abort_fails_the_step_instead_of_returning_none(device):
     # The runtime's private unwind, raised by user code while the step is live: once a None
     # output (ubatch 0 had returned), or a timeout (a peer left parked).
-    from dbo.errors import _StepAborted
+    from dbo.errors import StepAborted
 
     def fn(i):
         if i == 1:
-            raise _StepAborted()
+            raise StepAborted()
         return i
 
     with pytest.raises(dbo.UBatchError) as info:
         dbo.run_ubatches(fn, [0, 1], device=device, timeout=20)
-    assert info.value.ubatch_id == 1 and isinstance(info.value.__cause__, _StepAborted)
+    assert info.value.ubatch_id == 1 and isinstance(info.value.__cause__, StepAborted)
 
 
 # ------------------------------------------------------------------ input checked up front

@@ -33,7 +33,7 @@ import pytest
 
 import dbo
 from dbo import runner, ubatching
-from dbo.errors import _StepAborted
+from dbo.errors import StepAborted
 from dbo.sim import SimDevice
 
 STEPS = int(os.environ.get("DBO_FUZZ_STEPS", "200"))
@@ -80,7 +80,7 @@ _KINDS: dict[str, Callable[[], BaseException]] = {
     "str raises": _UnprintableError,
     "str and repr raise": _NoText,
     "user UBatchError": lambda: dbo.UBatchError("the model's own"),
-    "private unwind": _StepAborted,
+    "private unwind": StepAborted,
 }
 
 _FAULTS = ("raise", "early_return", "extra_yield", "hook", "nested", "stuck")
@@ -280,7 +280,7 @@ def test_random_faults_always_end_the_step_with_one_clear_error():
     )
     # Threads left behind by stuck ubatches end once their sleep returns; none lingers.
     give_up = time.monotonic() + 5.0
-    while len(_worker_threads()) > runner._WORKERS.idle_count() and time.monotonic() < give_up:
+    while len(_worker_threads()) > runner.idle_worker_count() and time.monotonic() < give_up:
         time.sleep(0.05)
-    assert len(_worker_threads()) == runner._WORKERS.idle_count()
+    assert len(_worker_threads()) == runner.idle_worker_count()
     assert sum(outcomes.values()) == STEPS and outcomes["returned"] > 0

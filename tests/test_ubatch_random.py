@@ -73,4 +73,4 @@ def test_thousand_random_steps_follow_the_ring_and_match_the_serial_run(num):
         )
         assert log == _ring_order(num, schedule), schedule
         assert all(torch.equal(o, s) for o, s in zip(outs, serial))
-        assert not ubatching._THREAD_ID_TO_CONTEXT
+        assert not ubatching.ubatch_step_active()

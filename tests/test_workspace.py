@@ -11,7 +11,6 @@ import threading
 import types
 import warnings
 import weakref
-from contextlib import contextmanager
 from dataclasses import FrozenInstanceError
 from itertools import accumulate
 
@@ -22,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import dbo.ubatching
 import workspace
+from dbo.ubatching import bind_thread_to_ubatch
 from workspace import (
     ALIGNMENT,
     BufferInfo,
@@ -38,6 +38,7 @@ from workspace import (
     lock_workspace,
     reset_workspace_manager,
     unlock_workspace,
+    use_workspace_lane,
 )
 from workspace.testing import InjectedAllocationError, failing_allocations, record_allocations
 
@@ -49,15 +50,7 @@ F32 = torch.float32
 U8 = torch.uint8
 
 
-@contextmanager
-def as_ubatch(k: int):
-    """Register the calling thread as ubatch k (the documented dbo.ubatching contract)."""
-    ident = threading.get_ident()
-    dbo.ubatching._THREAD_ID_TO_CONTEXT[ident] = k
-    try:
-        yield
-    finally:
-        del dbo.ubatching._THREAD_ID_TO_CONTEXT[ident]
+as_ubatch = bind_thread_to_ubatch  # the calling thread counts as ubatch k in the block
 
 
 def run_as_ubatch(k: int, fn, *args):
@@ -260,19 +253,18 @@ def test_growth_releases_each_old_buffer_before_allocating_its_replacement():
     m = WorkspaceManager("cpu", num_ubatches=2)
     events: list[tuple[str, int]] = []
     refs: list[StorageWeakRef] = []
-    real_allocate = m._allocate
 
-    def traced(nbytes):
+    def traced(nbytes, allocate):
         # Which earlier buffers are really gone (memory, not just the Python object)?
         events.append(("alloc", nbytes, tuple(r.expired() for r in refs)))
-        buffer = real_allocate(nbytes)
+        buffer = allocate(nbytes)
         refs.append(StorageWeakRef(buffer.untyped_storage()))
         weakref.finalize(buffer, events.append, ("free", nbytes))
         return buffer
 
-    m._allocate = traced
-    m.get_simultaneous(((1024,), U8))
-    m.get_simultaneous(((4096,), U8))
+    with m.allocation_hook(traced):
+        m.get_simultaneous(((1024,), U8))
+        m.get_simultaneous(((4096,), U8))
     assert events == [
         ("alloc", 1024, ()),
         ("alloc", 1024, (False,)),
@@ -323,8 +315,8 @@ def test_synchronous_growth_per_slot_growth_would_fail_the_same_locked_request()
         def _grow(self, lane, new_bytes, caller):
             k = dbo.ubatching.dbo_current_ubatch_id()
             self._views[lane] = {j: {} for j in range(self.num_ubatches)}
-            self._release(k)
-            self._install(k, new_bytes)
+            self._store.release(k)
+            self._store.install(k, new_bytes)
 
     m = PerSlotGrowth("cpu", num_ubatches=2)
     big = ((4096, 64), torch.bfloat16)
@@ -507,37 +499,55 @@ def test_unlock_allows_growth_again():
 def test_lock_waits_for_a_growth_in_flight():
     m = WorkspaceManager("cpu")
     entered, release = threading.Event(), threading.Event()
-    real_allocate = m._allocate
 
-    def slow_allocate(nbytes):
+    def slow_allocate(nbytes, allocate):
         entered.set()
         release.wait(5)
-        return real_allocate(nbytes)
+        return allocate(nbytes)
 
-    m._allocate = slow_allocate
-    grower = threading.Thread(target=m.get_simultaneous, args=(((4096,), U8),))
-    grower.start()
-    assert entered.wait(5)
-    locker = threading.Thread(target=m.lock)
-    locker.start()
-    locker.join(0.2)
-    assert locker.is_alive() and not m.is_locked()  # lock() waits for the growth
-    release.set()
-    grower.join(5)
-    locker.join(5)
+    with m.allocation_hook(slow_allocate):
+        grower = threading.Thread(target=m.get_simultaneous, args=(((4096,), U8),))
+        grower.start()
+        assert entered.wait(5)
+        locker = threading.Thread(target=m.lock)
+        locker.start()
+        locker.join(0.2)
+        assert locker.is_alive() and not m.is_locked()  # lock() waits for the growth
+        release.set()
+        grower.join(5)
+        locker.join(5)
     assert m.is_locked() and m.capacity == 4096
 
 
 @pytest.mark.timeout(20)
+def _grow_lane_1(m: WorkspaceManager) -> None:
+    with use_workspace_lane(1):
+        m.get_simultaneous(((1 << 16,), U8))
+
+
 def test_hot_path_takes_no_lock():
-    m = WorkspaceManager("cpu")
+    m = WorkspaceManager("cpu", num_lanes=2)
     m.get_simultaneous(((64,), F32))
     got = []
-    with m._mutex:  # as if another thread were stuck growing
+    stuck, release = threading.Event(), threading.Event()
+
+    def stuck_allocate(nbytes, allocate):
+        stuck.set()
+        release.wait(10)
+        return allocate(nbytes)
+
+    with m.allocation_hook(stuck_allocate):
+        # another thread stuck growing lane 1 holds the manager's lock all along
+        grower = threading.Thread(target=_grow_lane_1, args=(m,), daemon=True)
+        grower.start()
+        assert stuck.wait(5)
         t = threading.Thread(target=lambda: got.append(m.get_simultaneous(((64,), F32))))
         t.start()
         t.join(5)
-        assert not t.is_alive() and len(got) == 1
+        served = not t.is_alive() and len(got) == 1
+        release.set()
+        grower.join(5)
+    assert served
 
 
 # ------------------------------------------------------------------ debug log
@@ -660,21 +670,20 @@ def test_a_cached_signature_does_not_admit_an_equal_non_int_dim(dim):
         m.get_simultaneous(((dim, 3), F32))
 
 
-def test_an_allocation_torch_refuses_raises_allocation_error_chaining_torch(monkeypatch):
+def test_an_allocation_torch_refuses_raises_allocation_error_chaining_torch():
     # A refusal the device bound cannot foresee (a real OOM): torch's own error, chained.
     m = WorkspaceManager("cpu", num_ubatches=2)
     m.get_simultaneous(((1024,), U8))
-    monkeypatch.setattr(
-        m,
-        "_allocate",  # torch refuses every size above the old one
-        lambda n: torch.empty((2**62 if n > 1024 else n,), dtype=U8),
-    )
-    with pytest.raises(WorkspaceAllocationError) as info:
-        m.get_simultaneous(((4096,), U8))
+
+    def huge_above_1024(n, allocate):  # torch refuses every size above the old one
+        return allocate(2**62 if n > 1024 else n)
+
+    with m.allocation_hook(huge_above_1024):
+        with pytest.raises(WorkspaceAllocationError) as info:
+            m.get_simultaneous(((4096,), U8))
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, MemoryError)
     assert isinstance(info.value.__cause__, RuntimeError)
     assert "(4096 bytes)" in str(info.value)
-    monkeypatch.undo()
     assert m.slot_capacities() == [1024, 1024]
     assert m.stats().failed_growths == 1
     (v,) = m.get_simultaneous(((1024,), U8))

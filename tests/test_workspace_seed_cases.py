@@ -10,7 +10,6 @@ import threading
 import pytest
 import torch
 
-import dbo.ubatching
 from workspace import (
     WorkspaceLockedError,
     current_workspace_manager,
@@ -19,7 +18,7 @@ from workspace import (
     reset_workspace_manager,
     unlock_workspace,
 )
-from workspace.testing import record_allocations
+from workspace.testing import as_ubatch, record_allocations
 
 # Tests here start threads: each gets this bound unless it carries its own, so a hang fails
 # the test, never the whole run.
@@ -165,12 +164,8 @@ def warm_up(num_experts: int) -> list[torch.Tensor]:
     results = [current_workspace_manager().get_simultaneous(request)[0]]
 
     def ubatch_1() -> None:
-        ident = threading.get_ident()
-        dbo.ubatching._THREAD_ID_TO_CONTEXT[ident] = 1
-        try:
+        with as_ubatch(1):
             results.append(current_workspace_manager().get_simultaneous(request)[0])
-        finally:
-            del dbo.ubatching._THREAD_ID_TO_CONTEXT[ident]
 
     thread = threading.Thread(target=ubatch_1)
     thread.start()

@@ -11,18 +11,18 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 
 import pytest
 import torch
 
-import dbo.ubatching
 from workspace import (
     WorkspaceAllocationError,
     WorkspaceLockedError,
     WorkspaceManager,
     use_workspace_lane,
 )
-from workspace.testing import InjectedAllocationError
+from workspace.testing import InjectedAllocationError, as_ubatch
 
 # Tests here start threads: each gets this bound unless it carries its own, so a hang fails
 # the test, never the whole run.
@@ -63,45 +63,46 @@ def random_request(rng: random.Random, max_bytes: int) -> tuple:
 
 
 class Harness:
-    """One manager, an allocation log, a growth checker and per-thread error capture."""
+    """One manager, an allocation log (with optional injected failures), a checker of equal
+    lane slots and per-thread error capture."""
 
     def __init__(self, num_slots: int, num_lanes: int = 1) -> None:
         self.manager = WorkspaceManager("cpu", num_ubatches=num_slots, num_lanes=num_lanes)
+        self.num_lanes = num_lanes
         self.allocations: list[int] = []
         self.errors: list[str] = []
         self.unequal_after_growth: list[list[int]] = []
-        real_allocate = self.manager._allocate
-        real_grow = self.manager._grow
+        self.fail_rate = 0.0  # share of allocations that fail (InjectedAllocationError)
+        self._fail_rng = random.Random(3)
+        self._hooked = ExitStack()  # for the manager's life (the test's)
+        self._hooked.enter_context(self.manager.allocation_hook(self._allocate))
 
-        def allocate(nbytes: int) -> torch.Tensor:
-            self.allocations.append(nbytes)
-            return real_allocate(nbytes)
+    def _allocate(self, nbytes: int, allocate: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        # called under the manager's lock: the rng use is serial
+        if self.fail_rate and self._fail_rng.random() < self.fail_rate:
+            raise InjectedAllocationError(f"injected ({nbytes} bytes)")
+        self.allocations.append(nbytes)  # the allocations made, not the failed attempts
+        return allocate(nbytes)
 
-        def grow(lane: int, new_bytes: int, caller: str) -> None:
-            try:
-                real_grow(lane, new_bytes, caller)
-            finally:  # still under the manager's lock: nobody else can change the slots
-                caps = [0 if b is None else b.numel() for b in self.manager._slots]
-                lane_caps = caps[lane::num_lanes]
-                if len(set(lane_caps)) != 1:
+    def _check_equal_lanes(self, stop: threading.Event) -> None:
+        # slot_capacities() takes the manager's lock, so it sees only states between growths
+        while not stop.is_set():
+            caps = self.manager.slot_capacities()
+            for lane in range(self.num_lanes):
+                if len(set(caps[lane :: self.num_lanes])) != 1:
                     self.unequal_after_growth.append(caps)
-
-        self.manager._allocate = allocate
-        self.manager._grow = grow
+            time.sleep(0.0005)
 
     def run_threads(self, targets: list[Callable[[], None]]) -> None:
         """Run targets[k] in a thread registered as ubatch k; join with a deadline."""
 
         def wrap(fn: Callable[[], None], k: int) -> Callable[[], None]:
             def body() -> None:
-                ident = threading.get_ident()
-                dbo.ubatching._THREAD_ID_TO_CONTEXT[ident] = k
                 try:
-                    fn()
+                    with as_ubatch(k):
+                        fn()
                 except BaseException as exc:  # reported by the test thread
                     self.errors.append(f"ubatch {k}: {type(exc).__name__}: {exc}")
-                finally:
-                    del dbo.ubatching._THREAD_ID_TO_CONTEXT[ident]
 
             return body
 
@@ -109,11 +110,16 @@ class Harness:
             threading.Thread(target=wrap(fn, k), name=f"ubatch-{k}", daemon=True)
             for k, fn in enumerate(targets)
         ]
+        stop = threading.Event()
+        checker = threading.Thread(target=self._check_equal_lanes, args=(stop,), daemon=True)
+        checker.start()
         for t in threads:
             t.start()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        stop.set()
+        checker.join(5)
         hung = [t.name for t in threads if t.is_alive()]
         assert not hung, f"threads did not finish: {hung}"
         assert not self.errors, "\n".join(self.errors[:10])
@@ -250,15 +256,7 @@ def test_allocation_failures_under_contention_leave_slots_equal_and_nothing_hung
     h = Harness(NUM_THREADS)
     m = h.manager
     failures = [0] * NUM_THREADS
-    rng_fail = random.Random(3)
-    counting_allocate = m._allocate
-
-    def flaky_allocate(nbytes: int) -> torch.Tensor:
-        if rng_fail.random() < 0.15:  # called under the manager's lock: rng use is serial
-            raise InjectedAllocationError(f"injected ({nbytes} bytes)")
-        return counting_allocate(nbytes)
-
-    m._allocate = flaky_allocate
+    h.fail_rate = 0.15
 
     def worker(k: int) -> Callable[[], None]:
         def run() -> None:
@@ -280,7 +278,7 @@ def test_allocation_failures_under_contention_leave_slots_equal_and_nothing_hung
     assert sum(failures) > 0, "no injected failure was hit"
     assert m.stats().failed_growths > 0
     assert len(set(m.slot_capacities())) == 1
-    m._allocate = counting_allocate
+    h.fail_rate = 0.0
     need = m.capacity + 4096
     (v,) = m.get_simultaneous(((need,), torch.uint8))  # and it still grows afterwards
     assert v.numel() == need and m.slot_capacities() == [need] * NUM_THREADS
@@ -300,17 +298,10 @@ def test_lanes_persistent_resources_and_injected_failures_keep_orphan_accounting
     lanes = 2
     h = Harness(num_threads, num_lanes=lanes)
     m = h.manager
-    rng_fail = random.Random(11)
-    counting_allocate = m._allocate
     failures = [0] * num_threads
     refusals = [0] * num_threads
 
-    def flaky_allocate(nbytes: int) -> torch.Tensor:
-        if rng_fail.random() < 0.1:  # called under the manager's lock: rng use is serial
-            raise InjectedAllocationError(f"injected ({nbytes} bytes)")
-        return counting_allocate(nbytes)
-
-    m._allocate = flaky_allocate
+    h.fail_rate = 0.1
     held: list[list[torch.Tensor]] = [[] for _ in range(num_threads)]
     persistent: dict[tuple[int, int], torch.Tensor] = {}
     stop = threading.Event()

@@ -6,14 +6,13 @@ dims that are not integers."""
 from __future__ import annotations
 
 import os
-import threading
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
 
-import dbo.ubatching
+from dbo.ubatching import bind_thread_to_ubatch
 from workspace import (
     WorkspaceAllocationError,
     WorkspaceLockedError,
@@ -35,15 +34,7 @@ U8 = torch.uint8
 INT64_MAX = (1 << 63) - 1
 
 
-@contextmanager
-def as_ubatch(k: int):
-    """Register the calling thread as ubatch k (the documented dbo.ubatching contract)."""
-    ident = threading.get_ident()
-    dbo.ubatching._THREAD_ID_TO_CONTEXT[ident] = k
-    try:
-        yield
-    finally:
-        del dbo.ubatching._THREAD_ID_TO_CONTEXT[ident]
+as_ubatch = bind_thread_to_ubatch  # the calling thread counts as ubatch k in the block
 
 
 @pytest.fixture(autouse=True)
@@ -135,6 +126,16 @@ def test_lock_applies_to_every_lane_and_unlock_restores_growth():
 def test_a_negative_lane_is_refused_before_entering():
     with pytest.raises(ValueError, match=">= 0"), use_workspace_lane(-1):
         pass
+
+
+def test_a_negative_lane_is_refused_in_vllms_words_too():
+    with pytest.raises(ValueError, match="non-negative"), use_workspace_lane(-1):
+        pass
+
+
+def test_zero_lanes_are_refused_in_vllms_words_too():
+    with pytest.raises(ValueError, match="num_lanes must be >= 1 \\(at least one\\), got 0"):
+        WorkspaceManager("cpu", num_lanes=0)
 
 
 def test_a_lane_that_is_not_an_int_is_refused():
@@ -390,14 +391,13 @@ def test_alloc_context_is_entered_around_every_slot_allocation():
 
     m = WorkspaceManager("cpu", num_ubatches=2, alloc_context=pool)
     seen = []
-    real = m._allocate
 
-    def allocate(nbytes):
+    def allocate(nbytes, real):
         seen.append(inside[-1] if inside else None)
         return real(nbytes)
 
-    m._allocate = allocate
-    m.get_simultaneous(((64,), U8))
+    with m.allocation_hook(allocate):
+        m.get_simultaneous(((64,), U8))
     assert seen == ["enter", "enter"] and inside == ["enter", "exit"] * 2
 
 
@@ -425,6 +425,11 @@ def test_current_manager_before_init_is_both_an_assertion_and_a_runtime_error():
     with pytest.raises(AssertionError, match="init_workspace_manager"):
         current_workspace_manager()
     assert issubclass(WorkspaceNotInitializedError, RuntimeError)
+
+
+def test_current_manager_before_init_says_so_in_vllms_words_too():
+    with pytest.raises(WorkspaceNotInitializedError, match="^WorkspaceManager not initialized"):
+        current_workspace_manager()
 
 
 # ------------------------------------------------------------------ requests that can never be

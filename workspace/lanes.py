@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from dbo._checks import as_int
+from dbo.checks import as_int
 
 __all__ = ["current_workspace_lane", "use_workspace_lane"]
 

@@ -22,7 +22,8 @@ the templates (scratch bytes are never part of an autograd graph).
 
 Growth. When the caller's slot is too small, every slot is grown to the requested total,
 slot by slot, each old buffer released before its replacement is allocated (peak per slot
-= new, not old + new). All allocation goes through `_allocate(nbytes)`. Feasibility is
+= new, not old + new; `workspace.growth` does it). Every slot buffer comes from one allocator,
+which `allocation_hook` lets a test or a stress run wrap (count, watch, fail). Feasibility is
 decided before anything is released: a total beyond int64 (`plan_layout`), or a growth whose
 resized slots together would need more than the device has in all (CPU: physical RAM; CUDA:
 the device's total; meta: no bound), is refused with ValueError and changes nothing. A
@@ -71,7 +72,6 @@ real device: on `meta` every data_ptr is 0, so it returns None there.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -80,12 +80,14 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 
-from dbo._checks import as_int
+from dbo.checks import as_int
+from dbo.ubatching import check_not_abandoned
 from dbo.ubatching import dbo_current_ubatch_id as _current_ubatch_id
 
-from .buffers import BufferLedger, storage_ref
+from .buffers import BufferLedger
 from .diagnostics import caller_info, debug_enabled, logger, mb
-from .errors import WorkspaceAllocationError, WorkspaceLockedError, WorkspaceSlotError
+from .errors import WorkspaceLockedError, WorkspaceSlotError
+from .growth import AllocationHook, SlotStore, nbytes_of
 from .lanes import current_workspace_lane as _current_lane
 from .layout import Layout, plan_layout
 from .records import BufferInfo, GrowthRecord, WorkspaceStats
@@ -98,35 +100,6 @@ T = TypeVar("T")
 # vary per step, so signatures are unbounded in principle; a cleared cache costs one slow
 # call per signature, an unbounded one costs memory forever.
 MAX_CACHED_SIGNATURES = 4096
-# Former buffers remembered for pointer lookups (live orphans are always kept besides).
-BUFFER_HISTORY = 256
-
-
-def _nbytes(buffer: torch.Tensor | None) -> int:
-    return 0 if buffer is None else buffer.numel()
-
-
-def _device_total_bytes(device: torch.device) -> int | None:
-    """All the memory `device` has: no growth can ever need more. None where unknown.
-
-    CPU: physical RAM (None where the OS does not report it); CUDA: the device's total as the
-    driver reports it; meta and other devices: None, so no bound (meta allocates nothing).
-    """
-    try:
-        if device.type == "cpu":
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        elif device.type == "cuda":
-            total = int(torch.cuda.mem_get_info(device)[1])
-        else:
-            return None
-    except (AttributeError, ValueError, OSError, RuntimeError, AssertionError):
-        return None  # not reported (or no CUDA): the allocator decides, rollback as ever
-    return total if total > 0 else None
-
-
-def _describe_request(key: Any) -> str:
-    text = ", ".join(f"({dims}, {dtype})" for dims, dtype in key)
-    return text if len(text) <= 200 else f"{text[:200]}... ({len(key)} tensors)"
 
 
 def _resolve_device(device: Any) -> torch.device:
@@ -189,11 +162,10 @@ class WorkspaceManager:
         self._device = _resolve_device(device)
         self._num_ubatches = _check_num_ubatches(num_ubatches)
         self._num_lanes = _check_num_lanes(num_lanes)
-        self._alloc_context = _check_alloc_context(alloc_context)
         n, lanes = self._num_ubatches, self._num_lanes
         # One slot per (ubatch, lane), at index ubatch * num_lanes + lane (vLLM's numbering).
-        self._slots: list[torch.Tensor | None] = [None] * (n * lanes)
-        self._generations = [0] * (n * lanes)
+        self._store = SlotStore(self._device, n, lanes, _check_alloc_context(alloc_context))
+        self._slots = self._store.slots  # the same list, for the hot path
         self._persistent: list[dict[Hashable, Any]] = [{} for _ in range(n * lanes)]
         # lane -> ubatch -> {request key -> template views}; read lock-free by the hot path.
         # A lane's dict is replaced wholesale (never edited in place) when its buffers change.
@@ -204,12 +176,6 @@ class WorkspaceManager:
         self._empty: torch.Tensor | None = None  # 0-byte stand-in before a slot's first growth
         self._locked = False
         self._mutex = threading.RLock()
-        self._ledger = BufferLedger(BUFFER_HISTORY)
-        self._growths: list[GrowthRecord] = []
-        self._failed_growths = 0
-        self._allocations = 0
-        self._peak_bytes = 0
-        self._device_total: int | None | bool = False  # False: not read yet
 
     # ---------------------------------------------------------------- hot path
 
@@ -253,22 +219,23 @@ class WorkspaceManager:
         For init-time sizing before `lock()`. Idempotent; a request that already fits
         allocates nothing. While locked, one that does not fit raises `WorkspaceLockedError`.
         """
+        check_not_abandoned()  # it grows every ubatch's slot, not the caller's alone
         lane = self._check_lane(_current_lane())
         layout = self._layout_for(shapes_and_dtypes, "reserve")
         with self._mutex:
-            have = self._lane_capacity(lane)
+            have = self._store.lane_capacity(lane)
             if layout.total_bytes > have:
                 caller = caller_info()
                 if self._locked:
                     raise self._locked_error(caller, layout.total_bytes, have)
-                self._check_fits_device(lane, layout, "reserve", caller)
+                self._store.check_fits_device(lane, layout, "reserve", caller)
                 self._grow(lane, layout.total_bytes, caller)
 
     def available_bytes(self) -> int:
         """Bytes the caller's slot (its ubatch and lane) can hand out without growing."""
         wid = self._slot_id(_current_ubatch_id(), _current_lane())
         with self._mutex:
-            return _nbytes(self._slots[wid])
+            return nbytes_of(self._slots[wid])
 
     # ---------------------------------------------------------------- persistent resources
 
@@ -362,7 +329,7 @@ class WorkspaceManager:
                 wid = ubatch * self._num_lanes + lane
                 # Size only, no reference: a local holding the buffer across _grow would keep
                 # it allocated while its replacement is allocated.
-                have = _nbytes(self._slots[wid])
+                have = nbytes_of(self._slots[wid])
                 if layout.total_bytes > have:
                     caller = caller_info()
                     if self._locked:
@@ -370,7 +337,7 @@ class WorkspaceManager:
                             return None
                         raise self._locked_error(caller, layout.total_bytes, have)
                     who = "try_get_simultaneous" if soft else "get_simultaneous"
-                    self._check_fits_device(lane, layout, who, caller)
+                    self._store.check_fits_device(lane, layout, who, caller)
                     self._grow(lane, layout.total_bytes, caller)
                 views = self._make_views(self._slots[wid], layout)
                 cache = self._views[lane][ubatch]
@@ -408,12 +375,6 @@ class WorkspaceManager:
     def _slot_id(self, ubatch: Any, lane: int) -> int:
         return self._check_slot(ubatch) * self._num_lanes + self._check_lane(lane)
 
-    def _lane_slots(self, lane: int) -> range:
-        return range(lane, self._num_ubatches * self._num_lanes, self._num_lanes)
-
-    def _lane_capacity(self, lane: int) -> int:
-        return max(_nbytes(self._slots[w]) for w in self._lane_slots(lane))
-
     def _layout_for(self, args: tuple[Any, ...], who: str = "get_simultaneous") -> Layout:
         try:
             layout = self._layouts.get(args)
@@ -443,145 +404,28 @@ class WorkspaceManager:
 
     # ---------------------------------------------------------------- growth
 
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        """The one place slot memory is allocated (wrap it to count or fail allocations)."""
-        return torch.empty((nbytes,), dtype=torch.uint8, device=self._device)
-
-    def _check_fits_device(self, lane: int, layout: Layout, who: str, caller: str) -> None:
-        """Refuse, before anything is released, a growth the device could never hold.
-
-        The lane's slots smaller than the request are each released and re-made at the new
-        size, so together they need new size x their count, whatever they held before. A
-        ValueError, like the int64 refusal in `plan_layout`: the request can never be served
-        on this device, so it is a bad argument and not an allocator failure to retry (that
-        is `WorkspaceAllocationError`, raised after a rollback).
-        """
-        if self._device_total is False:
-            self._device_total = _device_total_bytes(self._device)
-        total = self._device_total
-        new_bytes = layout.total_bytes
-        resized = sum(1 for w in self._lane_slots(lane) if _nbytes(self._slots[w]) < new_bytes)
-        need = new_bytes * resized
-        if total is None or need <= total:
-            return
-        raise ValueError(
-            f"{who}: the request [{_describe_request(layout.key)}] from '{caller}' needs "
-            f"{mb(new_bytes)} ({new_bytes} bytes) per slot; growing {resized} slot(s) of lane "
-            f"{lane} to it needs {need} bytes, more than {self._device} has in all "
-            f"({total} bytes). Nothing was released; ask for less per ubatch, or use fewer "
-            f"ubatches"
-        )
+    def allocation_hook(self, hook: AllocationHook) -> AbstractContextManager[None]:
+        """Route every slot allocation in the block through `hook(nbytes, allocate)`, which
+        returns the buffer, normally `allocate(nbytes)` (the next hook out, or the real
+        allocator); it may count, watch or fail the allocation instead. Hooks nest; rollback
+        allocations pass through them too. `workspace.testing` builds its helpers on it."""
+        return _Hooked(self, hook)
 
     def _grow(self, lane: int, new_bytes: int, caller: str) -> None:
-        """Grow every ubatch's slot of `lane` to new_bytes; on failure roll them all back.
+        """Grow every ubatch's slot of `lane` to new_bytes (`SlotStore.grow`).
 
-        The caller holds the mutex and has validated the request (so new_bytes fits int64)
-        and checked it against the device's memory (`_check_fits_device`): nothing is
-        released for a request that could never be allocated.
+        The caller holds the mutex and has validated the request and checked it against the
+        device's memory: nothing is released for a request that could never be allocated.
         """
-        slots = self._lane_slots(lane)
-        old_bytes = self._lane_capacity(lane)
         # The templates pin the old buffers; they must go before the buffers are released.
         self._views[lane] = {k: {} for k in range(self._num_ubatches)}
-        orphaned = 0
-        try:
-            for w in slots:
-                if _nbytes(self._slots[w]) < new_bytes:
-                    orphaned += self._release(w)
-                    self._install(w, new_bytes)
-        except BaseException as exc:
-            self._failed_growths += 1
-            if orphaned:  # the released buffers stay orphaned whatever the rollback does
-                self._ledger.orphaning_events += 1
-            self._roll_back(slots, old_bytes)
-            now = _nbytes(self._slots[slots[0]])
-            if debug_enabled():  # a rollback resizes too: the log must show it
-                logger.info(
-                    "workspace growth by '%s' to %s per slot failed (%s); every slot rolled "
-                    "back to %s (%d slots, total %s)",
-                    caller,
-                    mb(new_bytes),
-                    type(exc).__name__,
-                    mb(now),
-                    self._num_ubatches,
-                    mb(now * self._num_ubatches),
-                )
-            if not isinstance(exc, Exception):
-                raise
-            raise WorkspaceAllocationError(
-                f"could not grow the workspace slots on {self._device} to {mb(new_bytes)} "
-                f"({new_bytes} bytes) for '{caller}': {type(exc).__name__}: {exc}; every slot "
-                f"was rolled back to {mb(now)} ({now} bytes)"
-            ) from exc
-        record = GrowthRecord(caller, old_bytes, new_bytes, self._num_ubatches, orphaned, lane)
-        self._growths.append(record)
-        if orphaned:
-            self._ledger.orphaning_events += 1
-        if debug_enabled():
-            total = sum(_nbytes(b) for b in self._slots)
-            logger.info(
-                "workspace resized by '%s': %s -> %s per slot (%d slots, total %s; "
-                "orphaned now %s)",
-                caller,
-                mb(old_bytes),
-                mb(new_bytes),
-                self._num_ubatches,
-                mb(total),
-                mb(self._ledger.orphaned_bytes()),
-            )
-
-    def _release(self, k: int) -> int:
-        """Drop slot k's buffer; return its bytes if views keep it alive (an orphan)."""
-        buffer = self._slots[k]
-        if buffer is None:
-            return 0
-        ref = storage_ref(buffer)
-        ptr, nbytes = buffer.data_ptr(), buffer.numel()
-        self._slots[k] = None
-        del buffer  # the last reference the manager holds: memory goes back now, unless held
-        return self._ledger.retire(k, self._generations[k], ptr, nbytes, ref)
-
-    def _install(self, k: int, nbytes: int) -> None:
-        # A slot allocated inside inference_mode would be an inference tensor, and so would
-        # every view of it, unusable for in-place work outside that mode later.
-        with torch.inference_mode(False), self._alloc_context():
-            buffer = self._allocate(nbytes)
-        self._allocations += 1
-        if (
-            not isinstance(buffer, torch.Tensor)
-            or buffer.dtype != torch.uint8
-            or buffer.dim() != 1
-            or buffer.numel() < nbytes
-        ):
-            raise TypeError(
-                f"_allocate({nbytes}) must return a 1-D uint8 tensor of >= {nbytes} "
-                f"elements, got {buffer!r:.200}"
-            )
-        self._slots[k] = buffer
-        self._generations[k] += 1
-        alive = sum(_nbytes(b) for b in self._slots) + self._ledger.orphaned_bytes()
-        self._peak_bytes = max(self._peak_bytes, alive)
-
-    def _roll_back(self, slots: range, old_bytes: int) -> None:
-        """After a failed growth: these slots back to old_bytes, else all of them empty."""
-        try:
-            for w in slots:
-                if _nbytes(self._slots[w]) != old_bytes:
-                    self._release(w)
-                    if old_bytes:
-                        self._install(w, old_bytes)
-        except BaseException:
-            for w in slots:
-                self._release(w)
-            logger.warning(
-                "workspace rollback to %s failed too; every slot of the lane is now empty",
-                mb(old_bytes),
-            )
+        self._store.grow(lane, new_bytes, caller)
 
     # ---------------------------------------------------------------- lock
 
     def lock(self) -> None:
         """Forbid growth: requests that do not fit raise WorkspaceLockedError."""
+        check_not_abandoned()
         with self._mutex:  # waits out a growth in flight, so none can run after we return
             self._locked = True
             sizes = self.slot_capacities()
@@ -593,6 +437,7 @@ class WorkspaceManager:
 
     def unlock(self) -> None:
         """Allow growth again (e.g. an elastic-EP re-warmup), until the next lock()."""
+        check_not_abandoned()
         with self._mutex:
             self._locked = False
             sizes = self.slot_capacities()
@@ -623,26 +468,26 @@ class WorkspaceManager:
     def capacity(self) -> int:
         """Bytes of the largest slot (a lane's slots are equal after every growth)."""
         with self._mutex:
-            return max(_nbytes(b) for b in self._slots)
+            return max(nbytes_of(b) for b in self._slots)
 
     def lane_capacity(self, lane: int) -> int:
         """Bytes per slot of `lane` (every ubatch's slot of a lane is equal)."""
         if isinstance(lane, bool) or not isinstance(lane, int):
             raise TypeError(f"lane must be an int, got {type(lane).__name__}")
         with self._mutex:
-            return self._lane_capacity(self._check_lane(lane))
+            return self._store.lane_capacity(self._check_lane(lane))
 
     def slot_capacities(self) -> list[int]:
         """Bytes per slot, indexed `ubatch * num_lanes + lane`."""
         with self._mutex:
-            return [_nbytes(b) for b in self._slots]
+            return [nbytes_of(b) for b in self._slots]
 
     def slot_generation(self, k: int) -> int:
         """How many buffers slot k has been given (0 before its first growth)."""
         count = len(self._slots)
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < count:
             raise ValueError(f"slot must be an int in [0, {count}), got {k!r}")
-        return self._generations[k]
+        return self._store.generations[k]
 
     def persistent_resource_count(self) -> int:
         """Persistent resources held, over every (ubatch, lane)."""
@@ -651,22 +496,22 @@ class WorkspaceManager:
 
     def growth_history(self) -> list[GrowthRecord]:
         with self._mutex:
-            return list(self._growths)
+            return list(self._store.growths)
 
     @property
     def peak_bytes(self) -> int:
         """Most bytes of slot buffers alive at once, orphans included."""
-        return self._peak_bytes
+        return self._store.peak_bytes
 
     def orphaned_bytes(self) -> int:
         """Bytes of replaced slot buffers that views still keep alive right now."""
         with self._mutex:
-            return self._ledger.orphaned_bytes()
+            return self._store.ledger.orphaned_bytes()
 
     @property
     def orphaning_growths(self) -> int:
         """Cumulative count of growths that left at least one old buffer alive."""
-        return self._ledger.orphaning_events
+        return self._store.ledger.orphaning_events
 
     def describe_buffer(self, data_ptr: int) -> BufferInfo | None:
         """The current or former slot buffer that `data_ptr` falls in, or None.
@@ -682,8 +527,8 @@ class WorkspaceManager:
                 if buffer is not None and buffer.numel():
                     start = buffer.data_ptr()
                     if start <= data_ptr < start + buffer.numel():
-                        return BufferLedger.current(k, self._generations[k], buffer, data_ptr)
-            return self._ledger.find(data_ptr)
+                        return BufferLedger.current(k, self._store.generations[k], buffer, data_ptr)
+            return self._store.ledger.find(data_ptr)
 
     def slot_buffers(self) -> list[BufferInfo | None]:
         """The current buffer of each slot (None before its first growth)."""
@@ -691,7 +536,7 @@ class WorkspaceManager:
             return [
                 None
                 if b is None
-                else BufferLedger.current(k, self._generations[k], b, b.data_ptr())
+                else BufferLedger.current(k, self._store.generations[k], b, b.data_ptr())
                 for k, b in enumerate(self._slots)
             ]
 
@@ -700,16 +545,16 @@ class WorkspaceManager:
             return WorkspaceStats(
                 device=self._device,
                 num_ubatches=self._num_ubatches,
-                capacities=tuple(_nbytes(b) for b in self._slots),
-                generations=tuple(self._generations),
+                capacities=tuple(nbytes_of(b) for b in self._slots),
+                generations=tuple(self._store.generations),
                 locked=self._locked,
-                growths=tuple(self._growths),
-                failed_growths=self._failed_growths,
-                allocations=self._allocations,
-                peak_bytes=self._peak_bytes,
-                orphaned_bytes=self._ledger.orphaned_bytes(),
-                orphaned_buffers=self._ledger.orphaned_buffers(),
-                orphaning_growths=self._ledger.orphaning_events,
+                growths=tuple(self._store.growths),
+                failed_growths=self._store.failed_growths,
+                allocations=self._store.allocations,
+                peak_bytes=self._store.peak_bytes,
+                orphaned_bytes=self._store.ledger.orphaned_bytes(),
+                orphaned_buffers=self._store.ledger.orphaned_buffers(),
+                orphaning_growths=self._store.ledger.orphaning_events,
                 num_lanes=self._num_lanes,
                 persistent_resources=sum(len(r) for r in self._persistent),
             )
@@ -719,3 +564,26 @@ class WorkspaceManager:
             f"<WorkspaceManager {self._device} slots={self.slot_capacities()} "
             f"{'locked' if self._locked else 'unlocked'}>"
         )
+
+
+class _Hooked(AbstractContextManager[None]):
+    """`WorkspaceManager.allocation_hook`'s block: the hook is put in and taken out under the
+    manager's lock, so no growth in flight sees half of either."""
+
+    def __init__(self, manager: WorkspaceManager, hook: AllocationHook) -> None:
+        if not callable(hook):
+            raise TypeError(f"an allocation hook must be callable, got {type(hook).__name__}")
+        self._manager = manager
+        self._hook = hook
+        self._block: AbstractContextManager[None] | None = None
+
+    def __enter__(self) -> None:
+        manager = self._manager
+        with manager._mutex:
+            self._block = manager._store.allocation_hook(self._hook)
+            self._block.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._block is not None
+        with self._manager._mutex:
+            self._block.__exit__(None, None, None)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dbo.ubatching import check_not_abandoned
+
 from .errors import WorkspaceNotInitializedError
 from .manager import WorkspaceManager
 
@@ -62,14 +64,16 @@ def current_workspace_manager() -> WorkspaceManager:
     """The process-wide manager; raises WorkspaceNotInitializedError before init.
 
     That error is an AssertionError (what vLLM raises) and a RuntimeError (what this project
-    raised before), and unlike vLLM's bare `assert` it is still raised under `python -O`.
+    raised before), and unlike vLLM's bare `assert` it is still raised under `python -O`. In
+    a ubatch thread the launcher abandoned it raises `dbo.UBatchAbandoned`: a later step owns
+    the slots.
     """
+    check_not_abandoned()
     manager = _manager
     if manager is None:
         raise WorkspaceNotInitializedError(
-            "the workspace manager is not initialised: call "
-            "init_workspace_manager(device, num_ubatches) first (once per worker, before any "
-            "get_simultaneous)"
+            "WorkspaceManager not initialized: call init_workspace_manager(device, "
+            "num_ubatches) first (once per worker, before any get_simultaneous)"
         )
     return manager
 

@@ -1,20 +1,20 @@
 """Hooks for tests, stress runs and benchmarks: record, watch or fail a manager's slot
 allocations, and let a plain thread act as a ubatch.
 
-The allocation hooks wrap the instance's `_allocate`, the one method every slot buffer comes
-from, and put back whatever was there before on exit (so they nest).
+The allocation helpers are blocks of the manager's `allocation_hook`, through which every slot
+buffer comes; they nest.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
-from dbo import ubatching
+from dbo.ubatching import bind_thread_to_ubatch
 
+from .growth import Allocate
 from .manager import WorkspaceManager
 
 __all__ = [
@@ -31,35 +31,15 @@ class InjectedAllocationError(RuntimeError):
 
 
 @contextmanager
-def _wrapped(
-    manager: WorkspaceManager,
-    make: Callable[[Callable[[int], torch.Tensor]], Callable[[int], torch.Tensor]],
-) -> Iterator[None]:
-    had_own = "_allocate" in vars(manager)
-    previous = vars(manager).get("_allocate")
-    manager._allocate = make(manager._allocate)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if had_own:
-            manager._allocate = previous  # type: ignore[method-assign]
-        else:
-            del manager._allocate
-
-
-@contextmanager
 def record_allocations(manager: WorkspaceManager) -> Iterator[list[int]]:
     """Yield a list that receives the byte size of every allocation attempt in the block."""
     sizes: list[int] = []
 
-    def make(inner: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
-        def recording(nbytes: int) -> torch.Tensor:
-            sizes.append(nbytes)
-            return inner(nbytes)
+    def recording(nbytes: int, allocate: Allocate) -> torch.Tensor:
+        sizes.append(nbytes)
+        return allocate(nbytes)
 
-        return recording
-
-    with _wrapped(manager, make):
+    with manager.allocation_hook(recording):
         yield sizes
 
 
@@ -72,18 +52,15 @@ def failing_allocations(manager: WorkspaceManager, *calls: int) -> Iterator[list
     attempts: list[int] = []
     failing = set(calls)
 
-    def make(inner: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
-        def failing_allocate(nbytes: int) -> torch.Tensor:
-            attempts.append(nbytes)
-            if len(attempts) in failing:
-                raise InjectedAllocationError(
-                    f"injected failure of allocation #{len(attempts)} ({nbytes} bytes)"
-                )
-            return inner(nbytes)
+    def failing_allocate(nbytes: int, allocate: Allocate) -> torch.Tensor:
+        attempts.append(nbytes)
+        if len(attempts) in failing:
+            raise InjectedAllocationError(
+                f"injected failure of allocation #{len(attempts)} ({nbytes} bytes)"
+            )
+        return allocate(nbytes)
 
-        return failing_allocate
-
-    with _wrapped(manager, make):
+    with manager.allocation_hook(failing_allocate):
         yield attempts
 
 
@@ -94,14 +71,11 @@ def watch_allocations(
     """Call `on_allocate(nbytes)` at every allocation attempt in the block, before it is made
     (so the callback sees the manager's state at that moment, e.g. whether it is locked)."""
 
-    def make(inner: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
-        def watched(nbytes: int) -> torch.Tensor:
-            on_allocate(nbytes)
-            return inner(nbytes)
+    def watched(nbytes: int, allocate: Allocate) -> torch.Tensor:
+        on_allocate(nbytes)
+        return allocate(nbytes)
 
-        return watched
-
-    with _wrapped(manager, make):
+    with manager.allocation_hook(watched):
         yield
 
 
@@ -111,9 +85,5 @@ def as_ubatch(slot: int) -> Iterator[None]:
     block, outside any ubatched step and without the baton: for tests and stress runs that
     drive a manager from plain threads, which is harsher than DBO, where one thread runs at a
     time."""
-    ident = threading.get_ident()
-    ubatching._THREAD_ID_TO_CONTEXT[ident] = slot
-    try:
+    with bind_thread_to_ubatch(slot):
         yield
-    finally:
-        ubatching._THREAD_ID_TO_CONTEXT.pop(ident, None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dbo._checks import as_int
+from dbo.checks import as_int
 from dbo.sim.cost import COMM_MODES, comm_link, comm_time_us, ep_traffic, host_family
 from dbo.sim.hardware import HardwareProfile
 from dbo.sim.records import Access

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dbo._checks import as_int
+from dbo.checks import as_int
 
 __all__ = [
     "as_bool",

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from dbo._json import json_safe
+from dbo.jsonsafe import json_safe
 from dbo.sim import SimDevice
 from dbo.sim.cost import GEMM_OPS, comm_time_us, node_dedup_share
 from dbo.sim.hardware import H100, H200, H800, HardwareProfile

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from dbo._json import finite_or_none
+from dbo.jsonsafe import finite_or_none
 from scenarios.harness import RunOptions, compare_serial_dbo
 from scenarios.model import Batch, ModelConfig, preset
 

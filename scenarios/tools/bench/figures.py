@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dbo._json import finite_or_none
+from dbo.jsonsafe import finite_or_none
 
 
 @dataclass(frozen=True)

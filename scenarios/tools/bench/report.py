@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dbo._json import json_safe
+from dbo.jsonsafe import json_safe
 from scenarios.tools.bench.figures import Figure
 from scenarios.tools.bench.registry import FULL, QUICK, Plan, benchmark_names, registered
 from scenarios.tools.progress import Progress

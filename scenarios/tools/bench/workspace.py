@@ -132,8 +132,7 @@ def bench_allocations(plan: Plan) -> list[Figure]:
         Figure(
             bench="workspace.allocations",
             name="workspace.allocations.slot",
-            what=f"WorkspaceManager._allocate calls during {calls} x 3 locked fitting calls "
-            f"(1, 3 and 8 tensors)",
+            what=f"slot allocations during {calls} x 3 locked fitting calls (1, 3 and 8 tensors)",
             unit="count",
             ours=Stats.exact(len(count)),
             targets=[Target("ours", "==", 0, "== 0")],

@@ -1,4 +1,5 @@
-"""Argument checks shared by the dbo modules: one wording for every integer argument."""
+"""Argument checks shared by the runtime, the simulator and the workspace: one wording for
+every integer argument."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import operator
 from typing import Any
 
 import numpy as np
+
+# vLLM's words for the common bounds, so handlers and tests matching them keep working.
+_WORDS = {0: " (non-negative)", 1: " (at least one)"}
 
 
 def as_int(name: str, value: Any, *, minimum: int = 0) -> int:
@@ -18,5 +22,5 @@ def as_int(name: str, value: Any, *, minimum: int = 0) -> int:
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
     if count < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {count}")
+        raise ValueError(f"{name} must be >= {minimum}{_WORDS.get(minimum, '')}, got {count}")
     return count
