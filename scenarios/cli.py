@@ -37,6 +37,7 @@ from scenarios.tools import bench as bench_tool
 from scenarios.tools import bugs as bugs_tool
 from scenarios.tools import calibrate_host, gpu_check, race_check, trace_window, verify_cli
 from scenarios.tools import fidelity as fidelity_tool
+from scenarios.tools import plan as plan_tool
 from scenarios.tools import profile as profile_tool
 from scenarios.tools import stress as stress_tool
 from scenarios.tools import sweep as sweep_tool
@@ -190,6 +191,11 @@ _WIDTHS = (0, len("PASS (fault caught)"), 5, 5, 9, 9, 7, 7, 8, 10)
 def _clock_line(profile_name: str) -> str:
     """What the step times rest on: measured kernels, or the roofline alone."""
     profile = profile_from_name(profile_name)
+    if profile.kernels_derived:
+        return (
+            f"simulated {profile.name}: calibrated (kernels derived from the "
+            f"{profile.extra['kernels_derived_from']} table, not measured on this GPU)"
+        )
     if profile.calibrated:
         return (
             f"simulated {profile.name}: calibrated (measured kernel table; the 'roofline' column "
@@ -563,6 +569,11 @@ VERBS: tuple[Verb, ...] = (
         "stress",
         "concurrent workspace slot access with growth and lock/unlock",
         _Local(_stress_arguments, cmd_stress),
+    ),
+    Verb(
+        "plan",
+        "should DBO be on for your deployment: gain, ubatches, token threshold, engine flags",
+        plan_tool,
     ),
     Verb("bench", "benchmarks, each a ratio against a baseline in the same run", bench_tool),
     Verb(

@@ -17,6 +17,10 @@ PACKAGES = ("dbo", "workspace", "scenarios")
 PUBLISHED_FIGURES = {
     "dbo/sim/hardware.py",  # datasheets and DeepEP/DeepGEMM tables, each with its source
     "scenarios/tools/fidelity.py",  # the published experiments it scores the simulator against
+    "scenarios/tools/fidelity_rows.py",  # the published figures and setups (its sources)
+    "scenarios/tools/fidelity_kernels.py",
+    "scenarios/tools/fidelity_steps.py",
+    "scenarios/tools/fidelity_scale.py",
 }
 # A time, a memory size or a speed ratio, as a measurement is written.
 FIGURE = re.compile(

@@ -176,7 +176,9 @@ def test_table_shows_every_column_the_issue_asks_for(capsys):
         assert column in header
 
 
-@pytest.mark.parametrize(("profile", "word"), [("h200", "calibrated"), ("h100", "UNCALIBRATED")])
+@pytest.mark.parametrize(
+    ("profile", "word"), [("h200", "calibrated"), ("h100", "derived"), ("b200", "UNCALIBRATED")]
+)
 def test_run_says_first_whether_its_clock_is_calibrated(capsys, profile, word):
     assert main(["run", "dcp-attention", "--no-artifacts", "--profile", profile]) == 0
     assert word in capsys.readouterr().out.splitlines()[0].split()

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dbo.sim import H100, H200, SimDevice
+from dbo.sim import B200, H200, SimDevice
 from dbo.sim.cost import GEMM_OPS, ROOFLINE, OpCost, register_op_cost, unregister_op_cost
 from dbo.sim.report import summarize
 from dbo.sim.tables import KernelRow, KernelTable, interp_loglog, load_table
@@ -113,8 +113,8 @@ def test_the_summary_reports_the_share_of_device_time_the_fallback_priced() -> N
 
 
 def test_an_uncalibrated_profile_prices_every_op_by_the_roofline() -> None:
-    assert H200.calibrated and not H100.calibrated
-    d = SimDevice("h100", tensor_device="meta")
+    assert H200.calibrated and not B200.calibrated
+    d = SimDevice("b200", tensor_device="meta")
     _mm(d, torch.bfloat16)
     assert summarize(d.timeline).fallback_fraction == 1.0
 

@@ -2,8 +2,9 @@
 
 A profile is a frozen dataclass; a user makes their own with `dataclasses.replace(H200, ...)`
 or by constructing `HardwareProfile` directly. A profile with a `kernel_table` is calibrated:
-the ops its table covers are priced from kernels measured on that GPU (`dbo.sim.tables`,
-provenance beside the files), and its host costs come from the same machine's profiler
+the ops its table covers are priced from kernels measured on that GPU, or for H100 and H800
+derived from the H200's measurements (same die; `dbo.sim.tables.derive`), provenance beside
+the files, and its host costs come from the same machine's profiler
 traces; the others price every op by the roofline below and are marked uncalibrated.
 Datasheet numbers carry their source in a comment; numbers that are modelling assumptions say
 so. The link efficiencies and the
@@ -170,6 +171,23 @@ class HardwareProfile:
         """Whether measured kernels (not only the roofline) price this profile's ops."""
         return self.kernel_table is not None
 
+    @property
+    def kernels_derived(self) -> bool:
+        """Whether its kernel table is derived from another GPU's measurements, not measured
+        on this one (`dbo.sim.tables.derive`)."""
+        return bool(self.extra.get("kernels_derived_from"))
+
+    @property
+    def kernel_source(self) -> str:
+        """What prices its ops, in a run header's words: measured, derived, or roofline."""
+        if self.kernel_table is None:
+            return "roofline (uncalibrated)"
+        if self.kernels_derived:
+            return (
+                f"derived from the {self.extra['kernels_derived_from']} table ({self.kernel_table})"
+            )
+        return f"measured table {self.kernel_table}"
+
     def eager_host_us(self, kind: str) -> float:
         """Host time to issue one eager op of `kind` (its launch and the Python around it)."""
         return self.launch_us * self.host_op_scale.get(kind, 1.0)
@@ -236,6 +254,11 @@ H200 = HardwareProfile(
     **_host_costs("h200"),
 )
 
+# H100 and H800 kernels: derived from the measured H200 table (same GH100 die; compute-bound
+# kernels keep their time, memory-bound ones scale by the HBM bandwidth ratio; see
+# tables/derive.py and PROVENANCE.md). Their host costs stay the defaults above.
+_DERIVED = {"kernels_derived_from": "h200"}
+
 # NVIDIA H100 SXM datasheet: same tensor-core peaks as H200 (989 TF BF16 dense, FP8 2x),
 # HBM3 3.35 TB/s, NVLink 900 GB/s, 132 SMs.
 H100 = HardwareProfile(
@@ -245,6 +268,8 @@ H100 = HardwareProfile(
     hbm_gbps=3350.0,
     nvlink_total_gbps=900.0,
     rdma_gbps=50.0,  # ConnectX-7 400 Gb/s
+    kernel_table="h100",
+    extra=dict(_DERIVED),
 )
 
 # NVIDIA H800 SXM: the H100 SXM die with NVLink cut to 400 GB/s total (export variant);
@@ -256,6 +281,8 @@ H800 = HardwareProfile(
     hbm_gbps=3350.0,
     nvlink_total_gbps=400.0,
     rdma_gbps=50.0,  # ConnectX-7 400 Gb/s
+    kernel_table="h800",
+    extra=dict(_DERIVED),
 )
 
 # NVIDIA B200 (HGX B200 datasheet, per GPU = 1/8 of the 8-GPU board, dense): BF16 ~2.25 PF,

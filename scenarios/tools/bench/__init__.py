@@ -23,6 +23,7 @@ from scenarios.tools.bench import workspace  # noqa: F401
 from scenarios.tools.bench import baton  # noqa: F401
 from scenarios.tools.bench import simulator  # noqa: F401
 from scenarios.tools.bench import races  # noqa: F401
+from scenarios.tools.bench import cluster  # noqa: F401
 from scenarios.tools.bench import scaling  # noqa: F401
 
 # isort: on

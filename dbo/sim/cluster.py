@@ -1,0 +1,330 @@
+"""Virtual ranks in one process: one EP group's step, every rank replayed from one recording.
+
+`simulate_cluster(program, routing, placement)` replays a `StreamProgram` (one rank's step,
+`dbo.sim.cluster_program`) for all R ranks at once, each quantity a numpy vector over ranks:
+
+- Expert kernels are re-timed by the rows the rank's experts receive (its share of the layer's
+  routed rows, from the routing and the placement): a GEMM by a two-term roofline anchored on
+  its recorded time (its weights are read whatever the rows; its activations and FLOPs scale),
+  the elementwise work on the same rows linearly.
+- Each dispatch and combine is an all-to-all coupling the ranks: rank r's ends when its own
+  kernel has sent and received its bytes (NVLink inside a node, RDMA across nodes, the two
+  links in parallel; DeepEP normal mode sends one copy per remote node: the recording's
+  `ht_rdma_share`) *and* every peer's rows for it have arrived, a peer's last row leaving at
+  that peer's start plus its own send time. So the slowest sender gates the receiver, and a
+  rank late to a collective (more expert work before it) delays everyone it sends to.
+  High-throughput (HT) kernels hold `comm_sms` of the SMs while they run and compute on the
+  same rank progresses at the rest (as the single-rank device stretches it); low-latency (LL)
+  kernels hold none and pay `ll_latency_us`.
+- Everything else keeps its recorded duration; start times follow the program's
+  dependencies, so waiting propagates through streams, events and the host.
+
+Balanced routing gives every rank the recorded costs, and the replay is then the recording.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dbo.sim.cluster_program import (
+    HOST,
+    HOST_SYNC,
+    HT_COMM,
+    LL_LINK,
+    OP,
+    StreamProgram,
+)
+from dbo.sim.cost import GEMM_OPS
+from dbo.sim.routing import Placement, Routing
+
+__all__ = ["CollectiveResult", "ClusterResult", "simulate_cluster", "gpus_per_node_of"]
+
+
+@dataclass
+class CollectiveResult:
+    """One dispatch/combine across the group: per receiving rank, who gated it and why."""
+
+    kind: str
+    mode: str
+    layer: int
+    ubatch: int | None
+    op: int
+    gate: np.ndarray  # rank whose rows arrived last at each receiver (itself: its own link)
+    peer_wait_us: np.ndarray  # how long each rank's kernel waited for a peer beyond its own
+    send_mb: np.ndarray  # MB each rank sent to peers
+    recv_mb: np.ndarray
+    rdma_mb: np.ndarray  # MB each rank received over RDMA
+
+    def why(self, rank: int, start: np.ndarray) -> str:
+        """Why `rank`'s collective ended when it did: a peer's lateness or load, or its link."""
+        g = int(self.gate[rank])
+        if g == rank:
+            link = "RDMA" if self.rdma_mb[rank] > 0 else "NVLink"
+            return f"its own link: receives {self.recv_mb[rank]:.2f} MB ({link})"
+        late = float(start[g] - start[rank])
+        if late > 0:
+            return f"rank {g} reached it {late:.1f} us later (more work before it)"
+        return f"rank {g} sends {self.send_mb[g]:.2f} MB, the largest send"
+
+
+@dataclass
+class ClusterResult:
+    """A replayed step of R ranks: per-op start/end (ops x ranks) and per-rank figures."""
+
+    program: StreamProgram
+    start: np.ndarray
+    end: np.ndarray
+    collectives: list[CollectiveResult]
+    routing: Routing
+    placement: Placement
+    gpus_per_node: int
+    expert_factor: np.ndarray  # layers x ranks: rows received relative to balanced
+
+    @property
+    def num_ranks(self) -> int:
+        return int(self.start.shape[1])
+
+    @property
+    def origin_us(self) -> float:
+        return float(self.program.issue0.min()) if self.program.num_ops else 0.0
+
+    @property
+    def step_us(self) -> np.ndarray:
+        """Each rank's step time: from the step's first issue to its own last op."""
+        return self.end.max(axis=0) - self.origin_us
+
+    def busy_us(self, klass: tuple[int, ...] = (OP,)) -> np.ndarray:
+        """Per rank, the time at least one op of those classes runs (interval union)."""
+        mask = np.isin(self.program.klass, klass)
+        return _union(self.start[mask], self.end[mask])
+
+    @property
+    def compute_busy_us(self) -> np.ndarray:
+        return self.busy_us((OP,))
+
+    @property
+    def exposed_comm_us(self) -> np.ndarray:
+        """Per rank, time a comm op runs while no compute does."""
+        comm = tuple(k for k in range(7) if k not in (OP, HOST, HOST_SYNC))
+        return self.busy_us((OP, *comm)) - self.compute_busy_us
+
+    @property
+    def peer_wait_us(self) -> np.ndarray:
+        """Per rank, time its collectives spent waiting for peers' rows beyond their own."""
+        total = np.zeros(self.num_ranks)
+        for c in self.collectives:
+            total += c.peer_wait_us
+        return total
+
+    def ranks_to_show(self) -> list[int]:
+        """Every rank up to 16; else the slowest, median and fastest."""
+        if self.num_ranks <= 16:
+            return list(range(self.num_ranks))
+        order = np.argsort(self.step_us, kind="stable")
+        picks = [int(order[-1]), int(order[len(order) // 2]), int(order[0])]
+        return list(dict.fromkeys(picks))
+
+
+def _union(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Length of the union of intervals per column (ops x ranks)."""
+    if start.size == 0:
+        return np.zeros(start.shape[1] if start.ndim == 2 else 0)
+    order = np.argsort(start, axis=0, kind="stable")
+    s = np.take_along_axis(start, order, axis=0)
+    e = np.take_along_axis(end, order, axis=0)
+    reach = np.maximum.accumulate(e, axis=0)
+    gaps = np.clip(s[1:] - reach[:-1], 0.0, None).sum(axis=0)
+    return reach[-1] - s[0] - gaps
+
+
+def gpus_per_node_of(program: StreamProgram, gpus_per_node: int | None) -> int:
+    return int(gpus_per_node or program.profile.gpus_per_node)
+
+
+class _Links:
+    """Per-rank link arithmetic of one group: bandwidths, node membership, latencies."""
+
+    def __init__(self, program: StreamProgram, ranks: int, gpus_per_node: int) -> None:
+        p = program.profile
+        self.ranks, self.g = ranks, gpus_per_node
+        self.nvl_bw = p.nvlink_gbps * 1e3 * p.nvlink_efficiency  # bytes per us
+        self.rdma_bw = p.rdma_gbps * 1e3 * p.rdma_efficiency
+        self.node = np.arange(ranks) // gpus_per_node
+        self.node_size = np.bincount(self.node)[self.node]
+        self.multi_node = ranks > gpus_per_node
+        self.ht_latency = p.rdma_latency_us if self.multi_node else p.nvlink_latency_us
+        self.ll_latency = p.ll_latency_us
+        self.dedup = program.ht_rdma_share
+
+    def wire(self, total: np.ndarray, rdma: np.ndarray) -> np.ndarray:
+        return np.maximum((total - rdma) / self.nvl_bw, rdma / self.rdma_bw)
+
+    def traffic(self, share: np.ndarray, full: float, mode: str, kind: str) -> tuple:
+        """(send, recv, send RDMA, recv RDMA) bytes per rank for a layer whose rank shares of
+        the rows are `share` and each rank's full row payload is `full` bytes."""
+        r = self.ranks
+        node_share = np.bincount(self.node, weights=share)[self.node]
+        send = full * (1.0 - share)
+        recv = full * share * (r - 1)
+        if self.multi_node:
+            dedup = self.dedup if mode == "ht" else 1.0
+            send_rdma = full * (1.0 - node_share) * dedup
+            recv_rdma = full * share * (r - self.node_size) * dedup
+        else:
+            send_rdma = recv_rdma = np.zeros(r)
+        if kind == "combine":  # the rows go back the way they came
+            return recv, send, recv_rdma, send_rdma
+        return send, recv, send_rdma, recv_rdma
+
+
+def _expert_factor(
+    program: StreamProgram, routing: Routing, placement: Placement
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rank shares per layer, rows received relative to balanced), both layers x ranks."""
+    layers = max(program.num_layers, 1)
+    shares = np.stack([placement.rank_shares(routing.layer(j)) for j in range(layers)])
+    return shares, shares * placement.num_ranks
+
+
+def _scaled_work(program: StreamProgram, i: int, factor: np.ndarray) -> np.ndarray:
+    """An expert op's time at `factor` times the recorded rows, per rank."""
+    fixed = min(program.profile.kernel_fixed_us, float(program.work[i]))
+    var = float(program.work[i]) - fixed
+    if program.names[i] in GEMM_OPS:
+        ws, rho = float(program.weight_share[i]), float(program.intensity[i])
+        rel = np.maximum(ws + (1.0 - ws) * factor, rho * factor) / max(1.0, rho)
+        return fixed + var * rel
+    return fixed + var * factor
+
+
+def _stretch(
+    start: np.ndarray, work: np.ndarray, busy: list[tuple[np.ndarray, np.ndarray]], share: float
+) -> np.ndarray:
+    """End of `work` of compute from `start` while HT comm kernels (intervals in `busy`, in
+    start order) hold `share` of the SMs: progress at 1 - share inside each interval."""
+    t, rem = start.copy(), work.copy()
+    rate = 1.0 - share
+    for cs, ce in busy:
+        before = np.clip(cs - t, 0.0, None)
+        step = np.minimum(before, rem)
+        t, rem = t + step, rem - step
+        inside = np.where(t >= cs, np.clip(ce - t, 0.0, None), 0.0) * rate
+        step = np.minimum(inside, rem)
+        t, rem = t + step / rate, rem - step
+    return t + rem
+
+
+def _collective(
+    program: StreamProgram,
+    c_index: int,
+    links: _Links,
+    shares: np.ndarray,
+    ready: np.ndarray,
+) -> tuple[np.ndarray, CollectiveResult]:
+    """End times of one all-to-all on every rank, and who gated each."""
+    c = program.collectives[c_index]
+    r = links.ranks
+    share = shares[min(c.layer, len(shares) - 1)]
+    full = c.nbytes * r / (r - 1)
+    send, recv, send_rdma, recv_rdma = links.traffic(share, full, c.mode, c.kind)
+    latency = links.ll_latency if c.mode == "ll" else links.ht_latency
+    send_t, recv_t = links.wire(send, send_rdma), links.wire(recv, recv_rdma)
+    own = ready + latency + np.maximum(send_t, recv_t)
+    arrive = ready + latency + send_t
+    # A peer sends to r if it has rows for r: for a dispatch, r holds experts; for a
+    # combine, that peer received rows from r.
+    senders_ok = share > 0
+    arrive = np.where(senders_ok if c.kind == "combine" else np.ones(r, bool), arrive, -np.inf)
+    top = int(np.argmax(arrive))
+    masked = arrive.copy()
+    masked[top] = -np.inf
+    second = int(np.argmax(masked))
+    from_peer = np.where(np.arange(r) == top, masked[second], arrive[top])
+    peer = np.where(np.arange(r) == top, second, top)
+    if c.kind != "combine":
+        from_peer = np.where(share > 0, from_peer, -np.inf)
+    end = np.maximum(own, from_peer)
+    gate = np.where(from_peer > own + 1e-9, peer, np.arange(r))
+    mb = 1e-6
+    result = CollectiveResult(
+        c.kind, c.mode, c.layer, c.ubatch, c.op, gate, np.clip(from_peer - own, 0.0, None),
+        send * mb, recv * mb, recv_rdma * mb,
+    )  # fmt: skip
+    return end, result
+
+
+def simulate_cluster(
+    program: StreamProgram,
+    routing: Routing,
+    placement: Placement,
+    *,
+    gpus_per_node: int | None = None,
+) -> ClusterResult:
+    """Replay `program` for every rank of `placement` (R = its rank count, which must be the
+    program's EP size) under `routing`; returns every op's start and end on every rank."""
+    ranks = placement.num_ranks
+    if ranks != program.ep_size:
+        raise ValueError(
+            f"the placement has {ranks} ranks but the program was recorded at EP {program.ep_size}"
+        )
+    if routing.num_experts != placement.share.shape[0]:
+        raise ValueError(
+            f"routing has {routing.num_experts} experts, placement {placement.share.shape[0]}"
+        )
+    g = gpus_per_node_of(program, gpus_per_node)
+    links = _Links(program, ranks, g)
+    shares, factor = _expert_factor(program, routing, placement)
+    n = program.num_ops
+    start, end = np.empty((n, ranks)), np.empty((n, ranks))
+    host = np.full(ranks, float(program.issue0[0]) if n else 0.0)
+    busy: list[tuple[np.ndarray, np.ndarray]] = []
+    collectives: list[CollectiveResult] = []
+    sm_share = program.profile.comm_sms / program.profile.num_sms
+    for i in range(n):
+        host = _replay_op(program, i, host, start, end)
+        k = program.klass[i]
+        if k in (HOST, HOST_SYNC):
+            continue
+        ready = start[i]
+        if k in (HT_COMM, LL_LINK) and program.collective[i] >= 0 and ranks > 1:
+            end[i], result = _collective(program, int(program.collective[i]), links, shares, ready)
+            collectives.append(result)
+            if k == HT_COMM:
+                busy = [*busy[-2:], (start[i].copy(), end[i].copy())]
+            continue
+        work = np.full(ranks, float(program.work[i]))
+        layer = int(program.expert_layer[i])
+        if layer >= 0:
+            work = _scaled_work(program, i, factor[min(layer, len(factor) - 1)])
+        if program.stretchable[i] and busy:
+            end[i] = _stretch(ready, work, busy, sm_share)
+        else:
+            end[i] = ready + work
+        if k == HT_COMM:
+            busy = [*busy[-2:], (start[i].copy(), end[i].copy())]
+    return ClusterResult(program, start, end, collectives, routing, placement, g, factor)
+
+
+def _replay_op(
+    program: StreamProgram, i: int, host: np.ndarray, start: np.ndarray, end: np.ndarray
+) -> np.ndarray:
+    """Place op i's start (and a host op's end); returns the host clock after issuing it."""
+    k = program.klass[i]
+    if k == HOST_SYNC:
+        start[i] = host
+        waited = host
+        for d in program.deps[i]:
+            waited = np.maximum(waited, end[d])
+        end[i] = waited
+        return waited + program.host_adv[i]
+    if k == HOST:
+        start[i] = host
+        end[i] = host + (program.end0[i] - program.start0[i])
+        return host + program.host_adv[i]
+    ready = host + program.floor_off[i]
+    for d in program.deps[i]:
+        ready = np.maximum(ready, end[d])
+    start[i] = ready
+    return host + program.host_adv[i]

@@ -1,0 +1,65 @@
+"""`dbo-sim plan`: the decision, printed as engine flags, with its CSV and PNG."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from scenarios.cli import main
+from scenarios.tools.plan_output import PhaseAnswer, engine_flags
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--preset", "gpt-9"], "unknown preset 'gpt-9'"),
+        (["--ep", "72"], "--ep 72 does not divide the 256 experts"),
+        (["--skew", "zipf:x"], "unknown skew 'zipf:x'"),
+        (["--ubatches", "5"], "--ubatches '5'"),
+        (["--profile", "h999"], "unknown hardware profile"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and err.startswith("dbo-sim:")
+
+
+def test_a_histogram_whose_shape_does_not_match_the_model_is_refused(tmp_path, capsys):
+    path = tmp_path / "h.csv"
+    path.write_text("1,2,3\n")
+    assert main(["plan", "--histogram", str(path)]) == 2
+    assert "3 experts per row but the model has 256" in capsys.readouterr().err
+
+
+def test_flags_enable_dbo_from_the_threshold_of_each_phase():
+    answers = [
+        PhaseAnswer("decode", 64, "balanced", 128, 2, 30.0, 512),
+        PhaseAnswer("prefill", 64, "balanced", None, None, -3.0, 2048),
+    ]
+    flags = "\n".join(engine_flags(answers))
+    assert "--enable-dbo --dbo-decode-token-threshold 128" in flags
+    assert "--dbo-prefill-token-threshold 1000000000" in flags
+    assert "--enable-two-batch-overlap" in flags
+
+
+def test_flags_leave_dbo_off_where_it_never_pays():
+    answers = [PhaseAnswer("decode", 8, "balanced", None, None, -20.0, 16)]
+    assert "leave it off" in engine_flags(answers)[0]
+
+
+@pytest.mark.timeout(600)
+def test_plan_prints_a_threshold_and_flags_and_writes_csv_and_png(tmp_path, capsys):
+    argv = ["plan", "--preset", "deepseek-v3", "--profile", "h800", "--ep", "64"]
+    argv += ["--phase", "decode", "--tokens", "32,512", "--ubatches", "2"]
+    argv += ["--skew", "balanced,zipf:0.2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "DBO pays for decode from 512 tokens per device" in out
+    assert "--enable-dbo --dbo-decode-token-threshold 512" in out
+    rows = list(csv.DictReader(open(tmp_path / "plan.csv")))
+    assert {r["skew"] for r in rows} == {"balanced", "zipf:0.2"}
+    assert {int(r["num_ubatches"]) for r in rows} == {1, 2}
+    for name in ("plan.png", "plan.decode.trace.json", "plan.decode.timeline.png"):
+        assert (tmp_path / name).stat().st_size > 0
