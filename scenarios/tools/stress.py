@@ -46,7 +46,7 @@ import torch
 from scenarios.tools.progress import progress_bar
 from scenarios.tools.usage import int_in, positive_int, timeout_seconds
 from workspace import WorkspaceLockedError, WorkspaceManager, use_workspace_lane
-from workspace.testing import as_ubatch, watch_allocations
+from workspace.testing import as_ubatch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.uint8, torch.int64, torch.float64)
 # Of the deadline, the share kept for stopping and joining the threads (at most _MAX_STOP_S):
@@ -106,8 +106,15 @@ def run_stress(
             f"threads, iterations and lanes must be >= 1, got {threads}, {iterations} and {lanes}"
         )
     run = _StressRun(threads, iterations, lanes, seed, on_progress)
-    with watch_allocations(run.manager, run.on_allocate):
+    hook = run.manager.allocation_hook(run.watch_allocation)
+    hook.__enter__()
+    try:
         run.start_and_join(deadline_s)
+    finally:
+        # Taking the hook out waits for the manager's lock, which a hung thread's growth
+        # holds: leave it in then (the manager is this run's own), so the deadline holds.
+        if not run.report.hung_threads:
+            hook.__exit__(None, None, None)
     if not run.report.hung_threads:  # a thread still running would race the checks
         run.check_final_state()
     return run.report
@@ -142,10 +149,14 @@ class _StressRun:
         self.finished = [0] * threads  # iterations each worker completed
         self.allocations_while_locked = 0
 
-    def on_allocate(self, nbytes: int) -> None:
+    def watch_allocation(
+        self, nbytes: int, allocate: Callable[[int], torch.Tensor]
+    ) -> torch.Tensor:
+        """The run's allocation hook: counts every slot allocation, and those made locked."""
         with self.record_lock:
             self.allocations_while_locked += self.manager.is_locked()
             self.report.growths += 1
+        return allocate(nbytes)
 
     # -- the threads -------------------------------------------------------------------------
 
