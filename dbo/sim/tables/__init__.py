@@ -28,7 +28,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["TABLE_DIR", "KernelRow", "KernelTable", "interp_loglog", "load_table", "table_path"]
+__all__ = [
+    "TABLE_DIR",
+    "KernelRow",
+    "KernelTable",
+    "hbm_bytes",
+    "interp_loglog",
+    "load_table",
+    "table_path",
+]
 
 TABLE_DIR = Path(__file__).resolve().parent
 
@@ -191,6 +199,12 @@ def _measure(row: KernelRow, what: str) -> float:
     if what == "real_bytes":
         return row.bytes / 2
     return row.bytes
+
+
+def hbm_bytes(row: KernelRow) -> float:
+    """The bytes a measured kernel really moved through HBM (decode attention's bytes column
+    counts its one key/value tensor twice)."""
+    return _measure(row, "real_bytes" if row.op == "sdpa_decode" else "bytes")
 
 
 def table_path(name: str) -> Path:
