@@ -187,3 +187,24 @@ def test_a_one_core_baton_sample_leaves_the_pooled_ubatch_threads_unpinned():
     assert _dbo_pingpong(NullDevice(), 3, _one_core_cpu())() > 0
     after = dbo.run_ubatches(lambda _: os.sched_getaffinity(0), [None, None], device=NullDevice())
     assert after == [os.sched_getaffinity(0)] * 2
+
+
+@pytest.mark.timeout(300)
+def test_the_cluster_wall_bench_reports_replay_and_record_plus_replay_against_the_2s_target():
+    from scenarios.tools.bench.cluster import WALL_TARGET_MS, bench_cluster_wall
+    from scenarios.tools.bench.registry import QUICK
+
+    figures = {f.name: f for f in bench_cluster_wall(QUICK)}
+    assert set(figures) == {
+        "cluster.ep256_decode",
+        "cluster.ep256_decode.record_replay",
+        "cluster.ep32_prefill",
+        "cluster.ep32_prefill.record_replay",
+    }
+    for name in ("cluster.ep256_decode", "cluster.ep32_prefill"):
+        end_to_end = figures[f"{name}.record_replay"]
+        assert [(t.on, t.op, t.value) for t in end_to_end.targets] == [
+            ("ours", "<=", WALL_TARGET_MS)
+        ]
+        # one rank's interception is inside the end-to-end figure and not in the replay's
+        assert end_to_end.ours.median > figures[name].ours.median

@@ -20,6 +20,7 @@ import numpy as np
 from dbo.sim import SimDevice
 from dbo.sim.cluster import simulate_cluster
 from dbo.sim.cluster_program import record_program
+from dbo.sim.cost import node_dedup_share
 from dbo.sim.hardware import H800, HardwareProfile
 from dbo.sim.routing import balanced, contiguous, eplb, sampled
 from scenarios.tools.cluster_step import StepSpec, moe_layers, record_step
@@ -27,6 +28,9 @@ from scenarios.tools.fidelity_kernels import DEEPEP_BYTES
 from scenarios.tools.fidelity_rows import (
     DEEPEP_LL_PUBLISHED,
     DEEPEP_LL_TOKENS,
+    DEEPEP_NORMAL_TOKENS,
+    DEEPEP_NVLINK_PUBLISHED,
+    DEEPEP_RDMA_PUBLISHED,
     DEEPEP_README,
     DEEPEP_TOPK,
     SGLANG_BLOG,
@@ -46,7 +50,7 @@ from scenarios.tools.fidelity_rows import (
     rel_row,
 )
 
-__all__ = ["scale_rows", "cluster_gain", "deepep_ll_cluster_us"]
+__all__ = ["scale_rows", "cluster_gain", "deepep_ll_cluster_us", "deepep_normal_cluster_gbps"]
 
 SCALE_PREFILL_TOKENS = 16384
 SEED = 0
@@ -90,6 +94,68 @@ def deepep_ll_cluster_us(kind: str, ep: int, profile: HardwareProfile = H800) ->
     result = simulate_cluster(program, routing, contiguous(256, ep))
     op = next(c.op for c in program.collectives if c.kind == kind)
     return float(np.mean(result.end[op] - result.start[op]))
+
+
+def deepep_normal_cluster_gbps(kind: str, ep: int, profile: HardwareProfile = H800) -> float:
+    """DeepEP's normal-mode benchmark on the virtual group: one HT dispatch or combine of 4096
+    random-routed tokens per rank; the mean over ranks of the bytes each received over its
+    bottleneck link (RDMA across nodes, after DeepEP's per-node deduplication with its test
+    routing of top-4 node groups; NVLink inside one node) over the kernel's time."""
+    nodes = max(ep // profile.gpus_per_node, 1)
+    share = (
+        node_dedup_share(DEEPEP_TOPK, ep, profile.gpus_per_node, nodes, min(nodes, 4))
+        if nodes > 1
+        else 1.0
+    )
+    device = SimDevice(profile, tensor_device="meta", ht_rdma_share=share)
+    sent = int(DEEPEP_NORMAL_TOKENS * DEEPEP_TOPK * DEEPEP_BYTES[kind] * (ep - 1) / ep)
+
+    def step() -> None:
+        with device.thread_scope(None):
+            with device.comm_region(kind, nbytes=sent, mode="ht", ep_size=ep):
+                pass
+
+    program = record_program(step, device, ep_size=ep)
+    routing = sampled(balanced(1, 256), DEEPEP_NORMAL_TOKENS, DEEPEP_TOPK, seed=SEED)
+    result = simulate_cluster(program, routing, contiguous(256, ep))
+    collective = next(c for c in result.collectives if c.kind == kind)
+    op = collective.op
+    mb = collective.rdma_mb if nodes > 1 else collective.recv_mb
+    return float(np.mean(mb / (result.end[op] - result.start[op]))) * 1e3
+
+
+def _deepep_normal_rows() -> list[FidelityRow]:
+    rows = [
+        rel_row(
+            f"scale-deepep-normal-nvlink-{kind}",
+            f"DeepEP normal {kind} NVLink bw, EP 8, all ranks",
+            published,
+            deepep_normal_cluster_gbps(kind, 8),
+            "GB/s",
+            "S-N",
+            DEEPEP_README,
+            "calibration: the one-rank row's nvlink_efficiency came off the '~160 GB/s NVLink "
+            "maximum' stated beside this figure",
+            calibration=True,
+        )  # fmt: skip
+        for kind, published in DEEPEP_NVLINK_PUBLISHED.items()
+    ]
+    lo, hi = DEEPEP_RDMA_PUBLISHED
+    rows.append(
+        rel_row(
+            "scale-deepep-normal-rdma-ep32",
+            f"DeepEP normal dispatch RDMA bw, EP 32, all ranks ({lo:g}-{hi:g} at EP 16-64)",
+            (lo + hi) / 2,
+            deepep_normal_cluster_gbps("dispatch", 32),
+            "GB/s",
+            "S-N",
+            DEEPEP_README,
+            "calibration: the one-rank row's rdma_efficiency was taken inside this range; "
+            "compared with its middle",
+            calibration=True,
+        )  # fmt: skip
+    )
+    return rows
 
 
 def _deepep_rows() -> list[FidelityRow]:
@@ -153,7 +219,7 @@ def scale_rows(
         )
         if on_point:
             on_point(f"scale decode {tokens}")
-    rows += _deepep_rows()
+    rows += _deepep_rows() + _deepep_normal_rows()
     assumptions = {
         "S-P": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_PREFILL_EP} (4 nodes) "
@@ -170,6 +236,13 @@ def scale_rows(
             f"{describe_profile(H800)}. DeepEP's LL benchmark on every rank: one dispatch and "
             f"one combine of {DEEPEP_LL_TOKENS} tokens per rank, random top-{DEEPEP_TOPK} "
             "routing (sampled, seeded), mean over ranks"
+        ),
+        "S-N": (
+            f"{describe_profile(H800)}. DeepEP's normal-mode benchmark on every rank: one HT "
+            f"dispatch or combine of {DEEPEP_NORMAL_TOKENS} tokens per rank, random "
+            f"top-{DEEPEP_TOPK} routing (sampled, seeded), RDMA bytes deduplicated per node as "
+            "DeepEP's test routing (top-4 node groups) gives; mean over ranks of received "
+            "bytes over kernel time"
         ),
     }
     return rows, assumptions, extra

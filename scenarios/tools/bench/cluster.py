@@ -2,9 +2,12 @@
 
 The replay (`dbo.sim.cluster`) must stay pure scheduling: a DeepSeek-V3 61-layer decode step
 at EP 256 with 2 ubatches and a prefill step at EP 32 (16K tokens per GPU) each within 2 s of
-wall time, and its cost per added rank must grow at most linearly from EP 8 to EP 256. Each
-figure's baseline is recording the same rank's step once through torch interception, timed
-in the same run: the replay of the whole group against one rank's interception.
+wall time, and its cost per added rank must grow at most linearly from EP 8 to EP 256. The
+replay-only figures take as baseline recording the same rank's step once through torch
+interception, timed in the same run. Since `plan` pays both for every point it has not seen
+(a recording per token and ubatch count, then the group's replay), each setup also gets an
+end-to-end figure: one rank recorded uncached plus the whole group's replay of that fresh
+recording, against the same 2 s target, with the replay alone as its baseline.
 """
 
 from __future__ import annotations
@@ -40,48 +43,66 @@ def _samplers(spec: StepSpec) -> dict:
     def record() -> None:
         record_step.__wrapped__(spec)  # uncached: the interception itself
 
+    def record_and_replay() -> None:
+        simulate_cluster(record_step.__wrapped__(spec), routing, placement)
+
     return {
         "replay": timed_ms(lambda: simulate_cluster(program, routing, placement)),
         "record": timed_ms(record),
+        "end_to_end": timed_ms(record_and_replay),
     }
 
 
-def _wall_figure(name: str, what: str, spec: StepSpec, plan: Plan) -> Figure:
+def _wall_figures(name: str, what: str, spec: StepSpec, plan: Plan) -> list[Figure]:
     samples = interleave(_samplers(spec), max(3, plan.step_reps // 3))
-    return Figure(
-        bench="cluster.wall",
-        name=name,
-        what=what,
-        unit="ms",
-        ours=Stats.of(samples["replay"]),
-        baseline=Stats.of(samples["record"]),
-        baseline_what="recording one rank's step through torch interception (uncached)",
-        ratio_def="ours/baseline",
-        targets=[Target("ours", "<=", WALL_TARGET_MS, f"<= {WALL_TARGET_MS:g} ms wall")],
-        extra={"ranks": spec.config.ep_size, "ops": record_step(spec).num_ops},
-    )
+    target = [Target("ours", "<=", WALL_TARGET_MS, f"<= {WALL_TARGET_MS:g} ms wall")]
+    extra = {"ranks": spec.config.ep_size, "ops": record_step(spec).num_ops}
+    return [
+        Figure(
+            bench="cluster.wall",
+            name=name,
+            what=f"replay of {what}",
+            unit="ms",
+            ours=Stats.of(samples["replay"]),
+            baseline=Stats.of(samples["record"]),
+            baseline_what="recording one rank's step through torch interception (uncached)",
+            ratio_def="ours/baseline",
+            targets=target,
+            extra=extra,
+        ),
+        Figure(
+            bench="cluster.wall",
+            name=f"{name}.record_replay",
+            what=f"one rank recorded through interception (uncached) plus the whole group's "
+            f"replay, as plan pays per point: {what}",
+            unit="ms",
+            ours=Stats.of(samples["end_to_end"]),
+            baseline=Stats.of(samples["replay"]),
+            baseline_what="the replay alone (recording cached)",
+            ratio_def="ours/baseline",
+            targets=target,
+            extra=extra,
+        ),
+    ]
 
 
 @benchmark("cluster: EP 256 decode, EP 32 prefill", "cluster.wall")
 def bench_cluster_wall(plan: Plan) -> list[Figure]:
     decode = _spec("decode", 256, 128, plan)
     prefill = _spec("prefill", 32, 16384, plan)
-    return [
-        _wall_figure(
-            "cluster.ep256_decode",
-            f"replay of a DeepSeek-V3 {decode.config.num_layers}-layer decode step, EP 256, "
-            "2 ubatches, 128 tokens per GPU, zipf 0.2 routing",
-            decode,
-            plan,
-        ),
-        _wall_figure(
-            "cluster.ep32_prefill",
-            f"replay of a DeepSeek-V3 {prefill.config.num_layers}-layer prefill step, EP 32, "
-            "2 ubatches, 16K tokens per GPU, zipf 0.2 routing",
-            prefill,
-            plan,
-        ),
-    ]
+    return _wall_figures(
+        "cluster.ep256_decode",
+        f"a DeepSeek-V3 {decode.config.num_layers}-layer decode step, EP 256, 2 ubatches, "
+        "128 tokens per GPU, zipf 0.2 routing",
+        decode,
+        plan,
+    ) + _wall_figures(
+        "cluster.ep32_prefill",
+        f"a DeepSeek-V3 {prefill.config.num_layers}-layer prefill step, EP 32, 2 ubatches, "
+        "16K tokens per GPU, zipf 0.2 routing",
+        prefill,
+        plan,
+    )
 
 
 @benchmark("cluster: cost per rank", "cluster.per_rank")
