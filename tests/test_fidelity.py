@@ -169,6 +169,11 @@ def test_mla_shared_expert_and_dense_layers_match_serial_under_dbo(batch: Batch,
 # -- the reproduction table ----------------------------------------------------------------------
 
 
+SCALE_NORMAL_ROWS = (
+    "scale-deepep-normal-nvlink-dispatch",
+    "scale-deepep-normal-nvlink-combine",
+    "scale-deepep-normal-rdma-ep32",
+)
 EXPECTED_ROWS = {
     *(f"deepep-ll-{k}-ep{ep}" for k in ("dispatch", "combine") for ep in (8, 64, 256)),
     "deepep-normal-nvlink-dispatch",
@@ -185,6 +190,7 @@ EXPECTED_ROWS = {
     "scale-sglang-decode-ep72-32",
     "scale-sglang-decode-ep72-256",
     *(f"scale-deepep-ll-{k}-ep{ep}" for k in ("dispatch", "combine") for ep in (8, 64, 256)),
+    *SCALE_NORMAL_ROWS,
 }
 # Rows whose constant was read (even in part) off the figure they are scored against.
 CALIBRATION_ROWS = {
@@ -198,6 +204,7 @@ CALIBRATION_ROWS = {
     # the scale rows keep the marks of the constants read off their figures
     "scale-deepep-ll-dispatch-ep8",
     *(f"scale-deepep-ll-{k}-ep{ep}" for k in ("dispatch", "combine") for ep in (64, 256)),
+    *SCALE_NORMAL_ROWS,  # nvlink_efficiency, rdma_efficiency
 }
 
 
