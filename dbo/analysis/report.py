@@ -188,7 +188,8 @@ def _detail(step: StepReport) -> list[str]:
     lines.append(f"  busy        {busy}")
     lines.append(
         f"  compute stream idle {f.compute_idle_us:.1f} us: {f.idle_under_comm_us:.1f} us "
-        f"while another stream ran, {f.compute_idle_us - f.idle_under_comm_us:.1f} us with the device idle"
+        f"while another stream ran, {f.compute_idle_us - f.idle_under_comm_us:.1f} us with the "
+        f"device idle"
     )
     words = _host_words(f)
     if words:
