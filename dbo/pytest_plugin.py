@@ -6,8 +6,9 @@ installed (or load it by hand: `pytest -p dbo.pytest_plugin`). Fixtures:
 - `sim_device`: a fresh simulated H200 (its own clocks, streams and race history);
 - `dbo_workspace`: a workspace manager initialised for N ubatches (2, or the value of an
   indirect parametrization), reset after the test;
-- `dbo_verify`: `dbo.verify` that fails the test with the report's `describe()` when the
-  report is not ok, and returns the report when it is.
+- `dbo_verify`: `dbo.verify` that fails the test with the report's `describe()` (races
+  grouped by cause, each with its fix) and the first race in full when the report is not
+  ok, and returns the report when it is.
 
     def test_my_model_overlaps_correctly(dbo_verify):
         dbo_verify(MyModel().forward, torch.randn(64, 128))
@@ -59,7 +60,16 @@ def dbo_verify() -> Callable[..., VerifyReport]:
     def verify_or_fail(*args: Any, **kwargs: Any) -> VerifyReport:
         report = verify(*args, **kwargs)
         if not report.ok:
-            pytest.fail(report.describe(), pytrace=False)
+            pytest.fail(_failure(report), pytrace=False)
         return report
 
     return verify_or_fail
+
+
+def _failure(report: VerifyReport) -> str:
+    """The description, then the first race with its stacks: the grouped causes say what is
+    missing, the full report where each access was issued from."""
+    text = report.describe()
+    if report.races:
+        text += f"\n\nThe first race in full:\n{report.races[0]}"
+    return text

@@ -3,6 +3,7 @@ and recv hook), entered by the ubatch's thread, and `make_ubatch_contexts` that 
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from dbo.ubatch_step import (
     RUNNING,
     CpuSignal,
     UBatchStep,
+    note_yield,
 )
 
 # The contexts' methods (the yield and switch calls) sit on every ubatch's stack: race reports
@@ -229,6 +231,7 @@ class UBatchContext:
         if step.aborted:
             raise StepAborted()
         state.yields += 1
+        note_yield(state, sys._getframe(1))
         if self._next_state.status in (FINISHED, FAILED):
             raise step.mismatch(f"ubatch {self.id} yielded to a finished ubatch")
         state.status = PARKED

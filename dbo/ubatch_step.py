@@ -24,6 +24,7 @@ __all__ = [
     "FAILED",
     "ABORTED",
     "as_ubatch_error",
+    "note_yield",
 ]
 
 # The modules whose frames sit between a parked thread's lock wait and the user's call of a
@@ -84,9 +85,12 @@ class UBatchState:
     status: str = NOT_STARTED
     yields: int = 0
     # The ubatch's thread: error reports look up where it is parked through
-    # sys._current_frames(), so the yield path itself records nothing (a frame capture per
-    # yield measurably slowed every handoff).
+    # sys._current_frames(), so the yield path formats no stack (a stack capture per yield
+    # measurably slowed every handoff).
     thread_ident: int | None = None
+    # Where the ubatch last yielded (code, line), so a report can place a ubatch that has
+    # finished; reading two frame attributes costs far less than formatting a stack.
+    last_yield: tuple[Any, int] | None = None
     thread: threading.Thread | None = None
 
 
@@ -163,8 +167,13 @@ class UBatchStep:
         for i, state in enumerate(self.states):
             where = ""
             frame = frames.get(state.thread_ident) if state.thread_ident is not None else None
-            if state.status == PARKED and frame is not None:
+            if state.status in (PARKED, RUNNING) and frame is not None:
                 where = f" at {_frame_site(_user_frame(frame))}"
+            elif state.last_yield is not None:
+                code, line = state.last_yield
+                where = (
+                    f", last yield at {code.co_filename.rsplit('/', 1)[-1]}:{line}:{code.co_name}"
+                )
             lines.append(f"  ubatch {i}: {state.yields} yield(s), {state.status}{where}")
         return "\n".join(lines)
 
@@ -226,12 +235,22 @@ def _user_frame(frame: Any) -> Any:
     """From a parked thread's innermost frame, the first one outside the baton machinery
     (threading's lock wait, the context and helper modules): where the user called a dbo_*
     helper."""
-    inside = frame
+    innermost, inside = frame, None
     while frame is not None:
         if frame.f_code.co_filename in _BATON_FILES:
             inside = frame
         frame = frame.f_back
+    if inside is None:  # a running thread outside the baton machinery: where it is now
+        return innermost
     return inside.f_back if inside.f_back is not None else inside
+
+
+def note_yield(state: UBatchState, frame: Any) -> None:
+    """Record where a ubatch yields: the first frame from `frame` outward outside the baton
+    machinery (two attribute reads, no stack formatting)."""
+    while frame.f_back is not None and frame.f_code.co_filename in _BATON_FILES:
+        frame = frame.f_back
+    state.last_yield = (frame.f_code, frame.f_lineno)
 
 
 def as_ubatch_error(ubatch_id: int, error: BaseException, num_ubatches: int) -> UBatchError:

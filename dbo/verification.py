@@ -1,15 +1,24 @@
-"""Verify a user's own forward under DBO: one serial and one ubatched step, compared.
+"""Verify a user's own forward under DBO: serial and ubatched steps, compared.
 
 `verify(forward, inputs)` is the whole overlap-correctness check for code this package has
 never seen: run `forward` once with DBO off (every dbo_* call a no-op), once split into
 ubatches through `run_ubatches` on the same kind of device, and report whether the outputs
-match, whether the race checker saw unordered accesses, and whether the ubatched step failed
-(a raise, a yield-count mismatch, a hang). It never hangs: the ubatched step runs under
-`run_ubatches`' timeout, and every failure of that step comes back as data in the report.
+match (`dbo.verify_compare` says what that compares), whether the race checker saw unordered
+accesses, and whether the ubatched step failed (a raise, a yield-count mismatch, a hang).
+It never hangs: both steps run under `timeout`; every failure of the ubatched step comes
+back as data in the report, a serial step that fails or hangs raises (nothing to compare).
+
+Every run (warm-up and measured, serial and ubatched) gets its own copy of the batch, and
+each output is snapshotted before the next run starts: a forward that writes its input, or
+returns a view of memory a later run writes, cannot make two runs agree by accident.
+
+On the simulated device ops execute in issue order, so a race never changes a value there;
+`race_order="adversarial"` re-executes the captured ubatched step in a legal order that
+runs each race the other way round (`dbo.sim.reorder`) and compares what that computes.
 
 Life cycle, as an engine runs it: if no workspace manager is initialised, one is made for the
 device and ubatch count, both paths are warmed up (the workspace grows to its largest need),
-it is locked, the two steps are measured, and the previous state (none) is restored. A manager
+it is locked, the steps are measured, and the previous state (none) is restored. A manager
 the caller already initialised is used as it is and left as it was.
 
 `workspace` is imported as a module, not as names: `workspace.manager` imports
@@ -21,8 +30,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
+import threading
+import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,182 +43,25 @@ import torch
 import workspace
 from dbo.checks import as_int
 from dbo.devices import resolve_device, use_device
-from dbo.errors import YieldMismatchError
-from dbo.jsonsafe import json_safe
+from dbo.errors import UBatchTimeoutError, YieldMismatchError
 from dbo.runner import merge_outputs, run_ubatches
 from dbo.sim.device import SimDevice
-from dbo.sim.records import HANDOFF, EventWait, HostRange, OpRecord, RaceReport
-from dbo.sim.report import plot_runs, summarize, write_chrome_trace_runs
+from dbo.sim.records import COMM, HANDOFF, EventWait, HostRange, OpRecord, RaceReport
+from dbo.sim.reorder import ReorderOutcome, run_adversarially
+from dbo.sim.report import summarize
 from dbo.sim.summary import fallback_fraction
-from dbo.sim.trace import TraceRun, Window
+from dbo.sim.trace import TraceRun
 from dbo.split import check_split_inputs, ubatch_cut_points
 from dbo.streams import Device
+from dbo.ubatching import dbo_enabled
+from dbo.verify_compare import compare, copy_batch, same_values, snapshot
+from dbo.verify_report import RunRaces, VerifyError, VerifyReport, error_text
 
-__all__ = ["VerifyError", "VerifyReport", "split_inputs", "verify"]
+__all__ = ["RACE_ORDERS", "RunRaces", "VerifyError", "VerifyReport", "split_inputs", "verify"]
 
-
-class VerifyError(AssertionError):
-    """A forward failed `verify`; the message is the report's `describe()`."""
-
-    def __init__(self, report: VerifyReport) -> None:
-        super().__init__(report.describe())
-        self.report = report
-
-
-@dataclass
-class VerifyReport:
-    """What one `verify` call found. `ok` only when outputs match, no race, and no error."""
-
-    ok: bool
-    outputs_match: bool
-    max_abs_diff: float | None  # None when nothing was compared (the ubatched step failed)
-    races: dict[str, list[RaceReport]]  # "serial" and "ubatched"
-    error: BaseException | None  # what the ubatched step raised (UBatchError and subclasses)
-    yield_counts: list[int] | None  # per ubatch; None where the device cannot count them
-    step_us_serial: float
-    step_us_dbo: float
-    num_ubatches: int = 2
-    device: str = "sim"
-    atol: float = 0.0
-    rtol: float = 0.0
-    mismatch: str | None = None  # why the outputs differ (structure, shape, values)
-    # Share of the ubatched run's device-op time no measured kernel covered (the roofline
-    # priced it); None on a real GPU.
-    roofline_fraction: float | None = None
-    trace: str | None = None
-    timeline_png: str | None = None
-    records: dict[str, list[OpRecord]] = field(default_factory=dict, repr=False)
-    runs: list[TraceRun] = field(default_factory=list, repr=False)  # what the pictures draw
-
-    @property
-    def speedup(self) -> float:
-        """Serial step time over DBO step time (nan when either was not measured)."""
-        if self.step_us_dbo > 0 and self.step_us_serial > 0:
-            return self.step_us_serial / self.step_us_dbo
-        return math.nan
-
-    def describe(self) -> str:
-        """The report as readable text: the verdict first, then each finding."""
-        verdict = "OK" if self.ok else "FAILED"
-        lines = [
-            f"dbo.verify: {verdict} ({self.num_ubatches} ubatches on {self.device})",
-            f"  outputs match    {_yes_no(self.outputs_match)}" + _diff_text(self),
-        ]
-        if self.mismatch:
-            lines.append(f"    {self.mismatch}")
-        for run in ("serial", "ubatched"):
-            found = self.races.get(run, [])
-            lines.append(f"  races ({run}){' ' * (9 - len(run))}{len(found)}")
-            lines.extend(f"    {race.describe()}" for race in found[:5])
-            if len(found) > 5:
-                lines.append(f"    ... and {len(found) - 5} more")
-        lines.append(f"  error            {_error_text(self.error)}")
-        lines.extend(f"    {line}" for line in _error_detail(self.error))
-        counts = "n/a" if self.yield_counts is None else str(self.yield_counts)
-        lines.append(f"  yield counts     {counts}")
-        if self.error is None:
-            lines.append(
-                f"  step time        serial {self.step_us_serial:.1f} us, DBO "
-                f"{self.step_us_dbo:.1f} us, speedup {self.speedup:.2f}x"
-            )
-            if self.roofline_fraction is not None:
-                lines.append(
-                    f"  roofline-priced  {100.0 * self.roofline_fraction:.0f}% of device time "
-                    f"(no measured kernel covered it)"
-                )
-        else:
-            lines.append(f"  step time        serial {self.step_us_serial:.1f} us, DBO step failed")
-        if self.trace:
-            lines.append(f"  trace            {self.trace}")
-        if self.timeline_png:
-            lines.append(f"  timeline         {self.timeline_png}")
-        return "\n".join(lines)
-
-    def raise_for_failure(self) -> None:
-        """Raise `VerifyError` (message: `describe()`) unless the report is ok."""
-        if not self.ok:
-            raise VerifyError(self)
-
-    def write_artifacts(self, folder: str | Path, *, window: Window | None = None) -> None:
-        """Write `verify.trace.json` and `verify.png` (serial above DBO, one time axis) to
-        `folder`, `window` narrowing both; sets `trace` and `timeline_png`. Nothing to draw
-        (a real GPU keeps no timeline) writes nothing."""
-        if not any(run.records for run in self.runs):
-            return
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        verdict = "ok" if self.ok else "FAILED"
-        self.trace = str(
-            write_chrome_trace_runs(
-                folder / "verify.trace.json",
-                self.runs,
-                metadata={"verify": self.to_dict()},
-                window=window,
-            )
-        )
-        self.timeline_png = str(
-            plot_runs(
-                folder / "verify.png",
-                self.runs,
-                window=window,
-                title=f"verify: {verdict}, serial {self.step_us_serial:.1f} us vs DBO "
-                f"{self.step_us_dbo:.1f} us",
-            )
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON types only: races as their descriptions, the error as its type and text."""
-        return json_safe(
-            {
-                "ok": self.ok,
-                "outputs_match": self.outputs_match,
-                "max_abs_diff": self.max_abs_diff,
-                "mismatch": self.mismatch,
-                "races": {run: [r.describe() for r in found] for run, found in self.races.items()},
-                "error": None if self.error is None else _error_text(self.error),
-                "error_type": None if self.error is None else type(self.error).__name__,
-                "yield_counts": self.yield_counts,
-                "step_us_serial": self.step_us_serial,
-                "step_us_dbo": self.step_us_dbo,
-                "speedup": self.speedup,
-                "roofline_fraction": self.roofline_fraction,
-                "num_ubatches": self.num_ubatches,
-                "device": self.device,
-                "trace": self.trace,
-                "timeline_png": self.timeline_png,
-            }
-        )
-
-
-def _yes_no(flag: bool) -> str:
-    return "yes" if flag else "NO"
-
-
-def _diff_text(report: VerifyReport) -> str:
-    if report.max_abs_diff is None:
-        return " (not compared)"
-    return f" (max abs diff {report.max_abs_diff:.3g}; atol {report.atol:g}, rtol {report.rtol:g})"
-
-
-_DETAIL_LINES = 20
-
-
-def _error_detail(error: BaseException | None) -> list[str]:
-    """The error message past its first line (where each ubatch stood), cut to stay readable."""
-    if error is None:
-        return []
-    rest = str(error).splitlines()[1:]
-    if len(rest) > _DETAIL_LINES:
-        more = len(rest) - _DETAIL_LINES
-        rest = [*rest[:_DETAIL_LINES], f"... ({more} more lines in report.error)"]
-    return rest
-
-
-def _error_text(error: BaseException | None) -> str:
-    if error is None:
-        return "none"
-    first = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {first}"
+# "issue": the ubatched step as issued (on the simulated device ops run in issue order);
+# "adversarial": also re-executed in a legal order that runs every race the other way round.
+RACE_ORDERS = ("issue", "adversarial")
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,6 +78,7 @@ def _check_args(
     rtol: Any,
     timeout: Any,
     artifacts: Any,
+    race_order: Any = "issue",
 ) -> None:
     if not callable(forward):
         raise TypeError(
@@ -248,6 +104,15 @@ def _check_args(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if artifacts is not None and not isinstance(artifacts, (str, Path)):
         raise TypeError(f"artifacts must be a folder path or None, got {type(artifacts).__name__}")
+    if artifacts is not None and Path(artifacts).exists() and not Path(artifacts).is_dir():
+        raise ValueError(f"artifacts={str(artifacts)!r} is a file; name a folder for the trace")
+    if race_order not in RACE_ORDERS:
+        raise ValueError(f"race_order must be one of {RACE_ORDERS}, got {race_order!r}")
+    if dbo_enabled():
+        raise RuntimeError(
+            "dbo.verify was called inside a ubatch (a thread of a running ubatched step); it "
+            "runs steps of its own: call it from outside run_ubatches"
+        )
 
 
 def _resolve(device: Any) -> Device:
@@ -334,58 +199,6 @@ def _ubatch_inputs(inputs: Any, num_ubatches: int, split: Callable | None) -> li
 
 
 # --------------------------------------------------------------------------------------------
-# Comparing outputs
-
-
-def _compare(
-    expected: Any, got: Any, atol: float, rtol: float, where: str = "output"
-) -> tuple[float, str | None]:
-    """(max abs diff, why they differ or None)."""
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            return math.inf, f"{where}: serial gave a tensor, DBO a {type(got).__name__}"
-        if expected.shape != got.shape:
-            return math.inf, (
-                f"{where}: shape {tuple(got.shape)} under DBO, {tuple(expected.shape)} serially"
-            )
-        if expected.device.type == "meta" or expected.numel() == 0:
-            return 0.0, None  # shapes only: no values to compare
-        a, b = expected.detach().double().cpu(), got.detach().double().cpu()
-        close = torch.isclose(b, a, atol=atol, rtol=rtol, equal_nan=True)
-        both_nan = a.isnan() & b.isnan()
-        diff = (a - b).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=math.inf)
-        worst = diff.max().item()
-        if bool(close.all()):
-            return worst, None
-        bad = int((~close).sum().item())
-        return worst, f"{where}: {bad} of {a.numel()} values differ (max abs diff {worst:.3g})"
-    if isinstance(expected, (tuple, list)):
-        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
-            return math.inf, f"{where}: a {type(expected).__name__} of {len(expected)} serially"
-        return _worst(
-            _compare(e, g, atol, rtol, f"{where}[{i}]")
-            for i, (e, g) in enumerate(zip(expected, got))
-        )
-    if isinstance(expected, Mapping):
-        if not isinstance(got, Mapping) or set(got) != set(expected):
-            return math.inf, f"{where}: keys differ from the serial output's"
-        return _worst(
-            _compare(expected[k], got[k], atol, rtol, f"{where}[{k!r}]") for k in expected
-        )
-    if expected == got:
-        return 0.0, None
-    return math.inf, f"{where}: {got!r} under DBO, {expected!r} serially"
-
-
-def _worst(results: Any) -> tuple[float, str | None]:
-    worst, why = 0.0, None
-    for diff, reason in results:
-        worst = max(worst, diff)
-        why = why or reason
-    return worst, why
-
-
-# --------------------------------------------------------------------------------------------
 # The runs
 
 
@@ -402,13 +215,14 @@ class _Run:
 
 def _measure(device: Device, step: Callable[[], Any], catch: tuple[type, ...] = ()) -> _Run:
     """One measured step: on the simulated device from a reset clock, on CUDA by events.
-    Exceptions of the `catch` types become the run's `error`; others propagate."""
+    Exceptions of the `catch` types become the run's `error`; others propagate. The output
+    is snapshotted at once, before any later run can write what it refers to."""
     if isinstance(device, SimDevice):
         device.synchronize()
         device.reset()
         error, output = None, None
         try:
-            output = step()
+            output = snapshot(step())
         except catch as failure:
             error = failure
         device.synchronize()
@@ -433,7 +247,7 @@ def _measure(device: Device, step: Callable[[], Any], catch: tuple[type, ...] = 
         error = failure
     end.record()
     device.synchronize()
-    return _Run(output, start.elapsed_time(end) * 1000.0, [], [], [], [], error)
+    return _Run(snapshot(output), start.elapsed_time(end) * 1000.0, [], [], [], [], error)
 
 
 def _yield_counts(run: _Run, num_ubatches: int) -> list[int] | None:
@@ -451,6 +265,36 @@ def _yield_counts(run: _Run, num_ubatches: int) -> list[int] | None:
     return counts
 
 
+def _bounded(step: Callable[[], Any], timeout: float) -> Any:
+    """Run the serial step on a thread of its own and wait at most `timeout` seconds, as
+    `run_ubatches` bounds the ubatched one; a hang raises UBatchTimeoutError with its stack."""
+    box: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()
+
+    def target() -> None:
+        try:
+            with torch.set_grad_enabled(grad):
+                box["output"] = step()
+        except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
+            box["error"] = error
+
+    thread = threading.Thread(target=target, name="dbo-verify-serial", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        frame = sys._current_frames().get(thread.ident or -1)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        where = stack.strip().splitlines()[-2].strip() if stack else "unknown"
+        raise UBatchTimeoutError(
+            f"the serial run of forward did not finish within {timeout:g} s (timeout=); it is "
+            f"stuck at {where}; its thread is left running",
+            stacks={-1: stack},  # -1: the serial run, which is no ubatch
+        )
+    if "error" in box:
+        raise box["error"]
+    return box.get("output")
+
+
 def verify(
     forward: Callable[[Any], Any],
     inputs: Any,
@@ -464,39 +308,62 @@ def verify(
     rtol: float = 0.0,
     timeout: float = 60.0,
     artifacts: str | Path | None = None,
+    race_order: str = "issue",
 ) -> VerifyReport:
     """Run `forward(inputs)` serially and as `num_ubatches` ubatches, and compare.
 
     `split(inputs, num_ubatches) -> list` gives the ubatch inputs (default: `split_inputs`);
     `merge(outputs) -> output` joins the ubatch outputs (default: `dbo.merge_outputs`).
     `device`: "sim" (a fresh simulated H200), "cuda", or a `Device` (reset between runs when
-    simulated). `artifacts`: a folder for a Chrome trace and a PNG of both runs. Bad
-    arguments raise before any work; a serial forward that raises is re-raised (there is
-    nothing to compare); every failure of the ubatched step is reported in `error`.
+    simulated). `artifacts`: a folder for a Chrome trace and a PNG of both runs.
+    `race_order="adversarial"` (simulated device, real tensors) also re-executes the
+    ubatched step in an order that runs each race the other way round and reports what it
+    changes. Bad arguments raise before any work; a serial forward that raises or outlives
+    `timeout` raises (there is nothing to compare); every failure of the ubatched step is
+    reported in `error`.
     """
-    _check_args(forward, num_ubatches, split, merge, warmup, atol, rtol, timeout, artifacts)
-    pieces = _ubatch_inputs(inputs, num_ubatches, split)
+    _check_args(
+        forward, num_ubatches, split, merge, warmup, atol, rtol, timeout, artifacts, race_order
+    )
+    pieces = _ubatch_inputs(inputs, num_ubatches, split)  # a bad split: refused before work
     # Attention metadata the pieces carry must describe exactly their part of the batch
     # (dbo.split's checker); a wrong split is the cause of whatever the step then does.
     metadata_error = check_split_inputs(inputs, pieces)
     dev = _resolve(device)
-    merge = merge or merge_outputs
+    if race_order == "adversarial":
+        _check_adversarial(dev, inputs)
+    plan = _Plan(forward, inputs, split, num_ubatches, dev, merge or merge_outputs, timeout)
     owns_workspace = _check_workspace(num_ubatches)
     if owns_workspace:
         workspace.init_workspace_manager(dev.torch_device, num_ubatches)
     try:
-        serial, ubatched = _run_both(
-            forward, inputs, pieces, dev, merge, warmup, timeout, owns_workspace
-        )
+        serial, ubatched, mutated = _run_both(plan, warmup, owns_workspace)
+        outcome = None
+        if race_order == "adversarial" and ubatched.error is None:
+            outcome = _adversarial(plan, serial.output, atol, rtol)
     finally:
         if owns_workspace:
             workspace.reset_workspace_manager()
     report = _report(serial, ubatched, num_ubatches, dev, atol, rtol)
-    if metadata_error is not None:
-        report.ok, report.error = False, metadata_error
+    report.input_mutated, report.race_order = mutated, race_order
+    _add_findings(report, outcome, metadata_error)
     if artifacts is not None:
         report.write_artifacts(artifacts)
     return report
+
+
+def _check_adversarial(device: Device, inputs: Any) -> None:
+    if not isinstance(device, SimDevice):
+        raise ValueError(
+            "race_order='adversarial' re-executes a captured step on the simulated device; "
+            "use device='sim'"
+        )
+    meta = any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in _leaves(inputs))
+    if meta or device.torch_device.type == "meta":
+        raise ValueError(
+            "race_order='adversarial' compares values, and meta tensors have none; give "
+            "inputs on the CPU"
+        )
 
 
 def _check_workspace(num_ubatches: int) -> bool:
@@ -514,52 +381,106 @@ def _check_workspace(num_ubatches: int) -> bool:
     return False
 
 
-def _run_both(
-    forward: Callable,
-    inputs: Any,
-    pieces: list[Any],
-    device: Device,
-    merge: Callable,
-    warmup: int,
-    timeout: float,
-    lock: bool,
-) -> tuple[_Run, _Run]:
-    def serial_step() -> Any:
-        with use_device(device), device.thread_scope(None):
-            return forward(inputs)
+@dataclass
+class _Plan:
+    """What every run needs: the forward, the pristine batch and how to cut it."""
 
-    def ubatched_step() -> Any:
-        return merge(run_ubatches(forward, pieces, device=device, timeout=timeout))
+    forward: Callable
+    inputs: Any
+    split: Callable | None
+    num_ubatches: int
+    device: Device
+    merge: Callable
+    timeout: float
 
+    def serial_step(self, batch: Any) -> Any:
+        def step() -> Any:
+            with use_device(self.device), self.device.thread_scope(None):
+                return self.forward(batch)
+
+        return _bounded(step, self.timeout)
+
+    def ubatch_outputs(self, batch: Any) -> list[Any]:
+        pieces = _ubatch_inputs(batch, self.num_ubatches, self.split)
+        return run_ubatches(self.forward, pieces, device=self.device, timeout=self.timeout)
+
+    def ubatched_step(self, batch: Any) -> Any:
+        return self.merge(self.ubatch_outputs(batch))
+
+
+def _run_both(plan: _Plan, warmup: int, lock: bool) -> tuple[_Run, _Run, bool]:
+    """Warm up, then measure one serial and one ubatched step, each on its own copy of the
+    batch; also says whether any run wrote its copy."""
+    pristine = snapshot(plan.inputs)
+    mutated = False
     warm_error: BaseException | None = None
     for _ in range(warmup):
-        serial_step()
+        batch = copy_batch(plan.inputs)
+        plan.serial_step(batch)
+        mutated = mutated or not same_values(pristine, snapshot(batch))
         if warm_error is None:
+            batch = copy_batch(plan.inputs)
             try:
-                ubatched_step()
+                plan.ubatched_step(batch)
             except Exception as error:  # noqa: BLE001 - a finding, reported in the report
                 warm_error = error  # measured below all the same, from a reset device
     if lock:
         workspace.lock_workspace()
-    serial = _measure(device, serial_step)
+    batch = copy_batch(plan.inputs)
+    serial = _measure(plan.device, lambda: plan.serial_step(batch))
+    mutated = mutated or not same_values(pristine, snapshot(batch))
     # Any failure of the ubatched step (the step's errors, or merge refusing its outputs) is
     # a finding; the serial step's failures propagate from the call above.
-    ubatched = _measure(device, ubatched_step, catch=(Exception,))
+    batch = copy_batch(plan.inputs)
+    ubatched = _measure(plan.device, lambda: plan.ubatched_step(batch), catch=(Exception,))
+    if ubatched.error is None:
+        mutated = mutated or not same_values(pristine, snapshot(batch))
     if ubatched.error is None and warm_error is not None:
         ubatched.error = warm_error
-    return serial, ubatched
+    return serial, ubatched, mutated
+
+
+def _adversarial(plan: _Plan, expected: Any, atol: float, rtol: float) -> ReorderOutcome:
+    """Capture one more ubatched step and re-execute it in the adversarial order; compare
+    what that order computes with the serial output."""
+    batch = copy_batch(plan.inputs)
+    try:
+        outcome = run_adversarially(
+            plan.device,
+            lambda: plan.ubatch_outputs(batch),
+            read=lambda outputs: snapshot(plan.merge(outputs)),
+        )
+    except Exception as error:  # noqa: BLE001 - the measured runs stand; say why this did not
+        return ReorderOutcome(0, 0, [], skipped=f"the captured step raised {error_text(error)}")
+    found = compare(expected, outcome.adversarial_value, atol, rtol, "adversarial output")
+    if found.match:
+        return outcome
+    return replace(outcome, mismatch=found.mismatch, max_abs_diff=found.max_abs_diff)
+
+
+def _add_findings(
+    report: VerifyReport, outcome: ReorderOutcome | None, metadata_error: Exception | None
+) -> None:
+    """What the adversarial order changed, and a split that broke the metadata's invariants."""
+    if outcome is not None:
+        report.adversarial = outcome
+        if outcome.mismatch is not None:
+            report.outputs_match = report.ok = False
+    if metadata_error is not None:
+        report.ok, report.error = False, metadata_error
 
 
 def _report(
     serial: _Run, ubatched: _Run, num_ubatches: int, device: Device, atol: float, rtol: float
 ) -> VerifyReport:
     if ubatched.error is None:
-        diff, why = _compare(serial.output, ubatched.output, atol, rtol)
-        match = why is None
+        found = compare(serial.output, ubatched.output, atol, rtol)
+        diff, why, match = found.max_abs_diff, found.mismatch, found.match
     else:
         diff, why, match = None, None, False
-    races = {"serial": serial.races, "ubatched": ubatched.races}
-    ok = match and ubatched.error is None and not serial.races and not ubatched.races
+    races = RunRaces(serial.races, ubatched.races)
+    ok = match and ubatched.error is None and not races
+    summary = summarize(ubatched.records) if ubatched.records else None
     return VerifyReport(
         ok=ok,
         outputs_match=match,
@@ -575,9 +496,18 @@ def _report(
         rtol=float(rtol),
         mismatch=why,
         roofline_fraction=fallback_fraction(ubatched.records) if ubatched.records else None,
+        host_bound_fraction=None if summary is None else summary.host_bound_fraction,
+        comm_us=None if summary is None else summary.comm_us,
+        local_comm=_all_local(ubatched.records) if ubatched.records else None,
         records={"serial": serial.records, "ubatched": ubatched.records},
         runs=[
             TraceRun("serial", serial.records, serial.races, serial.waits, serial.ranges),
             TraceRun("DBO", ubatched.records, ubatched.races, ubatched.waits, ubatched.ranges),
         ],
     )
+
+
+def _all_local(records: list[OpRecord]) -> bool:
+    """Whether every comm op of the run stayed on one GPU (comm_regions with ep_size 1)."""
+    comm = [r for r in records if r.kind == COMM]
+    return bool(comm) and all(r.args.get("link") == "local" for r in comm)

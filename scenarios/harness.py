@@ -10,7 +10,7 @@ with `dbo.run_ubatches` (both are `scenarios.steps.Step`s).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ __all__ = [
     "measure",
     "compare_serial_dbo",
     "write_artifacts",
+    "failure_point",
 ]
 
 
@@ -110,9 +111,9 @@ def run_step(
 ) -> StepRun:
     """Warm up, lock the workspace, and measure one step (serial when num_ubatches is None):
     run eagerly, or (`graph`) captured once after the lock and measured as one replay, as an
-    engine runs decode."""
+    engine runs decode. `timeout_s` bounds the serial forward, and each ubatch's waits."""
     if num_ubatches is None:
-        step = serial_step(model, x, device, mode=mode)
+        step = serial_step(model, x, device, mode=mode, timeout_s=timeout_s)
     else:
         step = ubatched_step(
             model, x, device, mode=mode, num_ubatches=num_ubatches, timeout_s=timeout_s
@@ -201,8 +202,11 @@ def compare_serial_dbo(
     return comparison
 
 
-def write_artifacts(name: str, run: StepRun, opts: RunOptions) -> tuple[str, str]:
-    """`<out_dir>/<stem>.trace.json` and `<stem>.png`, the stem from `opts.artifact_stem`."""
+def write_artifacts(
+    name: str, run: StepRun, opts: RunOptions, *, failure: BaseException | None = None
+) -> tuple[str, str]:
+    """`<out_dir>/<stem>.trace.json` and `<stem>.png`, the stem from `opts.artifact_stem`.
+    The PNG marks the run's races, and where a step that failed with `failure` stopped."""
     if opts.out_dir is None:
         raise ValueError("write_artifacts needs opts.out_dir (None means: write nothing)")
     opts.out_dir.mkdir(parents=True, exist_ok=True)
@@ -210,5 +214,18 @@ def write_artifacts(name: str, run: StepRun, opts: RunOptions) -> tuple[str, str
     trace = write_chrome_trace(
         Path(f"{stem}.trace.json"), run.records, races=run.races, metadata={"scenario": name}
     )
-    png = plot_timeline(Path(f"{stem}.png"), run.records, title=f"{name} (DBO)")
+    mark = None if failure is None else failure_point(run.records, failure)
+    title = f"{name} (DBO)" + ("" if failure is None else f": stopped by {type(failure).__name__}")
+    png = plot_timeline(
+        Path(f"{stem}.png"), run.records, title=title, races=run.races, failure=mark
+    )
     return str(trace), str(png)
+
+
+def failure_point(records: Sequence[OpRecord], failure: BaseException) -> tuple[float, str]:
+    """Where a failed step stopped on the timeline: the end of the last op of the ubatch
+    that failed (of any ubatch when the error names none), and what stopped it."""
+    ubatch = getattr(failure, "ubatch_id", None)
+    own = [r for r in records if r.ubatch == ubatch] or list(records)
+    at = max((r.end_us for r in own), default=0.0)
+    return at, f"{type(failure).__name__}: the step stopped here"

@@ -32,123 +32,19 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
 
 import torch
 
 import dbo
 from dbo.comm import current_ep_group, ep_group_for
 from dbo.split import UBatchSlice
+from scenarios.model_config import PRESETS, Batch, ModelConfig, preset
+from scenarios.model_weights import ModelWeights, layer_weights
 from workspace import current_workspace_manager
 
 __all__ = ["ModelConfig", "PRESETS", "Batch", "MoEModel", "preset"]
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    num_layers: int
-    hidden: int
-    num_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    moe_inter: int
-    ep_size: int
-    dtype: torch.dtype
-    tensor_device: str  # "cpu" (values) or "meta" (shapes only)
-    dispatch_bytes_per_elem: float  # DeepEP sends FP8 on dispatch, BF16 on combine
-    combine_bytes_per_elem: float
-    # DeepSeek-style options; the defaults are a plain MHA + MoE stack (what "tiny" is).
-    attention: str = "mha"  # "mha", or "mla" (multi-head latent attention, DeepSeek-V2/V3)
-    q_lora_rank: int = 0  # MLA: q goes hidden -> q_lora_rank -> heads x (nope + rope)
-    kv_lora_rank: int = 0  # MLA: the cached latent per token (plus one rope key)
-    qk_nope_dim: int = 0
-    qk_rope_dim: int = 0
-    v_head_dim: int = 0
-    num_shared_experts: int = 0  # always-on experts run on the rank's own tokens, no dispatch
-    num_dense_layers: int = 0  # the first layers have a dense MLP instead of MoE (no comm)
-    dense_inter: int = 0
-    # Dtype of the linear layers' weights and GEMM inputs (FP8 for DeepSeek-V3's block-quantized
-    # checkpoint); None: `dtype`. Only shapes-only (meta) runs use it.
-    weight_dtype: torch.dtype | None = None
-
-    def __post_init__(self) -> None:
-        if self.attention not in ("mha", "mla"):
-            raise ValueError(f"attention must be 'mha' or 'mla', got {self.attention!r}")
-        if (
-            self.attention == "mla"
-            and min(self.kv_lora_rank, self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim) <= 0
-        ):
-            raise ValueError(
-                "attention='mla' needs positive kv_lora_rank, qk_nope_dim, qk_rope_dim and "
-                "v_head_dim"
-            )
-        if self.tensor_device not in ("cpu", "meta", "cuda") and not self.tensor_device.startswith(
-            "cuda:"
-        ):
-            raise ValueError(
-                f"tensor_device must be 'cpu', 'meta' or 'cuda', got {self.tensor_device!r}"
-            )
-
-    @property
-    def local_experts(self) -> int:
-        """Experts held by one EP rank (the grouped GEMM reads all their weights)."""
-        return max(1, self.num_experts // max(self.ep_size, 1))
-
-    def with_(self, **changes: object) -> ModelConfig:
-        return replace(self, **changes)
-
-
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        name="tiny",
-        num_layers=3,
-        hidden=64,
-        num_heads=4,
-        head_dim=16,
-        num_experts=8,
-        top_k=2,
-        moe_inter=96,
-        ep_size=8,
-        dtype=torch.float64,
-        tensor_device="cpu",
-        dispatch_bytes_per_elem=1.0,
-        combine_bytes_per_elem=2.0,
-    ),
-    # DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3): 61 layers, hidden 7168, 128 heads;
-    # MLA with q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64,
-    # v_head_dim 128; first_k_dense_replace 3 (dense MLP, intermediate_size 18432); then MoE
-    # with 256 routed experts top-8 (moe_intermediate_size 2048) and n_shared_experts 1; FP8
-    # (e4m3, 128x128 block scales) weights. What the model leaves out is listed in MoEModel.
-    "deepseek-v3": ModelConfig(
-        name="deepseek-v3",
-        num_layers=61,
-        hidden=7168,
-        num_heads=128,
-        head_dim=192,  # qk head dim: nope 128 + rope 64
-        num_experts=256,
-        top_k=8,
-        moe_inter=2048,
-        ep_size=64,
-        dtype=torch.bfloat16,
-        tensor_device="meta",
-        dispatch_bytes_per_elem=1.0,
-        combine_bytes_per_elem=2.0,
-        attention="mla",
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_dim=128,
-        qk_rope_dim=64,
-        v_head_dim=128,
-        num_shared_experts=1,
-        num_dense_layers=3,
-        dense_inter=18432,
-        weight_dtype=getattr(torch, "float8_e4m3fn", torch.bfloat16),
-    ),
-}
-
 
 # (device type, dtype) -> whether torch._grouped_mm runs there. Kept per kind because support
 # differs by both (float64 is refused where bf16 works), and one failure must not send every
@@ -184,146 +80,6 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     return out
 
 
-def preset(name: str, **changes: object) -> ModelConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name].with_(**changes) if changes else PRESETS[name]
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The requests of one step. `query_start_loc[r]..[r+1]` are request r's new tokens;
-    `context_lens[r]` tokens of request r are already in the KV cache (decode)."""
-
-    query_start_loc: tuple[int, ...]
-    context_lens: tuple[int, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.query_start_loc[-1]
-
-    @property
-    def is_decode(self) -> bool:
-        q = self.query_start_loc
-        return all(q[r + 1] - q[r] == 1 for r in range(len(q) - 1))
-
-    @staticmethod
-    def decode(num_requests: int, context_len: int) -> Batch:
-        return Batch(tuple(range(num_requests + 1)), (context_len,) * num_requests)
-
-    @staticmethod
-    def prefill(num_requests: int, prompt_len: int) -> Batch:
-        return Batch(tuple(r * prompt_len for r in range(num_requests + 1)), (0,) * num_requests)
-
-
-class _Weights:
-    """Where and how a model's tensors are made: random values on CPU or GPU (a fixed seed, in
-    a fixed draw order), empty ones on `meta`, FP8 weights only in shapes-only runs."""
-
-    def __init__(self, config: ModelConfig, seed: int) -> None:
-        self.dev, self.dt = config.tensor_device, config.dtype
-        self.meta = self.dev == "meta"
-        self.on_gpu = self.dev.startswith("cuda")
-        self.gen = torch.Generator().manual_seed(seed)
-        self.cuda_gen = torch.Generator(device=self.dev).manual_seed(seed) if self.on_gpu else None
-        # FP8 weights exist only in shapes-only runs (there is no FP8 GEMM on the CPU).
-        fp8 = config.weight_dtype is not None and self.meta
-        self.wdt = config.weight_dtype if fp8 else self.dt
-
-    @property
-    def fp8(self) -> bool:
-        return self.wdt != self.dt
-
-    def weight(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or self.dt
-        if self.meta:
-            return torch.empty(shape, device="meta", dtype=dtype)
-        if self.cuda_gen is not None:  # made on the GPU: a CPU randn of GBs of weights is slow
-            w = torch.randn(shape, generator=self.cuda_gen, device=self.dev, dtype=torch.float32)
-            return (w / math.sqrt(shape[-1] if len(shape) > 2 else shape[0])).to(dtype)
-        w = torch.randn(shape, generator=self.gen, dtype=torch.float64)
-        return (w / math.sqrt(shape[0])).to(dtype)
-
-    def linear(self, n_in: int, n_out: int) -> torch.Tensor:
-        if self.fp8:  # stored (out, in), used transposed, as an FP8 GEMM wants it
-            return torch.empty(n_out, n_in, device="meta", dtype=self.wdt).t()
-        return self.weight(n_in, n_out)
-
-    def cache(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A KV cache's prior context: random values (zeros on meta)."""
-        if self.meta:
-            return torch.zeros(shape, device=self.dev, dtype=self.dt)
-        if self.on_gpu:
-            w = torch.randn(shape, generator=self.cuda_gen, device=self.dev, dtype=torch.float32)
-            return w.to(self.dt)
-        return torch.randn(shape, generator=self.gen, dtype=torch.float64).to(self.dt)
-
-
-def _mla_weights(c: ModelConfig, make: _Weights) -> dict[str, torch.Tensor]:
-    h, dq = c.num_heads, c.qk_nope_dim + c.qk_rope_dim
-    q_in = c.q_lora_rank or c.hidden
-    layer = {
-        "wq_b": make.linear(q_in, h * dq),
-        "wkv_a": make.linear(c.hidden, c.kv_lora_rank + c.qk_rope_dim),
-        "wkv_b": make.linear(c.kv_lora_rank, h * (c.qk_nope_dim + c.v_head_dim)),
-        # wkv_b split per head for the absorbed (decode) form, in the activations' dtype as
-        # engines keep them (BF16 batched GEMMs); views of wkv_b below when the weights hold
-        # values
-        "w_uk": make.weight(h, c.qk_nope_dim, c.kv_lora_rank),
-        "w_uv": make.weight(h, c.kv_lora_rank, c.v_head_dim),
-        "wo": make.linear(h * c.v_head_dim, c.hidden),
-    }
-    if not make.fp8:
-        # Real values: W_UK and W_UV are W_KV_B's own slices, so the absorbed (decode) and
-        # expanded (prefill) forms compute the same attention.
-        kv_b = layer["wkv_b"].view(c.kv_lora_rank, h, c.qk_nope_dim + c.v_head_dim)
-        layer["w_uk"] = kv_b[:, :, : c.qk_nope_dim].permute(1, 2, 0)
-        layer["w_uv"] = kv_b[:, :, c.qk_nope_dim :].transpose(0, 1)
-    if c.q_lora_rank:
-        layer["wq_a"] = make.linear(c.hidden, c.q_lora_rank)
-    return layer
-
-
-def _attention_weights(c: ModelConfig, make: _Weights) -> dict[str, torch.Tensor]:
-    if c.attention == "mla":
-        return _mla_weights(c, make)
-    qkv = c.num_heads * c.head_dim
-    return {"wqkv": make.weight(c.hidden, 3 * qkv), "wo": make.weight(qkv, c.hidden)}
-
-
-def _moe_weights(c: ModelConfig, make: _Weights) -> dict[str, torch.Tensor]:
-    layer = {"router": make.weight(c.hidden, c.num_experts)}
-    if c.num_shared_experts:
-        shared = c.num_shared_experts * c.moe_inter
-        layer["ws_gate_up"] = make.linear(c.hidden, 2 * shared)
-        layer["ws_down"] = make.linear(shared, c.hidden)
-    if make.meta:
-        # One grouped GEMM per projection over one EP rank's experts.
-        layer["w1"] = make.weight(c.local_experts, c.hidden, 2 * c.moe_inter, dtype=make.wdt)
-        layer["w2"] = make.weight(c.local_experts, c.moe_inter, c.hidden, dtype=make.wdt)
-    elif make.on_gpu:
-        # Every expert in this process; (experts, in, out) views of (experts, out, in)
-        # storage, the column-major operand grouped GEMM kernels take.
-        layer["w1"] = make.weight(c.num_experts, 2 * c.moe_inter, c.hidden).transpose(1, 2)
-        layer["w2"] = make.weight(c.num_experts, c.hidden, c.moe_inter).transpose(1, 2)
-    else:
-        experts = range(c.num_experts)
-        layer["w1"] = torch.stack([make.weight(c.hidden, 2 * c.moe_inter) for _ in experts])
-        layer["w2"] = torch.stack([make.weight(c.moe_inter, c.hidden) for _ in experts])
-    return layer
-
-
-def _layer_weights(c: ModelConfig, make: _Weights, index: int) -> dict[str, torch.Tensor]:
-    """Layer `index`: attention, then a dense MLP (the first num_dense_layers) or the MoE."""
-    layer = _attention_weights(c, make)
-    if index < c.num_dense_layers:
-        layer["w_gate_up"] = make.linear(c.hidden, 2 * c.dense_inter)
-        layer["w_down"] = make.linear(c.dense_inter, c.hidden)
-    else:
-        layer.update(_moe_weights(c, make))
-    return layer
-
-
 def _context_offsets(batch: Batch) -> tuple[list[int], int]:
     """Where each request's KV rows start (its context, then this step's tokens), and the
     cache length."""
@@ -341,8 +97,8 @@ class MoEModel:
         self.config = config
         self.batch = batch
         c = config
-        make = _Weights(config, seed)
-        self.layers = [_layer_weights(c, make, index) for index in range(c.num_layers)]
+        make = ModelWeights(config, seed)
+        self.layers = [layer_weights(c, make, index) for index in range(c.num_layers)]
         dev = c.tensor_device
         self._unit_scale = torch.ones((), device=dev, dtype=torch.float32)  # FP8 GEMM scales
         self._expert_ids = torch.arange(c.num_experts, device=dev)
@@ -383,13 +139,27 @@ class MoEModel:
     # ---------------------------------------------------------------------------------------
 
     def forward(
-        self, x: torch.Tensor, tokens: UBatchSlice | None = None, *, mode: str = "ht"
+        self,
+        x: torch.Tensor,
+        tokens: UBatchSlice | None = None,
+        *,
+        mode: str = "ht",
+        timeout_s: float | None = None,
     ) -> torch.Tensor:
-        """Run every layer on tokens `tokens.token_slice` of the batch (all tokens if None)."""
+        """Run every layer on tokens `tokens.token_slice` of the batch (all tokens if None).
+        With `timeout_s`, a forward still running after that many seconds raises TimeoutError
+        before its next layer (the serial step's bound; a ubatch's waits are bounded by
+        `run_ubatches`)."""
         if mode not in ("ht", "ll"):
             raise ValueError(f"mode must be 'ht' or 'll', got {mode!r}")
         start = 0 if tokens is None else tokens.token_slice.start
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for index, layer in enumerate(self.layers):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the forward ran past its {timeout_s:g} s timeout after {index} of "
+                    f"{len(self.layers)} layers"
+                )
             x = x + self._attention(index, layer, x, start)
             if index < self.config.num_dense_layers:
                 x = x + self._mlp(self._norm(x), layer["w_gate_up"], layer["w_down"])

@@ -36,7 +36,9 @@ class Step:
     device: Device
     mode: str
     slices: tuple[UBatchSlice, ...] | None = None
-    timeout_s: float = dbo.DEFAULT_TIMEOUT_S
+    # The ubatched step: how long a ubatch may wait (run_ubatches' timeout). The serial step:
+    # how long the whole forward may run (None: unbounded), checked between layers.
+    timeout_s: float | None = dbo.DEFAULT_TIMEOUT_S
     # Serial only: enter the device's thread scope, where the simulator attributes ops. The
     # bench's no-simulator baseline leaves it out, so nothing is intercepted.
     thread_scope: bool = True
@@ -87,17 +89,24 @@ class Step:
     def _serial(self) -> torch.Tensor:
         scope = self.device.thread_scope(None) if self.thread_scope else nullcontext()
         with dbo.use_device(self.device), scope:
-            return self.model.forward(self.x, None, mode=self.mode)
+            return self.model.forward(self.x, None, mode=self.mode, timeout_s=self.timeout_s)
 
     def _forward_ubatch(self, s: UBatchSlice) -> torch.Tensor:
         return self.model.forward(self.x[s.token_slice], s, mode=self.mode)
 
 
 def serial_step(
-    model: MoEModel, x: torch.Tensor, device: Device, *, mode: str, thread_scope: bool = True
+    model: MoEModel,
+    x: torch.Tensor,
+    device: Device,
+    *,
+    mode: str,
+    thread_scope: bool = True,
+    timeout_s: float | None = None,
 ) -> Step:
-    """The model's plain forward of the whole batch, as one thread."""
-    return Step(model, x, device, mode, thread_scope=thread_scope)
+    """The model's plain forward of the whole batch, as one thread; with `timeout_s`, a
+    forward still running after that many seconds raises TimeoutError between layers."""
+    return Step(model, x, device, mode, timeout_s=timeout_s, thread_scope=thread_scope)
 
 
 def ubatched_step(

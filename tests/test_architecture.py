@@ -34,7 +34,6 @@ MAX_FUNCTION_LINES = 60
 
 # Violations in files other helpers are fixing on their branches; the lead drops these marks
 # once those branches are merged.
-_BEING_FIXED = pytest.mark.xfail(strict=False, reason="violations being fixed on other branches")
 
 
 @dataclass(frozen=True)
@@ -321,25 +320,21 @@ def modules() -> dict[str, Module]:
 # The tree
 
 
-@_BEING_FIXED
 def test_the_import_graph_has_no_cycle(modules):
     cycles = import_cycles(modules)
     assert not cycles, "import cycle(s):\n" + "\n".join(cycles)
 
 
-@_BEING_FIXED
 def test_no_module_is_over_600_lines(modules):
     found = long_modules(modules)
     assert not found, "modules over 600 lines:\n" + "\n".join(found)
 
 
-@_BEING_FIXED
 def test_no_function_is_over_60_lines(modules):
     found = long_functions(modules)
     assert not found, "functions over 60 lines:\n" + "\n".join(found)
 
 
-@_BEING_FIXED
 def test_no_module_uses_another_modules_private_name(modules):
     found = private_name_uses(modules)
     assert not found, "private names used across modules:\n" + "\n".join(found)

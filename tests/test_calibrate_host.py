@@ -12,8 +12,9 @@ from scenarios.cli import main
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_sim_calibration_measures_a_handoff_and_no_launches(capsys):
-    assert main(["calibrate-host", "--device", "sim", "--quick", "--json"]) == 0
+def test_sim_calibration_measures_a_handoff_and_no_launches(capsys, tmp_path):
+    argv = ["calibrate-host", "--device", "sim", "--quick", "--json", "--out", str(tmp_path / "c")]
+    assert main(argv) == 0
     costs = json.loads(capsys.readouterr().out)
     assert costs["device"] == "sim"
     assert costs["handoff_us"] > 0
@@ -28,8 +29,9 @@ def test_cuda_calibration_without_a_gpu_says_so_and_exits_2(capsys):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_calibration_measures_launches_and_a_handoff(capsys):
-    assert main(["calibrate-host", "--device", "cuda", "--quick", "--json"]) == 0
+def test_cuda_calibration_measures_launches_and_a_handoff(capsys, tmp_path):
+    argv = ["calibrate-host", "--device", "cuda", "--quick", "--json", "--out", str(tmp_path / "c")]
+    assert main(argv) == 0
     costs = json.loads(capsys.readouterr().out)
     assert (
         costs["elementwise_launch_us"] > 0

@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,11 @@ def _one_refusal(capsys) -> str:
         ["sweep", "--decode", "abc"],
         ["sweep", "--decode", "1"],
         ["sweep", "-n", "4", "--prefill", "3"],
+        ["sweep", "--layers", "100000"],
+        ["sweep", "--layers", "0"],
+        ["sweep", "--decode", "10000000000"],
+        ["sweep", "--prefill", "10000000000"],
+        ["sweep", "--context", "10000000000"],
         ["stress", "--timeout", "nan"],
         ["stress", "--timeout", "-1"],
         ["stress", "--timeout", "0"],
@@ -86,6 +92,22 @@ def test_a_sweep_token_count_below_the_ubatch_count_names_both(capsys):
     assert main(["sweep", "-n", "4", "--decode", "16", "3"]) == 2
     line = _one_refusal(capsys)
     assert "--decode 3" in line and "4 ubatches" in line
+
+
+def test_sweep_layers_beyond_the_model_are_refused_naming_the_range(capsys):
+    assert main(["sweep", "--layers", "100000"]) == 2
+    assert "--layers: must be between 1 and 61, got 100000" in _one_refusal(capsys)
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_point_past_its_timeout_is_a_failed_row_and_the_sweep_goes_on(capsys, tmp_path):
+    argv = ["sweep", "--layers", "2", "--decode", "16", "--prefill", "1024", "--out", str(tmp_path)]
+    assert main([*argv, "--timeout", "0.000001"]) == 1
+    out, err = capsys.readouterr()
+    failed = [line for line in out.splitlines() if "FAILED:" in line]
+    assert [line.split()[:2] for line in failed] == [["decode", "16"], ["prefill", "1024"]]
+    assert all("TimeoutError: the forward ran past" in line for line in failed)  # serial half
+    assert "2 point(s) FAILED" in out and "Traceback" not in out + err
 
 
 def test_sweep_prefill_without_a_value_is_refused_not_defaulted(capsys, monkeypatch):
@@ -300,8 +322,9 @@ def test_list_json_describes_every_scenario(capsys):
 
 
 @pytest.mark.timeout(60)
-def test_calibrate_host_is_a_verb(capsys):
-    assert main(["calibrate-host", "--device", "sim", "--quick", "--json"]) == 0
+def test_calibrate_host_is_a_verb(capsys, tmp_path):
+    argv = ["calibrate-host", "--device", "sim", "--quick", "--json", "--out", str(tmp_path / "h")]
+    assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["handoff_us"] > 0
 
 
@@ -398,3 +421,64 @@ def test_every_verb_is_one_row_of_the_table_and_its_tool_has_one_shape(capsys):
         assert verb.name in listed
         assert callable(verb.tool.add_arguments) and callable(verb.tool.run)
         assert not hasattr(verb.tool, "main")  # no second way in beside the CLI
+
+
+# ------------------------------------------------------------------ the first hour's rough edges
+
+
+@pytest.mark.timeout(60)
+def test_without_the_projects_python_the_cli_is_one_line_naming_the_fix(tmp_path):
+    bare = _python_without_torch()
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [*bare, "-m", "scenarios", "list"],
+        capture_output=True, text=True, timeout=50, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("dbo-sim: torch is not installed for ") and "make install" in line
+    assert ". .venv/bin/activate" in line
+
+
+def _python_without_torch() -> list[str]:
+    """The system's python3 when it lacks torch (as on a fresh machine), else this Python
+    without its site-packages (-S), which lacks torch just the same."""
+    system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+    if system is not None:
+        probe = subprocess.run([system, "-c", "import torch"], capture_output=True, timeout=30)
+        if probe.returncode != 0:
+            return [system]
+    return [sys.executable, "-S"]
+
+
+@pytest.mark.timeout(60)
+def test_calibrate_host_on_sim_says_why_launches_are_not_measured_and_what_it_wrote(
+    capsys, tmp_path
+):
+    out = tmp_path / "costs.json"
+    assert main(["calibrate-host", "--device", "sim", "--quick", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "  -" not in text and text.count("not measured: the simulated device prices") == 2
+    assert f"wrote {out}" in text
+    assert json.loads(out.read_text())["handoff_us"] > 0
+
+
+def test_calibrate_host_refuses_an_out_it_cannot_write_before_measuring(capsys, unwritable):
+    assert main(["calibrate-host", "--device", "sim", "--out", str(unwritable / "c.json")]) == 2
+    assert "cannot create or write" in _one_refusal(capsys)
+
+
+@pytest.mark.timeout(120)
+def test_run_window_prints_each_written_file_with_its_folder(capsys, tmp_path):
+    argv = ["run", "moe-decode-ll", "--out", str(tmp_path), "--window", "0:50"]
+    assert main(argv) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("windowed: ")]
+    paths = line.removeprefix("windowed: ").split(", ")
+    assert len(paths) == 2 and all(Path(p).parent == tmp_path and Path(p).is_file() for p in paths)
+
+
+@pytest.mark.timeout(180)
+def test_run_across_ranks_says_first_whether_its_clock_is_calibrated(capsys):
+    assert main(["run", "--ranks", "2", "moe-prefill-ht", "--no-artifacts"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("simulated h200: calibrated (")

@@ -123,7 +123,10 @@ def test_fixture_works_in_a_users_test_file(user_run, test):
 def test_dbo_verify_fails_the_users_test_with_the_description(user_run):
     assert outcome(user_run, "test_dbo_verify_fails_a_racy_forward") == "FAILED"
     assert "dbo.verify: FAILED" in user_run.stdout
-    assert "race on storage" in user_run.stdout
+    assert "in 1 cause(s)" in user_run.stdout  # the races grouped by the one missing wait
+    assert "missing: stream 'comm' does not wait for stream 'compute'" in user_run.stdout
+    assert "fix:     record an event on stream 'compute'" in user_run.stdout
+    assert "Race on storage" in user_run.stdout  # and the first race in full, with stacks
     assert user_run.returncode == 1
 
 

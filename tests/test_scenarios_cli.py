@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,13 @@ import torch
 
 import dbo
 from dbo.sim import SimDevice
-from scenarios import catalog, cli
+from scenarios import catalog, fault_scenarios
 from scenarios.cli import main
-from scenarios.harness import new_device
+from scenarios.harness import RunOptions, new_device
 from scenarios.model import MoEModel
-from scenarios.tools.progress import Progress
+from scenarios.tools import run as run_tool
+from scenarios.tools.progress import progress_bar
+from scenarios.tools.run_table import launch_bound_note
 from scenarios.tools.sweep import SweepPoint, pays_from, run_sweep
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,6 +44,7 @@ JSON_FIELDS = {
     "timeline_png": (str, type(None)),
     "wall_s": float,
     "details": dict,
+    "clock": str,
 }
 
 
@@ -114,6 +118,14 @@ def test_json_report_follows_the_documented_schema(capsys, tmp_path):
     assert overlap["step_us_serial"] > 0 and overlap["step_us_dbo"] > 0
     assert overlap["speedup"] == pytest.approx(overlap["step_us_serial"] / overlap["step_us_dbo"])
     assert reports[1]["negative"] is True
+
+
+@pytest.mark.parametrize(
+    "profile, word", [("h200", "calibrated"), ("h100", "calibrated"), ("b200", "UNCALIBRATED")]
+)
+def test_each_json_report_says_whether_its_clock_is_calibrated(capsys, profile, word):
+    _, reports = _run_json(capsys, "moe-decode-ll", "--profile", profile, "--no-artifacts")
+    assert reports[0]["clock"].startswith(f"simulated {profile}: {word} (")
 
 
 def test_run_writes_a_trace_and_a_timeline_per_scenario(capsys, tmp_path):
@@ -193,7 +205,7 @@ def test_run_without_names_runs_every_default_scenario(capsys, monkeypatch):
     seen: list = []
     for name in ("fake-a", "fake-b", "fake-c"):
         monkeypatch.setitem(catalog.SCENARIOS, name, _fake(name, seen))
-    monkeypatch.setattr(cli, "DEFAULT_SCENARIOS", ["fake-a", "fake-c"])
+    monkeypatch.setattr(run_tool, "DEFAULT_SCENARIOS", ["fake-a", "fake-c"])
     assert main(["run", "--no-artifacts"]) == 0
     assert [name for name, _ in seen] == ["fake-a", "fake-c"]
 
@@ -245,33 +257,39 @@ def test_a_simulator_only_scenario_on_cuda_is_refused_naming_it(capsys):
     assert "dcp-attention: simulator-only" in capsys.readouterr().err
 
 
+class _Terminal(io.StringIO):
+    """A captured stream that says it is a terminal, as a user's stderr is."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def test_progress_bar_draws_on_a_terminal():
-    stream = io.StringIO()
-    bar = Progress(2, "scenarios", stream=stream, enabled=True)
-    bar.update("first: pass")
-    bar.update("second: pass")
-    bar.close()
+    stream = _Terminal()
+    with progress_bar(2, "scenarios", stream=stream, unit="scenario") as bar:
+        bar.set_postfix_str("first")
+        for _ in range(2):
+            bar.update()
+            bar.refresh()  # tqdm redraws at most every 0.1 s; a test is quicker than that
     drawn = stream.getvalue()
-    assert "scenarios [" + "#" * 14 + "-" * 14 + "] 1/2" in drawn
-    assert "] 2/2" in drawn and "second: pass" in drawn and drawn.endswith("\n")
+    assert "scenarios" in drawn and "1/2" in drawn and "2/2" in drawn and "first" in drawn
 
 
 def test_progress_bar_is_silent_off_a_terminal_and_in_json_mode(capsys, monkeypatch):
-    stream = io.StringIO()
-    bar = Progress(3, "x", stream=stream)  # a StringIO is not a terminal
-    bar.update("note")
-    bar.close()
-    assert stream.getvalue() == ""
-    drawn: list = []
-
-    class Recording(Progress):
-        def update(self, note: str = "", step: int = 1) -> None:
-            drawn.append(self.enabled)
-            super().update(note, step)
-
-    monkeypatch.setattr(cli, "Progress", Recording)
+    off_terminal = io.StringIO()  # a StringIO is not a terminal
+    quiet = _Terminal()
+    for stream, bar in (
+        (off_terminal, progress_bar(3, "x", stream=off_terminal)),
+        (quiet, progress_bar(3, "x", stream=quiet, quiet=True)),
+    ):
+        bar.update()
+        bar.close()
+        assert stream.getvalue() == ""
+    monkeypatch.setattr(sys, "stderr", _Terminal())
     assert main(["stress", "--threads", "2", "--iterations", "60", "--json"]) == 0
-    assert drawn and not any(drawn)
+    assert sys.stderr.getvalue() == ""
+    assert main(["stress", "--threads", "2", "--iterations", "60"]) == 0
+    assert "stress x2" in sys.stderr.getvalue()  # the same run, on a terminal, draws
 
 
 def test_table_output_and_exit_status_when_a_scenario_fails(capsys, monkeypatch):
@@ -301,7 +319,7 @@ def test_a_scenario_that_raises_is_a_failed_verdict_not_a_crash(capsys, monkeypa
 
 def test_missing_wait_scenario_fails_if_the_wait_is_present(capsys, monkeypatch):
     # Without the seeded bug nothing races, and the negative scenario must then fail.
-    monkeypatch.setattr(catalog._NoWaitModel, "_yield_to_comm", catalog.MoEModel._yield_to_comm)
+    monkeypatch.setattr(fault_scenarios.NoWaitModel, "_yield_to_comm", MoEModel._yield_to_comm)
     code, (report,) = _run_json(capsys, "missing-wait-race", "--no-artifacts")
     assert code == 1 and report["passed"] is False and report["races"] == 0
 
@@ -409,7 +427,7 @@ def test_sweep_writes_csv_and_plot(capsys, tmp_path):
 def test_sweep_shows_dbo_losing_on_small_decode_and_paying_on_large_prefill():
     # Virtual time: deterministic, not a timed assertion.
     small, large = run_sweep(
-        cli.RunOptions(), decode_tokens=(16,), prefill_tokens=(8192,), num_layers=2
+        RunOptions(), decode_tokens=(16,), prefill_tokens=(8192,), num_layers=2
     )
     assert small.phase == "decode" and small.speedup < 1.0
     assert large.phase == "prefill" and large.speedup > 1.0
@@ -482,3 +500,37 @@ def test_a_reduced_sweep_model_keeps_its_dense_to_moe_mix():
     full = preset("deepseek-v3")
     assert [reduced(full, n).num_dense_layers for n in (1, 2, 20, 61)] == [0, 0, 1, 3]
     assert reduced(full, 2).num_layers == 2
+
+
+_RACE_RED = (0xE4, 0x1A, 0x1C)  # dbo.sim.plot's colour for races and a failed step's stop
+
+
+def _marked_pixels(png: str) -> int:
+    import matplotlib.image
+
+    rgb = matplotlib.image.imread(png)[..., :3] * 255
+    return int((abs(rgb - _RACE_RED) < 4).all(axis=-1).sum())
+
+
+@pytest.mark.parametrize("name", ["missing-wait-race", "exception-in-ubatch", "yield-mismatch"])
+def test_a_negative_scenarios_png_marks_its_fault(capsys, tmp_path, name):
+    code, (report,) = _run_json(capsys, name, "--out", str(tmp_path))
+    assert code == 0 and report["passed"]
+    assert _marked_pixels(report["timeline_png"]) > 20
+
+
+def test_a_positive_scenarios_png_has_no_fault_mark(capsys, tmp_path):
+    code, (report,) = _run_json(capsys, "moe-decode-ll", "--out", str(tmp_path))
+    assert code == 0 and _marked_pixels(report["timeline_png"]) == 0
+
+
+def test_the_run_table_says_why_a_tiny_value_check_is_slower_under_dbo(capsys):
+    assert main(["run", "moe-decode-ll", "--no-artifacts"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "moe-decode-ll" in notes[0] and "launch-bound" in notes[0]
+
+
+def test_no_launch_bound_note_when_every_value_check_gains():
+    gains = catalog.ScenarioResult("x", passed=True, outputs_match=True, speedup=1.2)
+    timing_only = catalog.ScenarioResult("y", passed=True, speedup=0.8)  # meta: no values
+    assert launch_bound_note([gains, timing_only]) is None

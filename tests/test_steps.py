@@ -135,3 +135,18 @@ def test_a_graph_replayed_comparison_matches_the_eager_one_and_issues_nothing_on
     # Replay launches the whole graph at once: the tiny, launch-bound step gets faster.
     assert replayed.serial.step_us < eager.serial.step_us
     assert replayed.dbo.step_us < eager.dbo.step_us
+
+
+def test_a_serial_step_past_its_timeout_raises_between_layers():
+    model = _model()
+    serial = serial_step(model, model.inputs(), SimDevice(), mode="ll", timeout_s=1e-9)
+    reset_workspace_manager()
+    with pytest.raises(TimeoutError, match=r"ran past its 1e-09 s timeout after \d+ of 3 layers"):
+        serial()
+
+
+def test_a_serial_step_without_a_timeout_runs_to_the_end():
+    model = _model()
+    serial = serial_step(model, model.inputs(), SimDevice(), mode="ll")
+    prepare("cpu", 1, [serial])
+    assert serial.timeout_s is None and serial.output().shape == model.inputs().shape

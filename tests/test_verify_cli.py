@@ -82,7 +82,7 @@ def test_a_correct_forward_exits_0_with_the_report(user_module, capsys):
 def test_a_racy_forward_exits_1(user_module, capsys):
     code = run_cli(["verify", "user_model:racy_forward", "--inputs", "user_model:make_batch"])
     assert code == 1
-    assert "race on storage" in capsys.readouterr().out
+    assert "missing: stream 'comm' does not wait for stream 'compute'" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(60)
@@ -190,3 +190,96 @@ def test_the_tool_runs_from_any_parser_its_arguments_were_added_to(user_module, 
     args = parser.parse_args(["user_model:forward", "--inputs", "user_model:make_batch"])
     assert verify_cli.run(args) == 0
     assert "ok" in capsys.readouterr().out.lower()
+
+
+BROKEN_IMPORT = "import no_such_package_anywhere\n\ndef forward(x):\n    return x\n"
+EXITS_AT_IMPORT = "import sys\n\nsys.exit(3)\n\ndef forward(x):\n    return x\n"
+
+
+def one_line_exit_2(argv: list[str], capsys) -> str:
+    code = run_cli(["verify", *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("dbo-sim: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.timeout(60)
+def test_a_py_file_whose_import_fails_is_one_line(user_module, tmp_path, capsys):
+    (tmp_path / "broken.py").write_text(BROKEN_IMPORT)
+    err = one_line_exit_2(
+        [str(tmp_path / "broken.py") + ":forward", "--inputs", "user_model:make_batch"], capsys
+    )
+    assert "no_such_package_anywhere" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_module_calling_sys_exit_at_import_is_refused_in_one_line(user_module, tmp_path, capsys):
+    (tmp_path / "exits.py").write_text(EXITS_AT_IMPORT)
+    err = one_line_exit_2(["exits:forward", "--inputs", "user_model:make_batch"], capsys)
+    assert "sys.exit(3)" in err and "__main__" in err
+
+
+@pytest.mark.timeout(60)
+def test_out_naming_an_existing_file_is_refused_before_any_work(user_module, tmp_path, capsys):
+    (tmp_path / "taken").write_text("")
+    err = one_line_exit_2(
+        ["user_model:broken_forward", "--inputs", "user_model:make_batch", "--out", "taken"],
+        capsys,
+    )
+    assert "--out" in err and "is a file" in err  # refused before the forward could raise
+
+
+@pytest.mark.timeout(60)
+def test_an_unwritable_out_is_refused_before_any_work(user_module, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    err = one_line_exit_2(
+        ["user_model:broken_forward", "--inputs", "user_model:make_batch", "--out", "file/sub"],
+        capsys,
+    )
+    assert "--out" in err and "cannot" in err
+
+
+@pytest.mark.timeout(60)
+def test_race_order_adversarial_shows_what_the_race_changes(user_module, capsys):
+    code = run_cli(
+        [
+            "verify",
+            "user_model:racy_forward",
+            "--inputs",
+            "user_model:make_batch",
+            "--race-order",
+            "adversarial",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "adversarial order" in out and "the race changes values" in out
+
+
+@pytest.mark.timeout(60)
+def test_race_order_adversarial_on_cuda_is_a_bad_command_line(user_module, capsys):
+    argv = ["user_model:forward", "--inputs", "user_model:make_batch", "--race-order"]
+    err = one_line_exit_2([*argv, "adversarial", "--device", "cuda"], capsys)
+    assert "adversarial" in err or "CUDA" in err
+
+
+HANGS_SERIALLY = (
+    "import threading\n\nimport dbo\n\nRELEASE = threading.Event()\n\n\n"
+    "def forward(x):\n    if not dbo.dbo_enabled():\n        RELEASE.wait(10)\n    return x\n"
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_serial_run_past_the_timeout_exits_1_saying_where_it_hangs(user_module, tmp_path, capsys):
+    (tmp_path / "hangs.py").write_text(HANGS_SERIALLY)
+    try:
+        code = run_cli(
+            ["verify", "hangs:forward", "--inputs", "user_model:make_batch", "--timeout", "0.5"]
+        )
+    finally:
+        sys.modules["hangs"].RELEASE.set()
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "did not finish within 0.5 s" in err and "hangs.py" in err
+    assert "Traceback" not in err

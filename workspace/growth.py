@@ -86,6 +86,9 @@ class SlotStore:
         self.alloc_context = alloc_context
         self.slots: list[torch.Tensor | None] = [None] * (num_ubatches * num_lanes)
         self.generations = [0] * len(self.slots)
+        # Kept as slots come and go: summing every slot on each install made one growth cost
+        # slots x ubatches, minutes at a thousand threads.
+        self.live_bytes = 0
         self.ledger = BufferLedger(BUFFER_HISTORY)
         self.growths: list[GrowthRecord] = []
         self.failed_growths = 0
@@ -173,7 +176,7 @@ class SlotStore:
         if orphaned:
             self.ledger.orphaning_events += 1
         if debug_enabled():
-            total = sum(nbytes_of(b) for b in self.slots)
+            total = self.live_bytes
             logger.info(
                 "workspace resized by '%s': %s -> %s per slot (%d slots, total %s; "
                 "orphaned now %s)",
@@ -227,6 +230,7 @@ class SlotStore:
         ref = storage_ref(buffer)
         ptr, nbytes = buffer.data_ptr(), buffer.numel()
         self.slots[k] = None
+        self.live_bytes -= nbytes
         del buffer  # the last reference the store holds: memory goes back now, unless held
         return self.ledger.retire(k, self.generations[k], ptr, nbytes, ref)
 
@@ -249,7 +253,8 @@ class SlotStore:
             )
         self.slots[k] = buffer
         self.generations[k] += 1
-        alive = sum(nbytes_of(b) for b in self.slots) + self.ledger.orphaned_bytes()
+        self.live_bytes += nbytes_of(buffer)
+        alive = self.live_bytes + self.ledger.orphaned_bytes()
         self.peak_bytes = max(self.peak_bytes, alive)
 
     def _roll_back(self, slots: range, old_bytes: int) -> None:

@@ -107,9 +107,12 @@ def plot_timeline(
     title: str | None = None,
     races: Sequence[RaceReport] = (),
     window: Window | None = None,
+    failure: tuple[float, str] | None = None,
 ) -> Path:
-    """Draw the timeline of `records` (one or many ranks) to a PNG at `path`; returns the path."""
-    return plot_runs(path, [TraceRun(None, list(records), races)], title=title, window=window)
+    """Draw the timeline of `records` (one or many ranks) to a PNG at `path`; returns the path.
+    `failure` (time in us, label) marks where a failed step stopped."""
+    run = TraceRun(None, list(records), races)
+    return plot_runs(path, [run], title=title, window=window, failure=failure)
 
 
 def plot_runs(
@@ -118,9 +121,11 @@ def plot_runs(
     *,
     title: str | None = None,
     window: Window | None = None,
+    failure: tuple[float, str] | None = None,
 ) -> Path:
     """Draw several runs (a serial and a DBO one) one above the other on one time axis, races
-    marked on both of their ops; returns the path."""
+    marked on both of their ops, and `failure` (time in us, label) as a red line where a
+    failed step stopped; returns the path."""
     # Imported here so importing dbo.sim never pays matplotlib's import cost.
     from matplotlib.figure import Figure
 
@@ -143,6 +148,11 @@ def plot_runs(
     _draw_bars(ax, runs, lanes, t0, span / _BINS)
     _draw_races(ax, runs, lanes)
     _draw_run_separators(ax, lanes)
+    failure_handles = []
+    if failure is not None:
+        line = ax.axvline(failure[0], color=_RACE_COLOR, linestyle="--", linewidth=1.5)
+        line.set_label(failure[1])
+        failure_handles.append(line)
 
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels([_lane_label(lane) for lane in lanes])
@@ -153,7 +163,7 @@ def plot_runs(
     if not everything:
         ax.text(0.5, 0.5, "no ops", ha="center", va="center", transform=ax.transAxes)
     ax.legend(
-        handles=legend_handles(runs, lanes),
+        handles=legend_handles(runs, lanes) + failure_handles,
         loc="upper left",
         bbox_to_anchor=(1.005, 1.0),
         fontsize=8,

@@ -117,8 +117,8 @@ class RaceReport:
             ]
             lines += stack(self.freed_allocation)
             lines += [
-                "  Order the free after the pending work: tensor.record_stream(stream)",
-                "  (device.record_stream on the simulated device) or an event wait.",
+                "  Order the free after the pending work: dbo.record_stream(tensor, stream)",
+                "  (the same call on CUDA and the simulated device) or an event wait.",
             ]
         if self.allocation:
             lines.append("  The memory was allocated at:")

@@ -8,9 +8,10 @@ measures the handoff alone, on any machine):
   `dbo.run_ubatches` on the given device.
 
 On a GPU it uses `dbo.CudaDevice`; without one it can still measure the handoff on the
-simulated device (`--device sim`), which has no real launches to time. The H200 profile's
-host costs came from this measurement on an H200 host (the values and their date are in
-`dbo.sim.hardware` and the README). Use the output with
+simulated device (`--device sim`), which has no real launches to time (its launch rows say
+so). The H200 profile's host costs came from this measurement on an H200 host (the values are
+in `dbo.sim.hardware`). The result is written as JSON to `--out` (default
+`out/host-costs.json`, checked writable before anything is measured); use it with
 `dataclasses.replace(profile, launch_us=..., handoff_us=...)` or the `SimDevice` options.
 """
 
@@ -22,15 +23,18 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 import dbo
 from dbo.devices import resolve_device
 from dbo.streams import Device
-from scenarios.tools.usage import UsageError
+from scenarios.tools.usage import UsageError, writable_file
 
 DESCRIPTION = __doc__.splitlines()[0] + " Needs a CUDA GPU unless --device sim."
+DEFAULT_OUT = "out/host-costs.json"
+NOT_MEASURED = "not measured: the simulated device prices launches from its profile"
 NO_GPU_MESSAGE = (
     "no CUDA GPU present: nothing to measure (`--device sim` measures the handoff alone)"
 )
@@ -106,22 +110,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"JSON file the result is written to ({DEFAULT_OUT})"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """`dbo-sim calibrate-host`: measure and print; refuses before any work without a GPU."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(NO_GPU_MESSAGE)
+    out = Path(args.out)
+    writable_file(out)
     costs = calibrate(args.device, quick=args.quick)
+    out.write_text(json.dumps(asdict(costs), indent=1) + "\n")
     if args.json:
         print(json.dumps(asdict(costs)))
         return 0
 
     def fmt(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f} us"
+        return NOT_MEASURED if value is None else f"{value:.2f} us"
 
     print(f"host costs on {costs.device}:")
     print(f"  eager launch, tiny elementwise op: {fmt(costs.elementwise_launch_us)}")
     print(f"  eager launch, 64x64 matmul:        {fmt(costs.matmul_launch_us)}")
     print(f"  dbo_yield handoff:                 {fmt(costs.handoff_us)}")
+    print(
+        f"wrote {out}; give a profile these costs with dataclasses.replace(profile, "
+        "launch_us=..., handoff_us=...)"
+    )
     return 0

@@ -51,6 +51,7 @@ from scenarios.tools.fidelity_rows import (
 )
 from scenarios.tools.fidelity_scale import scale_rows
 from scenarios.tools.fidelity_steps import sglang_rows, vllm_rows
+from scenarios.tools.progress import progress_bar
 from scenarios.tools.usage import Interrupted
 
 __all__ = [
@@ -159,8 +160,15 @@ def run(args: argparse.Namespace) -> int:
     """The table (or JSON). Exit status 0 whether or not every target is met: the table is the
     result; a missed target is a finding, not a failure of the command."""
     report = FidelityReport([], {}, args.quick, 0.0, {})
+    bar = progress_bar(None, "fidelity", quiet=args.json, unit="point")
+
+    def on_point(what: str) -> None:
+        bar.set_postfix_str(what)
+        bar.update()
+
     try:
-        run_fidelity(args.quick, partial=report)
+        with bar:
+            run_fidelity(args.quick, on_point=on_point, partial=report)
     except KeyboardInterrupt:
         if report.rows and not args.json:
             print(format_table(report))

@@ -14,12 +14,15 @@ same context as the `dsv3-decode-ll` scenario, so the sweep's 256-token point is
 scenario's step; prefill points are 4096-token prompts (the last one shorter when the count is
 not a multiple; a count below 4096 is one prompt), and `describe_prefill` says which for the
 points a sweep runs. `CsvSink` writes each point as it finishes, so an interrupted sweep keeps the
-points it computed.
+points it computed; a point whose step fails (a step past `--timeout`, the serial one included)
+is a FAILED row, and the sweep goes on to the next point.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
+import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -28,11 +31,31 @@ from typing import IO
 from dbo.jsonsafe import finite_or_none
 from scenarios.harness import RunOptions, compare_serial_dbo
 from scenarios.model import Batch, ModelConfig, preset
+from scenarios.tools.common import add_run_options, run_options
+from scenarios.tools.progress import emit, progress_bar
+from scenarios.tools.usage import Interrupted, UsageError, int_in, one_line, writable_dir
 
 DECODE_TOKENS = (16, 32, 64, 128, 256, 512)
 PREFILL_TOKENS = (1024, 2048, 4096, 8192, 16384)
 DECODE_CONTEXT = 2048  # tokens in each decode request's KV cache, as in dsv3-decode-ll
 PREFILL_PROMPT = 4096  # tokens per prefill prompt, as in SGLang's prefill benchmark
+# Far above any engine's per-device batch and context, and small enough that a point's
+# host-side metadata (a token-to-request map, the KV offsets) fits in memory.
+MAX_TOKENS_PER_DEVICE = 1 << 18
+MAX_CONTEXT = 1 << 20
+FULL_LAYERS = 61  # DeepSeek-V3's
+
+
+@dataclass(frozen=True)
+class SweepFailure:
+    """A point whose step raised (a step past the timeout, say): reported, then skipped."""
+
+    phase: str
+    tokens_per_device: int
+    error: str
+
+    def to_dict(self) -> dict[str, int | str]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -143,9 +166,12 @@ def run_sweep(
     num_layers: int | None = None,
     context_len: int = DECODE_CONTEXT,
     on_point: Callable[[SweepPoint], None] | None = None,
+    on_failure: Callable[[SweepFailure], None] | None = None,
 ) -> list[SweepPoint]:
-    """One point per token count; `on_point` hears each as it finishes. Raises ValueError
-    before any work for counts the ubatches cannot split or a context below 1."""
+    """One point per token count; `on_point` hears each as it finishes. A point whose step
+    raises is passed to `on_failure` and skipped (without `on_failure`, the error propagates).
+    Raises ValueError before any work for counts the ubatches cannot split or a context
+    below 1."""
     problem = check_points(decode_tokens, prefill_tokens, opts.num_ubatches)
     if problem is None and context_len < 1:
         problem = f"context_len must be >= 1, got {context_len}"
@@ -159,29 +185,40 @@ def run_sweep(
     for phase, tokens_list in (("decode", decode_tokens), ("prefill", prefill_tokens)):
         mode = "ll" if phase == "decode" else "ht"
         for tokens in tokens_list:
-            batch = _batch(phase, tokens, context_len)
-            # Decode replays a captured graph, as an engine runs it (and dsv3-decode-ll does).
-            c = compare_serial_dbo(
-                f"sweep-{phase}-{tokens}", config, batch, mode, no_artifacts,
-                graph=phase == "decode",
-            )  # fmt: skip
-            s = c.dbo.summary
-            point = SweepPoint(
-                phase=phase,
-                tokens_per_device=tokens,
-                step_us_serial=c.serial.step_us,
-                step_us_dbo=c.dbo.step_us,
-                speedup=c.speedup,
-                overlap_fraction=s.overlap_fraction,
-                exposed_comm_us=s.exposed_comm_us,
-                comm_us=s.comm_us,
-                compute_us=s.compute_us,
-                context_len=context_len if phase == "decode" else 0,
-            )
+            try:
+                point = _point(config, phase, mode, tokens, context_len, no_artifacts)
+            except Exception as error:  # noqa: BLE001 - a failed point is reported, as `run` does
+                if on_failure is None:
+                    raise
+                on_failure(SweepFailure(phase, tokens, f"{type(error).__name__}: {error}"))
+                continue
             points.append(point)
             if on_point is not None:
                 on_point(point)
     return points
+
+
+def _point(
+    config: ModelConfig, phase: str, mode: str, tokens: int, context_len: int, opts: RunOptions
+) -> SweepPoint:
+    batch = _batch(phase, tokens, context_len)
+    # Decode replays a captured graph, as an engine runs it (and dsv3-decode-ll does).
+    c = compare_serial_dbo(
+        f"sweep-{phase}-{tokens}", config, batch, mode, opts, graph=phase == "decode"
+    )
+    s = c.dbo.summary
+    return SweepPoint(
+        phase=phase,
+        tokens_per_device=tokens,
+        step_us_serial=c.serial.step_us,
+        step_us_dbo=c.dbo.step_us,
+        speedup=c.speedup,
+        overlap_fraction=s.overlap_fraction,
+        exposed_comm_us=s.exposed_comm_us,
+        comm_us=s.comm_us,
+        compute_us=s.compute_us,
+        context_len=context_len if phase == "decode" else 0,
+    )
 
 
 class CsvSink:
@@ -253,3 +290,129 @@ def plot_sweep(path: Path, points: Sequence[SweepPoint]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# The verb: `dbo-sim sweep`
+
+_COLUMNS = (
+    f"{'phase':8} {'tokens':>7} {'serial us':>10} {'dbo us':>10} {'gain':>7} "
+    f"{'overlap':>8} {'comm/compute':>13}"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_run_options(p)
+    tokens = int_in(1, MAX_TOKENS_PER_DEVICE)
+    p.add_argument("--decode", type=tokens, nargs="+", help="decode tokens per device to try")
+    p.add_argument("--prefill", type=tokens, nargs="+", help="prefill tokens per device to try")
+    p.add_argument(
+        "--context",
+        type=int_in(1, MAX_CONTEXT),
+        default=DECODE_CONTEXT,
+        help=f"KV-cache tokens per decode request (default {DECODE_CONTEXT}, as dsv3-decode-ll)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int_in(1, FULL_LAYERS),
+        default=None,
+        help=f"fewer layers than DeepSeek-V3's {FULL_LAYERS} (1 to {FULL_LAYERS}; faster); "
+        "dense and MoE layers kept in proportion",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """`dbo-sim sweep`: one row per point, then where DBO pays; writes sweep.csv and
+    sweep.png. 0 when every point ran, 1 when one failed."""
+    decode = args.decode or DECODE_TOKENS
+    prefill = args.prefill or PREFILL_TOKENS
+    problem = check_points(decode, prefill, args.ubatches)
+    if problem is not None:
+        raise UsageError(problem)
+    opts = run_options(args)
+    out = Path(args.out)
+    writable_dir(out)
+    if not args.json:
+        print(_header(args, prefill))
+        print(_COLUMNS)
+    sink = CsvSink(out / "sweep.csv")
+    failures: list[SweepFailure] = []
+    points: list[SweepPoint] = []
+    try:
+        points = _run_points(args, opts, decode, prefill, sink, failures)
+    except KeyboardInterrupt:
+        raise Interrupted(f"the sweep points that finished are above and in {sink.path}") from None
+    finally:
+        sink.close()
+    png_path = plot_sweep(out / "sweep.png", points)
+    if not args.json:
+        _print_summary(points, failures, sink.path, png_path)
+    return 1 if failures else 0
+
+
+def _header(args: argparse.Namespace, prefill: Sequence[int]) -> str:
+    layers = f"{args.layers} of {FULL_LAYERS} layers" if args.layers else f"{FULL_LAYERS} layers"
+    return (
+        f"DeepSeek-V3 ({layers}), {args.ubatches} ubatches; decode: one-token requests over a "
+        f"{args.context}-token context each (--context); prefill: {describe_prefill(prefill)}"
+    )
+
+
+def _run_points(
+    args: argparse.Namespace,
+    opts: RunOptions,
+    decode: Sequence[int],
+    prefill: Sequence[int],
+    sink: CsvSink,
+    failures: list[SweepFailure],
+) -> list[SweepPoint]:
+    """Every point, each row printed (and each point written to `sink`) as it finishes."""
+    bar = progress_bar(len(decode) + len(prefill), "sweep", quiet=args.json, unit="point")
+
+    def on_point(p: SweepPoint) -> None:
+        sink.write(p)
+        emit(json.dumps(p.to_dict()) if args.json else _row(p))
+        bar.update()
+
+    def on_failure(f: SweepFailure) -> None:
+        failures.append(f)
+        emit(json.dumps(f.to_dict()) if args.json else _failed_row(f))
+        bar.update()
+
+    with bar:
+        return run_sweep(
+            opts,
+            decode_tokens=decode,
+            prefill_tokens=prefill,
+            num_layers=args.layers,
+            context_len=args.context,
+            on_point=on_point,
+            on_failure=on_failure,
+        )
+
+
+def _row(p: SweepPoint) -> str:
+    return (
+        f"{p.phase:8} {p.tokens_per_device:7d} {p.step_us_serial:10.1f} {p.step_us_dbo:10.1f} "
+        f"{(p.speedup - 1) * 100:6.1f}% {p.overlap_fraction * 100:7.0f}% "
+        f"{p.comm_compute_ratio:13.2f}"
+    )
+
+
+def _failed_row(f: SweepFailure) -> str:
+    return f"{f.phase:8} {f.tokens_per_device:7d} FAILED: {one_line(f.error, 300)}"
+
+
+def _print_summary(
+    points: Sequence[SweepPoint], failures: Sequence[SweepFailure], csv_path: Path, png: Path
+) -> None:
+    print()
+    for phase in ("decode", "prefill"):
+        phase_points = [p for p in points if p.phase == phase]
+        if phase_points:
+            start = pays_from(phase_points)
+            where = "at no point tried" if start is None else f"from {start} tokens per device"
+            print(f"{phase}: DBO pays {where}")
+    if failures:
+        print(f"{len(failures)} point(s) FAILED (above); they are not in the CSV or the plot")
+    print(f"\nwrote {csv_path} and {png}")

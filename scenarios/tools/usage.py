@@ -1,5 +1,6 @@
-"""What every `dbo-sim` verb shares about a bad command line: the `UsageError` it raises and
-the checks that an output path can be written, both done before any work starts.
+"""What every `dbo-sim` verb shares about a bad command line: the `UsageError` it raises, the
+argparse types that refuse a bad number in the user's words, and the checks that an output
+path can be written, all done before any work starts.
 
 It lives beside the tools, not in `scenarios.cli`, so that a tool can refuse in the CLI's own
 words without importing the CLI that imports it.
@@ -7,10 +8,30 @@ words without importing the CLI that imports it.
 
 from __future__ import annotations
 
+import argparse
+import math
+import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["Interrupted", "UsageError", "writable_dir", "writable_file"]
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_USAGE",
+    "Interrupted",
+    "MAX_TIMEOUT_S",
+    "UsageError",
+    "int_in",
+    "one_line",
+    "positive_int",
+    "timeout_seconds",
+    "writable_dir",
+    "writable_file",
+]
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+MAX_TIMEOUT_S = 86400.0  # a day: larger values overflow the thread waits further down
 
 
 class UsageError(Exception):
@@ -41,3 +62,45 @@ def writable_file(path: Path, flag: str = "--out") -> None:
     if path.is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name")
     writable_dir(path.parent, flag, shown=path)
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    """`text` on one line, cut to `limit` characters with a note saying how much was cut."""
+    flat = re.sub(r"\s+", " ", text).strip()
+    if len(flat) <= limit:
+        return flat
+    return f"{flat[:limit]} ... ({len(flat) - limit} more characters)"
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high], refused in the user's words."""
+    bounds = f">= {low}" if high is None else f"between {low} and {high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number {bounds}, got {text!r}"
+            ) from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_in(1)
+
+
+def timeout_seconds(text: str) -> float:
+    """An argparse type: seconds, finite, above zero and at most a day."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(
+            f"expected seconds above 0 and at most {MAX_TIMEOUT_S:.0f}, got {text!r}"
+        )
+    return value

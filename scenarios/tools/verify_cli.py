@@ -10,10 +10,12 @@ bad command line (one line, `dbo-sim: <why>`), before any work.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
 import json
 import math
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -22,8 +24,9 @@ from typing import Any
 
 import torch
 
+from dbo.errors import UBatchTimeoutError
 from dbo.sim.trace import WindowSpec
-from dbo.verification import VerifyReport, verify
+from dbo.verification import RACE_ORDERS, VerifyReport, verify
 from scenarios.tools.trace_window import window_type
 from scenarios.tools.usage import UsageError
 
@@ -98,7 +101,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--timeout",
         type=_seconds,
         default=60.0,
-        help="seconds before a stuck ubatched step is ended (default 60)",
+        help="seconds before a stuck serial or ubatched step is ended (default 60)",
+    )
+    p.add_argument(
+        "--race-order",
+        choices=RACE_ORDERS,
+        default="issue",
+        help="adversarial: also re-execute the ubatched step in a legal order that runs each "
+        "race the other way round, and report the values it changes (default: issue)",
     )
 
 
@@ -129,7 +139,7 @@ def _load_module(name: str, what: str) -> Any:
             raise UsageError(f"{what}: cannot load {name!r} as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules.setdefault(path.stem, module)
-        _exec(lambda: spec.loader.exec_module(module), name, what)  # type: ignore[union-attr]
+        _exec(lambda: spec.loader.exec_module(module), name, what, own=True)  # type: ignore[union-attr]
         return module
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # as `python -m` finds modules
@@ -139,14 +149,24 @@ def _load_module(name: str, what: str) -> Any:
         raise UsageError(f"{what}: cannot import {name!r} ({error})") from None
 
 
-def _exec(load: Callable[[], Any], name: str, what: str) -> Any:
+def _exec(load: Callable[[], Any], name: str, what: str, *, own: bool = False) -> Any:
+    """Run the import; `own` (a module named by its file): a ModuleNotFoundError is one of
+    its own imports failing, not the module missing."""
     try:
         return load()
-    except ModuleNotFoundError:
-        raise
-    except Exception as error:  # noqa: BLE001 - the user's module failed on import
+    except ModuleNotFoundError as error:
+        if not own and error.name == name.split(".")[0]:
+            raise
+        raise UsageError(f"{what}: importing {name!r} failed: {error}") from None
+    except SystemExit as error:
         raise UsageError(
-            f"{what}: importing {name!r} raised {type(error).__name__}: {error}"
+            f"{what}: importing {name!r} called sys.exit({error.code!r}) at import; put the "
+            f"module's script code under `if __name__ == '__main__':`"
+        ) from None
+    except Exception as error:  # noqa: BLE001 - the user's module failed on import
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise UsageError(
+            f"{what}: importing {name!r} raised {type(error).__name__}: {first}"
         ) from None
 
 
@@ -160,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--inputs {args.inputs} is a {type(factory).__name__}, not a callable")
     if args.window is not None and args.out is None:
         raise UsageError("--window narrows the trace and PNG: give --out DIR too")
+    if args.out is not None:
+        _check_out(args.out)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(
             "--device cuda needs a CUDA GPU, and none is present here; use --device sim"
@@ -177,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             atol=args.atol,
             rtol=args.rtol,
             timeout=args.timeout,
+            race_order=args.race_order,
         )
     except (TypeError, ValueError) as error:
         if _raised_by_verify(error):
@@ -188,6 +211,23 @@ def run(args: argparse.Namespace) -> int:
         _write_artifacts(report, args.out, args.window)
     _print(report, args.json)
     return 0 if report.ok else 1
+
+
+def _check_out(out: str) -> None:
+    """--out must be a folder that exists or can be made, and be writable, before any work."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {out!r} is a file, not a folder; name a folder for the artifacts")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"--out {out!r}: cannot make a folder under {str(existing)!r}, a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(
+            f"--out {out!r}: cannot write there ({os.strerror(errno.EACCES).lower()} in "
+            f"{str(existing)!r}); name a folder you can write"
+        )
 
 
 def _write_artifacts(report: VerifyReport, out: str, spec: WindowSpec | None) -> None:
@@ -202,7 +242,15 @@ def _write_artifacts(report: VerifyReport, out: str, spec: WindowSpec | None) ->
 
 # verify's own checks, run before any work: an error raised in one of them is a usage error.
 _CHECKS = frozenset(
-    {"_check_args", "_check_workspace", "_resolve", "split_inputs", "_ubatch_inputs", "verify"}
+    {
+        "_check_args",
+        "_check_adversarial",
+        "_check_workspace",
+        "_resolve",
+        "split_inputs",
+        "_ubatch_inputs",
+        "verify",
+    }
 )
 
 
@@ -219,6 +267,10 @@ def _raised_by_verify(error: BaseException) -> bool:
 
 
 def _serial_failed(error: BaseException) -> int:
+    if isinstance(error, UBatchTimeoutError):  # a hang has no traceback, only where it stands
+        print(f"dbo.verify: FAILED: {error}", file=sys.stderr)
+        print(error.stacks.get(-1, ""), file=sys.stderr, end="")
+        return 1
     print("dbo.verify: FAILED: the serial forward raised; nothing to compare", file=sys.stderr)
     traceback.print_exception(error, file=sys.stderr)
     return 1

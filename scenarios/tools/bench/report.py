@@ -24,7 +24,7 @@ import torch
 from dbo.jsonsafe import json_safe
 from scenarios.tools.bench.figures import Figure
 from scenarios.tools.bench.registry import FULL, QUICK, Plan, benchmark_names, registered
-from scenarios.tools.progress import Progress
+from scenarios.tools.progress import progress_bar
 from scenarios.tools.usage import Interrupted, writable_dir
 from workspace import reset_workspace_manager
 
@@ -48,16 +48,18 @@ def _bench_conditions() -> Iterator[None]:
 
 
 def run_benchmarks(
-    plan: Plan, progress: Progress | None = None, figures: list[Figure] | None = None
+    plan: Plan, progress: Any = None, figures: list[Figure] | None = None
 ) -> list[Figure]:
     """Every registered benchmark in order; each one's figures are appended to `figures` (a
-    fresh list by default) as it finishes, so a caller interrupted midway keeps them."""
+    fresh list by default) as it finishes, so a caller interrupted midway keeps them. A
+    `progress` bar (`scenarios.tools.progress.progress_bar`) advances once per benchmark."""
     figures = [] if figures is None else figures
     with _bench_conditions():
         for bench in registered():
             figures.extend(bench(plan))
             if progress is not None:
-                progress.update(bench.label)
+                progress.set_postfix_str(bench.label)
+                progress.update()
     return figures
 
 
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     quick, as_json, out = args.quick, args.json, Path(args.out)
     writable_dir(out)  # before any benchmark runs
     plan = QUICK if quick else FULL
-    progress = Progress(len(registered()), "bench", enabled=False if as_json else None)
+    progress = progress_bar(len(registered()), "bench", quiet=as_json, unit="benchmark")
     start = time.monotonic()
     figures: list[Figure] = []
     try:

@@ -1,0 +1,27 @@
+"""List the scenarios: name, positive or negative (a fault it must catch), and what it runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object per scenario and line")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`dbo-sim list`: one line (or JSON object) per registered scenario."""
+    for name, s in SCENARIOS.items():
+        kind = "negative" if s.negative else "positive"
+        if args.json:
+            entry = {"name": name, "kind": kind, "default": name in DEFAULT_SCENARIOS,
+                     "cuda": s.cuda, "summary": s.summary}  # fmt: skip
+            print(json.dumps(entry))
+        else:
+            print(f"{name:24} {kind:8}  {s.summary}")
+    return 0
