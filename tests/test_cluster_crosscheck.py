@@ -13,7 +13,7 @@ from dbo.sim.alltoall import all_to_all_ends
 from dbo.sim.hardware import H200
 from dbo.sim.routing import assign_experts, routed_counts, zipf
 from scenarios.harness import RunOptions
-from scenarios.ranks.crosscheck import SKEWS, crosscheck_replay
+from scenarios.ranks.crosscheck import SKEWS, crosscheck_registered, crosscheck_replay
 from scenarios.ranks.processes import run_local_ranks
 
 BOUND = 0.02  # per rank, relative
@@ -23,7 +23,8 @@ replay = lru_cache(maxsize=None)(crosscheck_replay)
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda r: f"R{r}")
 def runs(request: pytest.FixtureRequest) -> tuple[int, dict]:
     ranks = request.param
-    results = run_local_ranks(list(SKEWS), RunOptions(num_ubatches=2, timeout_s=60), ranks)
+    with crosscheck_registered() as names:
+        results = run_local_ranks(names, RunOptions(num_ubatches=2, timeout_s=60), ranks)
     return ranks, {r.scenario: r for r in results}
 
 

@@ -22,7 +22,8 @@ exchanged (the one-process recording has no count exchange either).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -38,7 +39,7 @@ from scenarios.harness import RunOptions
 from scenarios.model import Batch
 from scenarios.ranks.records import RankEnv, RankOutcome
 from scenarios.ranks.step import run_rank_step
-from scenarios.registry import rank_scenario
+from scenarios.registry import SCENARIOS, rank_scenario
 from scenarios.steps import prepare, ubatched_step
 from workspace import reset_workspace_manager
 
@@ -48,6 +49,8 @@ __all__ = [
     "crosscheck_routing",
     "crosscheck_program",
     "crosscheck_replay",
+    "register_crosscheck",
+    "crosscheck_registered",
 ]
 
 TOKENS = 256  # per rank, every rank the same (the DP ranks' agreed, padded count)
@@ -232,8 +235,23 @@ def _crosscheck_rank(env: RankEnv, opts: RunOptions, *, skew: str) -> RankOutcom
     )
 
 
-for _name, _skew in SKEWS.items():
-    rank_scenario(
-        _name,
-        summary=f"cross-check of the virtual EP group against real ranks, {_skew} routing",
-    )(partial(_crosscheck_rank, skew=_skew))
+def register_crosscheck() -> list[str]:
+    """Register the `crosscheck-*` rank halves (once): rank processes do at start; a launcher
+    uses `crosscheck_registered`. They have no one-process half, so the catalog leaves them
+    out."""
+    for name, skew in SKEWS.items():
+        if name not in SCENARIOS:
+            rank_scenario(name, summary=f"the virtual EP group against real ranks, {skew} routing")(
+                partial(_crosscheck_rank, skew=skew)
+            )
+    return list(SKEWS)
+
+
+@contextmanager
+def crosscheck_registered() -> Iterator[list[str]]:
+    """The `crosscheck-*` scenarios registered for the block (to launch them), then removed."""
+    try:
+        yield register_crosscheck()
+    finally:
+        for name in SKEWS:
+            SCENARIOS.pop(name, None)

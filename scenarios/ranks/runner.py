@@ -9,7 +9,7 @@ from typing import Any
 
 from scenarios.harness import RunOptions
 from scenarios.model import preset
-from scenarios.ranks import crosscheck, halves  # noqa: F401 - register the rank halves
+from scenarios.ranks import halves  # noqa: F401 - registers the scenarios' rank halves
 from scenarios.ranks.records import RankEnv, RankOutcome
 from scenarios.registry import SCENARIOS, RankHalf, across_ranks
 from workspace import reset_workspace_manager
