@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import io
+import sys
 
 import pytest
 
@@ -63,3 +65,18 @@ def test_plan_prints_a_threshold_and_flags_and_writes_csv_and_png(tmp_path, caps
     assert {int(r["num_ubatches"]) for r in rows} == {1, 2}
     for name in ("plan.png", "plan.decode.trace.json", "plan.decode.timeline.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_plan_shows_progress_once_per_token_count_on_a_terminal(monkeypatch, capsys):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    argv = ["plan", "--profile", "h800", "--ep", "64", "--phase", "decode"]
+    assert main([*argv, "--tokens", "32,512", "--ubatches", "2", "--skew", "balanced"]) == 0
+    drawn = terminal.getvalue()
+    assert "plan:" in drawn and "/2 [" in drawn  # one step per token count
+    assert "decode EP 64 balanced 32 tokens" in drawn

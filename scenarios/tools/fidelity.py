@@ -51,7 +51,7 @@ from scenarios.tools.fidelity_rows import (
 )
 from scenarios.tools.fidelity_scale import scale_rows
 from scenarios.tools.fidelity_steps import sglang_rows, vllm_rows
-from scenarios.tools.progress import progress_bar
+from scenarios.tools.progress import advance, progress_bar
 from scenarios.tools.usage import Interrupted
 
 __all__ = [
@@ -161,14 +161,9 @@ def run(args: argparse.Namespace) -> int:
     result; a missed target is a finding, not a failure of the command."""
     report = FidelityReport([], {}, args.quick, 0.0, {})
     bar = progress_bar(None, "fidelity", quiet=args.json, unit="point")
-
-    def on_point(what: str) -> None:
-        bar.set_postfix_str(what)
-        bar.update()
-
     try:
         with bar:
-            run_fidelity(args.quick, on_point=on_point, partial=report)
+            run_fidelity(args.quick, on_point=advance(bar), partial=report)
     except KeyboardInterrupt:
         if report.rows and not args.json:
             print(format_table(report))

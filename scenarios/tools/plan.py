@@ -18,7 +18,9 @@ EP group at the answer's point as `plan.trace.json` / `plan.timeline.png` (a pro
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from scenarios.tools.cluster_step import (
     routing_from_spec,
 )
 from scenarios.tools.plan_output import PhaseAnswer, PlanPoint, report, write_outputs
+from scenarios.tools.progress import advance, progress_bar
 from scenarios.tools.usage import UsageError, writable_dir
 
 __all__ = ["PlanInputs", "add_arguments", "run", "plan_phase", "check_inputs"]
@@ -210,10 +213,16 @@ def _point(
 
 
 def plan_phase(
-    inputs: PlanInputs, phase: str, ep: int, skew: str, args: argparse.Namespace
+    inputs: PlanInputs,
+    phase: str,
+    ep: int,
+    skew: str,
+    args: argparse.Namespace,
+    on_point: Callable[[str], None] | None = None,
 ) -> tuple[list[PlanPoint], PhaseAnswer, dict[tuple[int, int], ClusterResult]]:
     """Every token count and ubatch count of one phase, EP size and skew: the points, the
-    answer, and the replayed group at the answer's point."""
+    answer, and the replayed group at the answer's point. `on_point(what)` hears each token
+    count as it finishes."""
     config = inputs.config.with_(ep_size=ep)
     record_config = config.with_(num_experts=config.num_experts + inputs.redundant)
     routing = routing_from_spec(skew, config, seed=args.seed, histogram=args.histogram)
@@ -233,6 +242,8 @@ def plan_phase(
             point, result = _point(spec, routing, placement, skew, serial.step_us, dp)
             points.append(replace(point, num_ubatches=n))
             results[(tokens, n)] = result
+        if on_point is not None:
+            on_point(f"{phase} EP {ep} {skew} {tokens} tokens")
     return points, _answer(phase, ep, skew, points), results
 
 
@@ -258,14 +269,14 @@ def _answer(phase: str, ep: int, skew: str, points: list[PlanPoint]) -> PhaseAns
 def run(args: argparse.Namespace) -> int:
     inputs = check_inputs(args)
     all_points, answers, shown = [], [], {}
-    for phase in inputs.phases:
-        for ep in inputs.eps:
-            for skew in inputs.skews:
-                points, answer, results = plan_phase(inputs, phase, ep, skew, args)
-                all_points += points
-                answers.append(answer)
-                if ep == inputs.eps[0] and skew == inputs.skews[0]:
-                    shown[phase] = (answer, results)
+    total = sum(len(inputs.tokens[p]) for p in inputs.phases) * len(inputs.eps) * len(inputs.skews)
+    with progress_bar(total, "plan", quiet=args.json, unit="point") as bar:
+        for phase, ep, skew in itertools.product(inputs.phases, inputs.eps, inputs.skews):
+            points, answer, results = plan_phase(inputs, phase, ep, skew, args, advance(bar))
+            all_points += points
+            answers.append(answer)
+            if ep == inputs.eps[0] and skew == inputs.skews[0]:
+                shown[phase] = (answer, results)
     print(report(inputs, answers, all_points, shown, as_json=args.json))
     if args.out is not None:
         for path in write_outputs(args.out, all_points, shown):

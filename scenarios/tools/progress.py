@@ -20,11 +20,12 @@ other use for.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import IO
 
 from tqdm import tqdm
 
-__all__ = ["emit", "progress_bar"]
+__all__ = ["advance", "emit", "progress_bar"]
 
 
 class _Bar(tqdm):
@@ -62,3 +63,14 @@ def emit(line: str) -> None:
     while it prints and redrawing the bar below it."""
     tqdm.write(line, file=sys.stdout)
     sys.stdout.flush()
+
+
+def advance(bar: tqdm) -> Callable[[str], None]:
+    """A callback for work that reports each finished part by name: it names the part on the
+    bar and moves the bar one step."""
+
+    def on_part(what: str) -> None:
+        bar.set_postfix_str(what)
+        bar.update()
+
+    return on_part

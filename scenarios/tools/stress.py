@@ -59,6 +59,7 @@ _STOP_GRACE_S = 5.0
 _PERSISTENT_KEY = "stress-state"  # one persistent tensor per (ubatch, lane)
 _PERSISTENT_SHAPE = (4,)
 _KEPT_VIEWS = 3  # views each thread keeps across later growths (the orphan-accounting check)
+_REFUSED_WAIT_S = 0.005  # how often a refused worker looks whether the run was stopped
 
 
 @dataclass
@@ -145,6 +146,11 @@ class _StressRun:
         self.record_lock = threading.Lock()
         self.stop = threading.Event()
         self.go = threading.Event()  # set once every thread has started
+        # Clear while the locker holds the manager locked: a refused worker waits for it, so
+        # on a loaded machine the workers' iterations do not all run out inside one locked
+        # spell (a run with no unlocked request checks nothing).
+        self.unlocked = threading.Event()
+        self.unlocked.set()
         self.done = 0
         self.finished = [0] * threads  # iterations each worker completed
         self.allocations_while_locked = 0
@@ -240,6 +246,8 @@ class _StressRun:
             except WorkspaceLockedError:
                 with self.record_lock:
                     self.report.locked_refusals += 1
+                while not self.unlocked.wait(_REFUSED_WAIT_S) and not self.stop.is_set():
+                    pass  # until the locker unlocks, or the run is stopped
                 return
         problems = self._check_views(slot, pairs, views)
         if problems:
@@ -324,9 +332,11 @@ class _StressRun:
         rng = random.Random(self.seed)
         self.go.wait()
         while not self.stop.is_set() and self.done < self.threads:
+            self.unlocked.clear()
             self.manager.lock()
             time.sleep(rng.uniform(0.0005, 0.002))
             self.manager.unlock()
+            self.unlocked.set()
             self.report.lock_cycles += 1
             time.sleep(rng.uniform(0.0005, 0.002))
 
