@@ -83,7 +83,17 @@ def crosscheck_routing(skew: str, num_ubatches: int) -> Routing:
 class CrossCheckModel:
     """The cross-check's MoE stack (module docstring) on EP group `ep`, routed by `routing`."""
 
-    def __init__(self, ep: EPGroup, routing: Routing, token_counts: Sequence[int]) -> None:
+    def __init__(
+        self,
+        ep: EPGroup,
+        routing: Routing,
+        token_counts: Sequence[int],
+        *,
+        priced_as_rank: bool = False,
+    ) -> None:
+        """`priced_as_rank`: in one process, run the grouped GEMMs over one EP rank's E / R
+        expert weights (each group the rows of R consecutive experts), so the recording
+        prices what a rank reads (a timing recording: its values are not the model's)."""
         self.ep, self.routing = ep, routing
         self.batch = Batch.prefill(1, TOKENS)
         gen = torch.Generator().manual_seed(0)
@@ -92,13 +102,18 @@ class CrossCheckModel:
             return torch.randn(shape, generator=gen) / shape[-1] ** 0.5
 
         lo, hi = ep.local_experts.start, ep.local_experts.stop
+        span = hi - lo  # experts whose rows arrive here
+        if priced_as_rank:
+            hi = lo + NUM_EXPERTS // ep.ep_size
+        groups = hi - lo
         self.layers = []
         for _ in range(NUM_LAYERS):
             # (experts, out, in) storage used as (experts, in, out): grouped GEMMs' layout.
             w1 = weight(NUM_EXPERTS, 2 * INTER, HIDDEN).transpose(1, 2)[lo:hi]
             w2 = weight(NUM_EXPERTS, HIDDEN, INTER).transpose(1, 2)[lo:hi]
             self.layers.append({"dense": weight(HIDDEN, HIDDEN), "w1": w1, "w2": w2})
-        self.local_ids = torch.arange(lo, hi)
+        # The last expert id of each weight group: the group ends in the expert-major rows.
+        self.group_last = lo + (torch.arange(groups) + 1) * (span // groups) - 1
         # Host-side routing per token count, made before any step (no device work).
         self.routes = {t: self._routes(t) for t in set(token_counts)}
 
@@ -133,7 +148,7 @@ class CrossCheckModel:
         dbo.dbo_yield_and_switch_from_compute_to_comm()
         sent = ep.dispatch(x, ids, weights, plan=plan, out=recv, mode=MODE)
         dbo.dbo_yield_and_switch_from_comm_to_compute()
-        offs = torch.searchsorted(sent.recv_expert_ids, self.local_ids, right=True)
+        offs = torch.searchsorted(sent.recv_expert_ids, self.group_last, right=True)
         offs = offs.to(torch.int32)
         h = torch._grouped_mm(sent.recv_x, layer["w1"], offs=offs)
         inter = torch.nn.functional.silu(h[:, :INTER]) * h[:, INTER:]
@@ -152,11 +167,15 @@ def _slices(num_ubatches: int) -> list[UBatchSlice]:
 def crosscheck_program(
     skew: str, ranks: int, num_ubatches: int, profile: str = "h200"
 ) -> StreamProgram:
-    """One rank's ubatched step recorded in one process (every expert local, EP `ranks`
-    simulated): the program the virtual EP group replays."""
+    """One rank's ubatched step recorded in one process (every expert's rows local, EP
+    `ranks` simulated, the grouped GEMMs over one rank's expert weights): the program the
+    virtual EP group replays."""
     routing = crosscheck_routing(skew, num_ubatches)
     model = CrossCheckModel(
-        EPGroup(num_experts=NUM_EXPERTS, ep_size=ranks), routing, [TOKENS // num_ubatches]
+        EPGroup(num_experts=NUM_EXPERTS, ep_size=ranks),
+        routing,
+        [TOKENS // num_ubatches],
+        priced_as_rank=True,
     )
     device = SimDevice(profile, **HOST_COSTS)
     step = ubatched_step(model, model.inputs(), device, mode=MODE, slices=_slices(num_ubatches))  # type: ignore[arg-type]
