@@ -27,6 +27,11 @@ Both modes, "ht" (high-throughput: issued on the current stream, normally the co
 hook waits on it), move the same bytes and give the same values; they differ only in where the
 simulated device places the transfer. Each transfer is one `device.comm_region(...)`.
 
+Virtual time across processes: each transfer's comm region carries its peers (`PeerTraffic`);
+a simulated device exchanges its start and bytes with them (one small all_gather) and ends it
+when every peer's rows have arrived (`dbo.sim.alltoall`), so the ranks' clocks wait for each
+other at every collective as the one-process EP group's do (`dbo.sim.cluster`).
+
 Ordering across ranks (why nothing deadlocks). A collective pairs the k-th call on each rank of
 the group, whoever issues it. Every rank runs the same ubatch ring, with the same ubatch count,
 the same layers and the same yield points, and each collective is issued and completed by the
@@ -60,7 +65,7 @@ collective over the whole world (it creates the EP subgroups).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -77,6 +82,8 @@ from dbo.comm_records import (
     EPPeerFailedError,
     EPStepMismatchError,
     EPTimeoutError,
+    PeerTraffic,
+    checked_counts,
 )
 from dbo.devices import current_device
 
@@ -90,6 +97,7 @@ __all__ = [
     "EPHandle",
     "DispatchResult",
     "EPGroup",
+    "PeerTraffic",
     "current_ep_group",
     "set_ep_group",
     "use_ep_group",
@@ -251,13 +259,17 @@ class EPGroup:
         *,
         dtype: torch.dtype | None = None,
         mode: str = "ht",
+        counts: tuple[Sequence[int], Sequence[int]] | None = None,
     ) -> DispatchPlan:
         """The dispatch layout of `topk_ids` (tokens x top_k expert ids) and, across processes,
         the row counts every rank will send and receive (a collective and one host sync: the
         receive buffer's size depends on them, as in DeepEP's normal mode).
 
         `dtype` is the dtype the combine weights are applied in (the activations'; default the
-        weights' own). Run it where the routing was computed (the compute stream).
+        weights' own). Run it where the routing was computed (the compute stream). `counts`
+        = (rows sent to, rows received from each EP rank), when every rank knows the routing
+        in advance (a seeded routing): then nothing is exchanged; wrong counts fail the
+        dispatch's collective on every rank. Ignored in one process.
         """
         _check_mode(mode)
         if not isinstance(topk_ids, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
@@ -291,7 +303,10 @@ class EPGroup:
                 "an EPGroup over a process group moves real data, and meta tensors have none; "
                 "run shape-only models with an in-process EPGroup (group=None)"
             )
-        send, recv = self._exchange_counts(self.collectives, flat, mode)
+        if counts is not None:
+            send, recv = checked_counts(counts, self.ep_size, t * k)
+        else:
+            send, recv = self._exchange_counts(self.collectives, flat, mode)
         return DispatchPlan(
             t, k, order, token_of_row, row_expert, row_weight, send, recv, sum(recv)
         )
@@ -307,9 +322,11 @@ class EPGroup:
         # every peer waiting in it. A -1 count tells each peer to raise as well.
         send = torch.where(bad.any(), torch.full_like(send, -1), send)
         recv = torch.empty_like(send)
+        peers = self._peers([send.element_size()] * w, "dispatch count exchange")
         with current_device().comm_region(
-            "dispatch_counts", nbytes=2 * w * send.element_size(), mode=mode, ep_size=w
-        ) as exchanged:
+            "dispatch_counts", nbytes=2 * w * send.element_size(), mode=mode, ep_size=w,
+            peers=peers,
+        ) as exchanged:  # fmt: skip
             collectives.all_to_all(recv, send, None, None, "dispatch count exchange")
         # The host sizes the receive buffer from these counts, so it waits for them.
         exchanged.event.synchronize()
@@ -374,8 +391,9 @@ class EPGroup:
                 plan.num_recv_rows, dtype=plan.row_expert.dtype, device=x.device
             )
             arrived = torch.empty(plan.num_recv_rows, hidden, dtype=x.dtype, device=x.device)
+            peers = self._peers([c * hidden * bpe for c in plan.send_counts], "dispatch")
             with current_device().comm_region(
-                "dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size
+                "dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size, peers=peers
             ) as sent:
                 recv_ids = _dispatch_across(self.collectives, x, handle, out, arrived_ids, arrived)
         handle.dispatch_event = sent.event
@@ -423,12 +441,23 @@ class EPGroup:
             back = torch.empty(
                 plan.num_rows, hidden, dtype=expert_out.dtype, device=expert_out.device
             )
+            peers = self._peers([c * hidden * bpe for c in plan.recv_counts], "combine")
             with device.comm_region(
-                "combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size
+                "combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size, peers=peers
             ) as sent:
                 _combine_across(self.collectives, expert_out, handle, out, staged, back)
         handle.combine_event = sent.event
         return out
+
+    def _peers(self, send_bytes: Sequence[float], what: str) -> PeerTraffic:
+        """A transfer's peers, for a simulated device to couple its virtual time to theirs."""
+        collectives = self.collectives
+        assert collectives is not None
+
+        def exchange(values: Sequence[float]) -> list[list[float]]:
+            return collectives.all_gather_floats(values, f"{what}'s virtual-time exchange")
+
+        return PeerTraffic(self.rank, tuple(float(b) for b in send_bytes), exchange)
 
     @property
     def _remote_share(self) -> float:

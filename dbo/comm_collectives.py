@@ -228,6 +228,21 @@ class Collectives:
             raise EPError(self.broken) from error
         self.wait(work, where)
 
+    def all_gather_floats(self, values: Sequence[float], what: str) -> list[list[float]]:
+        """Every EP rank's `values` (the same length on each), in EP rank order: one bounded
+        all_gather of a small float64 tensor on the backend's control device."""
+        self.check_usable()
+        mine = torch.tensor(list(values), dtype=torch.float64, device=self.small_device())
+        rows = [torch.empty_like(mine) for _ in self.members]
+        where = f"{what} on rank {self.global_rank}"
+        try:
+            work = dist.all_gather(rows, mine, group=self.pg, async_op=True)
+        except Exception as error:
+            self.broken = f"{where} could not be issued: {error}"
+            raise EPError(self.broken) from error
+        self.wait(work, where)
+        return [row.tolist() for row in rows]
+
     def wait(self, work: Any, what: str) -> None:
         """Wait for `work` (a collective's handle), at most `timeout_s`, checking the abort
         key every `abort_poll_s`; `what` names the collective in the errors."""

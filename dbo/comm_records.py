@@ -3,7 +3,9 @@ hold, and the ways a collective of the group can fail."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +20,8 @@ __all__ = [
     "DispatchPlan",
     "EPHandle",
     "DispatchResult",
+    "PeerTraffic",
+    "checked_counts",
 ]
 
 
@@ -115,3 +119,25 @@ class DispatchResult:
     def event(self) -> Event | None:
         """Arrival of the dispatch (what a low-latency recv hook waits for)."""
         return self.handle.dispatch_event
+
+
+@dataclass(frozen=True, eq=False)
+class PeerTraffic:
+    """What a simulated device needs to couple one all-to-all's virtual time across processes
+    (`Device.comm_region(peers=...)`): this EP rank, the bytes it sends each EP rank (as the
+    cost model charges them), and `exchange`, an all_gather over the EP group of a few floats
+    per rank (every rank's list, in EP rank order)."""
+
+    rank: int
+    send_bytes: tuple[float, ...]
+    exchange: Callable[[Sequence[float]], list[list[float]]]
+
+
+def checked_counts(counts: Any, ep_size: int, rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(send, recv) row counts per EP rank given to `EPGroup.prepare`, checked on the host."""
+    send, recv = (tuple(int(c) for c in side) for side in counts)
+    if len(send) != ep_size or len(recv) != ep_size or min(send + recv) < 0:
+        raise ValueError(f"counts must be two lists of {ep_size} non-negative row counts")
+    if sum(send) != rows:
+        raise ValueError(f"send counts sum to {sum(send)}, but topk_ids routes {rows} rows")
+    return send, recv

@@ -144,6 +144,7 @@ class Device(ABC):
         mode: str = "ht",
         ep_size: int = 1,
         link: str | None = None,
+        peers: Any = None,
     ) -> Iterator[CommHandle]:
         """Mark the block as one communication op (dispatch, combine, all-to-all, ...).
 
@@ -153,6 +154,9 @@ class Device(ABC):
         stream, and occupies SMs; mode "ll" (low-latency) is sent from the current stream and
         arrives later: `handle.event` marks arrival, and a recv hook must wait on it before
         reading the data. On CUDA the block simply runs; `handle.event` is recorded after it.
+        `peers` (an EP all-to-all across processes, `dbo.comm.PeerTraffic`) lets a simulated
+        device end the op when every peer's rows have arrived in virtual time; a real
+        collective waits for its peers by itself.
         """
         handle = CommHandle(kind=kind, nbytes=nbytes, mode=mode, event=self.Event())
         yield handle

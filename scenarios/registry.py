@@ -101,11 +101,14 @@ def scenario(
     return register
 
 
-def rank_scenario(name: str, *, negative: bool = False) -> Callable[[RankHalf], RankHalf]:
+def rank_scenario(
+    name: str, *, negative: bool = False, summary: str = ""
+) -> Callable[[RankHalf], RankHalf]:
     """Register `fn(env, opts) -> RankOutcome` as one rank's half of scenario `name`.
 
     `negative` is stated here too: a rank process may never import the one-process half,
-    and the merged verdict needs it."""
+    and the merged verdict needs it. `summary` is the listing's line of a scenario that has
+    no one-process half."""
 
     def register(fn: RankHalf) -> RankHalf:
         known = SCENARIOS.get(name)
@@ -113,7 +116,7 @@ def rank_scenario(name: str, *, negative: bool = False) -> Callable[[RankHalf], 
             raise ValueError(f"scenario {name!r} has two rank halves; pick another name")
         _check_negative(name, known, negative)
         if known is None:
-            SCENARIOS[name] = Scenario(name, "", negative=negative, rank=fn)
+            SCENARIOS[name] = Scenario(name, summary, negative=negative, rank=fn)
         else:
             SCENARIOS[name] = replace(known, rank=fn)
         return fn

@@ -53,6 +53,7 @@ def reference_window(events: list[dict]) -> tuple[float, float]:
     return min(launches + [e["ts"] for e in device]), max(e["ts"] + e["dur"] for e in device)
 
 
+@pytest.mark.timeout(120)
 def test_import_dbo_does_not_load_the_analysis_until_it_is_used() -> None:
     import subprocess
     import sys

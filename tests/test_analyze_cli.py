@@ -1,5 +1,5 @@
-"""`dbo-sim analyze`: the report, its artifacts, bad input, and the round trip through a
-trace the simulator itself wrote."""
+"""`dbo-sim analyze`: the report, its artifacts, bad input, and the round trip of a simulated
+step through torch.profiler's trace form (and through dbo-sim's own)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from dbo.analysis import analyze_trace
+from dbo.analysis.profiler_form import write_profiler_trace
+from dbo.sim.summary import summarize
+from dbo.sim.trace import runs_from_trace
 from scenarios.cli import main as cli_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -131,10 +134,36 @@ def test_against_sim_sets_the_simulated_step_beside_the_real_one(capsys) -> None
     assert step["real"] > 0 and step["sim"] > 0
 
 
-@pytest.mark.timeout(300)
-def test_a_trace_the_simulator_wrote_analyzes_to_its_own_summary(tmp_path, capsys) -> None:
-    assert cli_main(["run", "moe-prefill-ht", "--json", "--out", str(tmp_path)]) == 0
+def _run_json(tmp_path: Path, capsys, scenario: str) -> dict:
+    assert cli_main(["run", scenario, "--json", "--out", str(tmp_path)]) == 0
     (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    return line
+
+
+@pytest.mark.timeout(300)
+def test_a_simulated_step_in_profiler_form_analyzes_to_the_simulators_summary(
+    tmp_path, capsys
+) -> None:
+    line = _run_json(tmp_path, capsys, "dsv3-prefill-ht")  # a step with real overlap
+    (run,) = runs_from_trace(json.loads(Path(line["trace"]).read_text()))
+    report = analyze_trace(write_profiler_trace(run.records, tmp_path / "profiled.json"))
+    assert report.source == "torch.profiler"
+    assert sorted(report.streams.values()) == ["comm", "compute"]
+    (step,) = report.steps
+    assert step.figures.label == "ProfilerStep#0"
+    assert [t.label for t in step.figures.threads] == ["ubatch 0", "ubatch 1"]
+    s, sim = step.figures.summary, summarize(run.records)
+    assert s.step_us == pytest.approx(line["step_us_dbo"], rel=0.01)
+    assert s.compute_us == pytest.approx(sim.compute_us, rel=0.01)
+    assert s.comm_us == pytest.approx(sim.comm_us, rel=0.01)
+    assert line["overlap_fraction"] > 0.1
+    assert s.overlap_fraction == pytest.approx(line["overlap_fraction"], rel=0.01)
+    assert s.exposed_comm_us == pytest.approx(line["exposed_comm_us"], rel=0.01)
+
+
+@pytest.mark.timeout(300)
+def test_a_trace_in_dbo_sims_own_format_analyzes_to_its_summary(tmp_path, capsys) -> None:
+    line = _run_json(tmp_path, capsys, "moe-prefill-ht")
     report = analyze_trace(line["trace"])
     assert report.source == "dbo-sim"
     (step,) = report.steps

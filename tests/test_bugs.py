@@ -67,3 +67,13 @@ def test_cli_refuses_an_unknown_entry_in_one_line(capsys: pytest.CaptureFixture[
     assert main(["bugs", "no-such-bug"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dbo-sim: unknown bug 'no-such-bug'") and err.count("\n") == 1
+
+
+@pytest.mark.timeout(60)
+def test_the_unbalanced_prefill_split_is_judged_by_its_simulated_gain() -> None:
+    from scenarios.bugs.sglang_split import MIN_GAIN, simulated_timeline
+
+    buggy, fixed = simulated_timeline(True), simulated_timeline(False)
+    assert fixed.gain >= MIN_GAIN
+    assert buggy.gain < fixed.gain
+    assert max(buggy.compute_us) > 2 * min(buggy.compute_us)

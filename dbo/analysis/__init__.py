@@ -8,7 +8,8 @@ ran side by side and how much slower than alone, the layers, and a verdict in wo
 Modules, one job each: reader (the file, streamed), kernels (kernel classes), timeline (the
 trace as the simulator's `OpRecord`s, cut into steps), metrics (per-step figures), sidebyside
 (slowdowns of kernels sharing the GPU), layers, report (the report and its text), analyze
-(the phases in order), calibration (the simulator's host costs and overlap rates from traces).
+(the phases in order), calibration (the simulator's host costs and overlap rates from traces),
+profiler_form (records written as torch.profiler writes a trace).
 """
 
 from dbo.analysis.analyze import analyze_timeline, analyze_trace, load_timeline, step_report

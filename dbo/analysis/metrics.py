@@ -15,6 +15,8 @@ trace shows. Definitions (microseconds; "idle" always within the step's window):
   launch call (`launch`), a synchronization (`sync`), another runtime call (`runtime`), a
   recorded CPU op (`cpu_op`), or nothing the profiler recorded (`untraced`: Python between
   ops, or a ubatch thread waiting for the baton).
+- `both_busy_us`: time the compute stream and another stream both ran device work (the
+  intersection of their busy intervals), whatever the kernels' classes.
 - `comm_on_compute_us`: communication kernels (by name) that ran on the compute stream.
 - Threads: per ubatch thread its launches; hand-offs are switches of the launching thread in
   launch order, and `handoff_us` the median gap across a switch minus the median gap between
@@ -75,6 +77,7 @@ class StepFigures:
     summary: StepSummary
     compute_idle_us: float
     idle_under_comm_us: float
+    both_busy_us: float
     comm_on_compute_us: float
     host_in_idle: dict[str, dict[str, float]]
     classes: dict[str, dict[str, ClassTotal]]  # stream -> class -> totals
@@ -101,6 +104,7 @@ class StepFigures:
             "host_bound_fraction": round(s.host_bound_fraction, 4),
             "compute_idle_us": round(self.compute_idle_us, 3),
             "idle_under_comm_us": round(self.idle_under_comm_us, 3),
+            "both_busy_us": round(self.both_busy_us, 3),
             "comm_on_compute_us": round(self.comm_on_compute_us, 3),
             "host_in_idle": {
                 t: {k: round(v, 3) for k, v in cats.items()}
@@ -171,6 +175,7 @@ def step_figures(
         summary=summary,
         compute_idle_us=total_length(compute_idle),
         idle_under_comm_us=under_comm,
+        both_busy_us=total_length(intersect_intervals(compute_busy, other_busy)),
         comm_on_compute_us=comm_on_compute,
         host_in_idle=_host_in_idle(timeline, device_idle, lo, hi),
         classes=_class_totals(device),

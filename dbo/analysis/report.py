@@ -136,8 +136,9 @@ def verdict(figures: StepFigures, sbs: SideBySide, ubatches: int) -> list[str]:
     if compute.rate is not None and comm.rate is not None:
         cost = compute.excess_us + comm.excess_us
         out.append(
-            f"side by side ({sbs.shared_us:.0f} us together): compute kernels ran at "
-            f"{compute.rate:.2f} of their solo speed, comm-stream kernels at {comm.rate:.2f}; "
+            f"side by side ({figures.both_busy_us:.0f} us with both streams busy): compute "
+            f"kernels with a solo instance ran at "
+            f"{compute.rate:.2f} of their solo speed, comm-stream ones at {comm.rate:.2f}; "
             f"sharing the GPU cost {cost:.0f} us of kernel time"
         )
     return out
@@ -187,7 +188,8 @@ def _detail(step: StepReport) -> list[str]:
     lines.append(f"  busy        {busy}")
     lines.append(
         f"  compute stream idle {f.compute_idle_us:.1f} us: {f.idle_under_comm_us:.1f} us "
-        f"while comm ran, {f.compute_idle_us - f.idle_under_comm_us:.1f} us with the device idle"
+        f"while another stream ran, {f.compute_idle_us - f.idle_under_comm_us:.1f} us with the "
+        f"device idle"
     )
     words = _host_words(f)
     if words:
@@ -206,7 +208,7 @@ def _detail(step: StepReport) -> list[str]:
             for c, v in sorted(classes.items(), key=lambda kv: -kv[1].us)
         )
         lines.append(f"    {stream:<10}{row}")
-    lines += _side_by_side_lines(step.side_by_side)
+    lines += _side_by_side_lines(step.side_by_side, f.both_busy_us)
     if step.layers:
         lines.append(f"  layers ({len(step.layers)}, recognised by their repeating kernels):")
         lines.append(f"    {'layer':<7}{'us':>10}{'compute us':>12}{'comm us':>10}{'overlap':>9}"
@@ -222,15 +224,21 @@ def _detail(step: StepReport) -> list[str]:
     return lines
 
 
-def _side_by_side_lines(sbs: SideBySide) -> list[str]:
-    if not any(r.kernels for r in sbs.roles.values()):
+def _side_by_side_lines(sbs: SideBySide, both_busy_us: float) -> list[str]:
+    if both_busy_us <= 0:
         return ["  side by side: no kernel shared time with another stream's"]
-    lines = [f"  side by side ({sbs.shared_us:.1f} us with both streams busy):"]
+    lines = [
+        f"  side by side ({both_busy_us:.1f} us with both streams busy, of which "
+        f"{sbs.shared_us:.1f} us between kernels with a solo instance to compare against):"
+    ]
+    if not any(r.kernels for r in sbs.roles.values()):
+        return [*lines, "    no kernel that shared time has a solo instance in this step"]
     for role, r in sbs.roles.items():
         if r.kernels:
             lines.append(
-                f"    {role:<10}{r.kernels} kernels, {r.duration_us:.0f} us against "
-                f"{r.solo_us:.0f} us solo (x{r.slowdown:.2f}), rate {r.rate:.3f}"
+                f"    {role:<10}{r.kernels} kernels with a solo instance, {r.duration_us:.0f} us "
+                f"against {r.solo_us:.0f} us solo (x{r.slowdown:.2f}), {r.shared_us:.0f} us "
+                f"beside the other stream, rate {r.rate:.3f}"
             )
     slow = sorted(sbs.classes.items(), key=lambda kv: -(kv[1].excess_us))
     lines.append(

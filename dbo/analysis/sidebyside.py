@@ -83,7 +83,9 @@ class SideBySide:
 
     @property
     def shared_us(self) -> float:
-        """Time two streams ran together (each pair counted once)."""
+        """Half the summed shared time of the kernels that had a solo instance to compare
+        against (each such pair counted once); the step's whole time with both streams busy
+        is `StepFigures.both_busy_us`."""
         return sum(r.shared_us for r in self.roles.values()) / 2
 
     def rates(self) -> dict[str, float]:

@@ -17,10 +17,11 @@ real GPU run unchanged; host activity (runtime calls, CPU ops, annotations) beco
   stream does (one-GPU expert parallelism: dispatch and combine are local gathers and
   scatter-adds on their own stream); otherwise a side stream. A record's kind is COMM for a
   communication kernel on any stream and for everything on a comm stream, COMPUTE otherwise.
-- Steps: `ProfilerStep#N` ranges when the trace has them; else the host's device or stream
-  synchronizations split the trace (a step is the device work launched after one and up to
-  the next); else the whole trace is one step. A step's window runs from its first launch (or
-  first device op) to its last device op's end.
+- Steps: `ProfilerStep#N` ranges when the trace has them (a step is the device work launched
+  inside one, its window the range widened to that work: the host began the step when the
+  range began); else the host's device or stream synchronizations split the trace (a step is
+  the device work launched after one and up to the next, its window from its first launch, or
+  first device op, to its last device op's end); else the whole trace is one step.
 - A trace written by `dbo-sim` itself (otherData.generator "dbo-sim") is read back as the
   simulator wrote it (`dbo.sim.trace.runs_from_trace`): one step per run.
 """
@@ -336,19 +337,20 @@ def _steps(
         if e.get("ph") == "X" and (m := _STEP_RANGE.match(str(e.get("name", ""))))
     )
     if marks:
-        bounds = [(lo, hi, f"ProfilerStep#{n}") for lo, hi, n in marks]
-        groups = [[r for r in records if lo <= r.issue_us < hi] for lo, hi, _ in bounds]
-        labels = [label for *_, label in bounds]
+        groups = [[r for r in records if lo <= r.issue_us < hi] for lo, hi, _ in marks]
+        labels = [f"ProfilerStep#{n}" for *_, n in marks]
+        spans: list[tuple[float, float]] = [(lo, hi) for lo, hi, _ in marks]
     else:
         syncs = sorted(h.end_us for h in host if h.cat == "sync")
         groups = _split_at(records, syncs)
         labels = [f"step {k}" for k in range(len(groups))]
+        spans = [(float("inf"), float("-inf"))] * len(groups)
     steps = []
-    for label, group in zip(labels, groups):
+    for label, group, (mark_lo, mark_hi) in zip(labels, groups, spans):
         if not group:
             continue
-        start = min(min(r.issue_us, r.start_us) for r in group)
-        end = max(r.end_us for r in group)
+        start = min(mark_lo, *(min(r.issue_us, r.start_us) for r in group))
+        end = max(mark_hi, *(r.end_us for r in group))
         steps.append(Step(len(steps), label, start, end, frozenset(r.seq for r in group)))
     return steps
 

@@ -11,7 +11,8 @@
   kernel has sent and received its bytes (NVLink inside a node, RDMA across nodes, the two
   links in parallel; DeepEP normal mode sends one copy per remote node: the recording's
   `ht_rdma_share`) *and* every peer's rows for it have arrived, a peer's last row leaving at
-  that peer's start plus its own send time. So the slowest sender gates the receiver, and a
+  that peer's start plus its own send time (the rule of `dbo.sim.alltoall`, here over
+  routing shares). So the slowest sender gates the receiver, and a
   rank late to a collective (more expert work before it) delays everyone it sends to.
   High-throughput (HT) kernels hold `comm_sms` of the SMs while they run and compute on the
   same rank progresses at the rest (as the single-rank device stretches it); low-latency (LL)
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dbo.sim.alltoall import collective_latency_us, link_time_us
 from dbo.sim.cluster_program import (
     HOST,
     HOST_SYNC,
@@ -147,19 +149,17 @@ class _Links:
     """Per-rank link arithmetic of one group: bandwidths, node membership, latencies."""
 
     def __init__(self, program: StreamProgram, ranks: int, gpus_per_node: int) -> None:
-        p = program.profile
+        p = self.profile = program.profile
         self.ranks, self.g = ranks, gpus_per_node
-        self.nvl_bw = p.nvlink_gbps * 1e3 * p.nvlink_efficiency  # bytes per us
-        self.rdma_bw = p.rdma_gbps * 1e3 * p.rdma_efficiency
         self.node = np.arange(ranks) // gpus_per_node
         self.node_size = np.bincount(self.node)[self.node]
         self.multi_node = ranks > gpus_per_node
-        self.ht_latency = p.rdma_latency_us if self.multi_node else p.nvlink_latency_us
-        self.ll_latency = p.ll_latency_us
+        self.ht_latency = collective_latency_us(p, "ht", self.multi_node)
+        self.ll_latency = collective_latency_us(p, "ll", self.multi_node)
         self.dedup = program.ht_rdma_share
 
     def wire(self, total: np.ndarray, rdma: np.ndarray) -> np.ndarray:
-        return np.maximum((total - rdma) / self.nvl_bw, rdma / self.rdma_bw)
+        return link_time_us(self.profile, total, rdma)
 
     def traffic(self, share: np.ndarray, full: float, mode: str, kind: str) -> tuple:
         """(send, recv, send RDMA, recv RDMA) bytes per rank for a layer whose rank shares of

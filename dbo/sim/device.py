@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from dbo.sim.alltoall import couple_to_peers
 from dbo.sim.clock import DeviceClock
 from dbo.sim.cost import GEMM_OPS, ROOFLINE, OpCall, OpCost, host_family, price_op
 from dbo.sim.graph import BufferOwners, SimGraph
@@ -298,27 +299,13 @@ class SimDevice(Device):
         return record
 
     def place_op(
-        self,
-        name: str,
-        cost_us: float,
-        *,
-        kind: str = COMPUTE,
-        stream: SimStream | None = None,
-        track: Track | None = None,
-        flops: float = 0.0,
-        nbytes: float = 0.0,
-        reads: Sequence[Access] = (),
-        writes: Sequence[Access] = (),
-        fresh: Sequence[int] = (),
-        args: dict | None = None,
-        launch: bool = True,
-        not_before: float = 0.0,
-        sm_share: float = 0.0,
-        ubatch: Any = "current",
-        stack: Any = None,
-        host_us: float | None = None,
-        full_grid: bool = False,
-    ) -> OpRecord:
+        self, name: str, cost_us: float, *, kind: str = COMPUTE, stream: SimStream | None = None,
+        track: Track | None = None, flops: float = 0.0, nbytes: float = 0.0,
+        reads: Sequence[Access] = (), writes: Sequence[Access] = (), fresh: Sequence[int] = (),
+        args: dict | None = None, launch: bool = True, not_before: float = 0.0,
+        sm_share: float = 0.0, ubatch: Any = "current", stack: Any = None,
+        host_us: float | None = None, full_grid: bool = False,
+    ) -> OpRecord:  # fmt: skip
         """Place one op on a timeline and check its accesses; returns its record.
 
         `launch` charges the host its eager issue time, `host_us` or the profile's figure for
@@ -334,10 +321,7 @@ class SimDevice(Device):
         compute = kind == COMPUTE
         with self._lock:
             issue = self._clock.host_us
-            if launch and not replayed:
-                self._clock.host_us += (
-                    self.profile.eager_host_us(host_family(name)) if host_us is None else host_us
-                )
+            self._clock.host_us += self._launch_us(name, launch, host_us, replayed)
             epoch = self._clock.tick(track)
             span = self._clock.place(
                 track, cost_us, compute=compute, full_grid=full_grid, not_before=not_before,
@@ -357,6 +341,22 @@ class SimDevice(Device):
                     stack = user_stack()
                 self._checker.on_op(record, track, epoch, reads, writes, stack, fresh)
             return record
+
+    def _launch_us(self, name: str, launch: bool, host_us: float | None, replayed: bool) -> float:
+        """Host time issuing one op costs: its eager issue time, none inside a replayed graph."""
+        if not launch or replayed:
+            return 0.0
+        return self.profile.eager_host_us(host_family(name)) if host_us is None else host_us
+
+    def _coupled_cost(
+        self, mode: str, op: Any, track: Track, not_before: float, peers: Any
+    ) -> tuple[float, dict[str, Any]]:
+        """A comm op coupled to its peers (see `place_comm`): its duration and trace args."""
+        launch = self._launch_us(op.name, op.launch, op.host_us, self.thread_state().replaying)
+        ready = max(self._clock.host_us + launch, track.free_at, not_before)
+        with self.suspended():  # the exchange is bookkeeping, not device work
+            end, wait, gate = couple_to_peers(self.profile, mode, ready, peers, self.ht_rdma_share)
+        return end - ready, dict(op.args, peer_wait_us=wait, gated_by=gate)
 
     def _reserved_sms(self, name: str, compute: bool, ubatch: int | None) -> bool:
         """A ubatch's GEMM under `dbo_gemm_sms` runs on its reserved SMs: slower, but
@@ -478,9 +478,10 @@ class SimDevice(Device):
         mode: str = "ht",
         ep_size: int = 1,
         link: str | None = None,
+        peers: Any = None,
     ) -> Iterator[CommHandle]:
-        """The block is one comm op costed by `comm_time_us`; its torch ops are not placed
-        themselves, but their accesses belong to the comm op (see Device.comm_region)."""
+        """The block is one comm op costed by `comm_time_us` (coupled to `peers`: see
+        `place_comm`); its torch ops are not placed, their accesses are the comm op's."""
         state = self.thread_state()
         region = open_region(self.profile, state, kind, nbytes, mode, ep_size, link)
         nbytes = region.nbytes
@@ -490,27 +491,33 @@ class SimDevice(Device):
             yield handle
         finally:
             state.comm = None
-        self.place_comm(region, handle.event)  # type: ignore[arg-type]
+        self.place_comm(region, handle.event, peers)  # type: ignore[arg-type]
 
-    def place_comm(self, region: CommRegion, event: SimEvent) -> None:
+    def place_comm(self, region: CommRegion, event: SimEvent, peers: Any = None) -> None:
         """Place a finished comm region as `dbo.sim.regions.region_ops` plans it; `event`
-        marks its data usable (an "ll" region's: arrival, on the link track)."""
+        marks its data usable (an "ll" region's: arrival, on the link track). `peers` (the
+        EP ranks of an all-to-all across processes) couples the transfer's end to theirs:
+        `dbo.sim.alltoall.couple_to_peers`."""
         replaying = self.thread_state().replaying
         ops = region_ops(self.profile, region, self.ht_rdma_share, replaying)
         stream_track = region.stream.track  # type: ignore[attr-defined]
+        coupled = peers is not None and region.ep_size > 1 and region.link is None
         with self._lock:
             track, placed = stream_track, None
-            for op in ops:
+            for k, op in enumerate(ops):
                 track = self._link if op.on_link else stream_track
                 if op.on_link:
                     # The transfer leaves after the send: order it after the sending stream.
                     join(track.vc, stream_track.vc)
+                not_before = placed.end_us if op.after_send and placed else 0.0
+                cost, args = op.cost_us, op.args
+                if coupled and k == len(ops) - 1:  # the transfer itself (after an LL send)
+                    cost, args = self._coupled_cost(region.mode, op, track, not_before, peers)
                 placed = self.place_op(
-                    op.name, op.cost_us, kind=COMM, track=track, nbytes=op.nbytes,
-                    reads=op.reads, writes=op.writes, fresh=op.fresh, args=op.args,
+                    op.name, cost, kind=COMM, track=track, nbytes=op.nbytes,
+                    reads=op.reads, writes=op.writes, fresh=op.fresh, args=args,
                     launch=op.launch, sm_share=op.sm_share, host_us=op.host_us,
-                    full_grid=op.full_grid,
-                    not_before=placed.end_us if op.after_send and placed else 0.0,
+                    full_grid=op.full_grid, not_before=not_before,
                 )  # fmt: skip
             self._record_on_track(event, track)
         if self._graph is not None and not replaying:

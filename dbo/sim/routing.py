@@ -10,6 +10,9 @@ Families (all seeded, all documented on their constructor):
 - `zipf(s)`: expert popularity proportional to 1 / rank^s, the ranking shuffled per layer.
 - `dirichlet(alpha)`: per layer a draw from a symmetric Dirichlet(alpha) (small alpha: skewed).
 - `from_histogram(path)`: measured tokens per expert per layer (CSV or JSON).
+- `routed_counts(routing, tokens, top_k)` / `assign_experts(counts, tokens, top_k)`: the
+  whole rows per expert a batch routes under the shares (largest remainder), and a token-to-
+  expert assignment realising them exactly (what rank processes route by in the cross-check).
 - `sampled(routing, tokens)`: the counts a batch of `tokens` actually routes, each token
   drawing top_k distinct experts from the layer's shares (seeded): the statistical imbalance
   of a finite batch (DeepEP's benchmarks route random scores this way).
@@ -39,6 +42,8 @@ __all__ = [
     "dirichlet",
     "from_histogram",
     "sampled",
+    "routed_counts",
+    "assign_experts",
     "contiguous",
     "eplb",
     "cap_shares",
@@ -172,6 +177,35 @@ def sampled(routing: Routing, tokens: int, top_k: int, *, seed: int = 0) -> Rout
         picks = np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k]
         counts[j] = np.bincount(picks.reshape(-1), minlength=e)
     return Routing(counts / counts.sum(axis=1, keepdims=True), f"{routing.label}, {tokens} tokens")
+
+
+def routed_counts(routing: Routing, tokens: int, top_k: int) -> np.ndarray:
+    """Rows per expert per layer (layers x experts, integers) that `tokens` tokens with `top_k`
+    experts each route under `routing`: its shares times tokens * top_k, rounded by largest
+    remainder (each layer sums to tokens * top_k; with capped shares none exceeds tokens)."""
+    want = routing.load * (tokens * top_k)
+    counts = np.floor(want + 1e-9)
+    short = (tokens * top_k - counts.sum(axis=1)).astype(int)
+    for j in range(routing.num_layers):
+        order = np.argsort(-(want[j] - counts[j]), kind="stable")
+        counts[j, order[: short[j]]] += 1
+    return counts.astype(int)
+
+
+def assign_experts(counts: np.ndarray, tokens: int, top_k: int) -> np.ndarray:
+    """A (tokens, top_k) expert id per token slot such that expert e receives exactly
+    `counts[e]` rows and no token picks an expert twice: experts in order, each repeated
+    counts[e] times, laid out slot by slot (a run of at most `tokens` ids never wraps onto
+    the same token). ValueError when the counts do not sum to tokens * top_k or one exceeds
+    tokens."""
+    counts = np.asarray(counts, dtype=int)
+    if counts.sum() != tokens * top_k or (counts > tokens).any() or (counts < 0).any():
+        raise ValueError(
+            f"expert counts must be in [0, {tokens}] and sum to {tokens} x {top_k} rows, "
+            f"got sum {counts.sum()}, max {counts.max()}"
+        )
+    ids = np.repeat(np.arange(counts.size), counts)
+    return ids.reshape(top_k, tokens).T.copy()
 
 
 def _numeric(row: list[str]) -> bool:

@@ -1,15 +1,18 @@
 """SGLang's two-batch overlap splitting a prefill of prompt lengths [100, 2000] at the request
 boundary nearest half the tokens (#6328): one ubatch gets 100 tokens, the other 2000, so
 nothing of the heavy one overlaps. Judged on the simulated H200 by a DeepSeek-V3-shaped step:
-the per-ubatch compute time and the DBO gain. The fix cuts inside the long request at the
+the DBO gain decides (a split that loses time, or most of what the balanced split gains, is
+caught), and the per-ubatch compute times say why. The fix cuts inside the long request at the
 token midpoint (SGLang's two-chunk split)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dbo.sim import SimDevice
 from dbo.sim.records import COMPUTE
 from dbo.split import UBatchSlice, maybe_create_ubatch_slices
-from scenarios.bugs.registry import Verdict, bug
+from scenarios.bugs.registry import Verdict, bug_pair
 from scenarios.harness import measure
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.steps import prepare, serial_step, ubatched_step
@@ -17,7 +20,8 @@ from workspace import reset_workspace_manager
 
 PROMPTS = (100, 2000)
 LAYERS = 2  # enough for the overlap to show; the heavy ubatch's share does not change
-IMBALANCE = 2.0  # a ubatch with this many times the other's compute cannot be hidden
+MIN_GAIN = 1.05  # a fixed split must gain at least this much over the serial step
+LOST_SHARE = 0.5  # a split keeping under this share of the fixed split's gain is the bug
 
 
 def _slices(buggy: bool) -> list[UBatchSlice]:
@@ -35,17 +39,27 @@ def _compute_us(records, ubatch: int) -> float:
     return sum(r.dur_us for r in records if r.kind == COMPUTE and r.ubatch == ubatch)
 
 
-@bug(
-    "sglang-6328-unbalanced-prefill",
-    engine="SGLang",
-    ref="sglang#6328",
-    cause="a prefill of prompt lengths [100, 2000] is split at a request boundary, leaving "
-    "one ubatch 20x the other's tokens, so its compute has nothing to overlap with "
-    "(performance)",
-    caught_by="the simulated timeline (per-ubatch compute, DBO gain)",
-    evidence="heavier",
-)
-def unbalanced_prefill(buggy: bool) -> Verdict:
+@dataclass(frozen=True)
+class Timeline:
+    """One split's simulated step: the DBO gain (serial step time over ubatched step time)
+    and each ubatch's compute time."""
+
+    gain: float
+    compute_us: list[float]
+
+    def describe(self) -> str:
+        heavy = self.compute_us.index(max(self.compute_us))
+        light = 1 - heavy
+        ratio = self.compute_us[heavy] / max(self.compute_us[light], 1e-9)
+        return (
+            f"DBO gain {self.gain:.2f}x: ubatch {heavy}'s compute is {ratio:.1f}x ubatch "
+            f"{light}'s ({self.compute_us[heavy]:.0f} vs {self.compute_us[light]:.0f} us)"
+        )
+
+
+def simulated_timeline(buggy: bool) -> Timeline:
+    """The simulated H200 step of a DeepSeek-V3-shaped prefill, split the buggy or the
+    fixed way."""
     config = preset("deepseek-v3", num_layers=LAYERS, num_dense_layers=0)
     batch = Batch((0, PROMPTS[0], sum(PROMPTS)), (0, 0))
     model = MoEModel(config, batch)
@@ -59,17 +73,29 @@ def unbalanced_prefill(buggy: bool) -> Verdict:
         run = measure(dbo_step.output, device)
     finally:
         reset_workspace_manager()  # the next entry (or dbo.verify) makes its own
-    per = [_compute_us(run.records, k) for k in range(2)]
-    ratio = max(per) / max(min(per), 1e-9)
     gain = serial_us / run.step_us if run.step_us > 0 else float("nan")
-    heavy = per.index(max(per))
-    caught = ratio > IMBALANCE
-    balance = f"ubatch {heavy} is {ratio:.1f}x heavier" if caught else "balanced"
-    message = (
-        f"{balance} in compute ({per[0]:.0f} vs {per[1]:.0f} us per ubatch); simulated DBO "
-        f"gain {gain:.2f}x"
-    )
-    return Verdict(caught, "the simulated timeline", message)
+    return Timeline(gain, [_compute_us(run.records, k) for k in range(2)])
 
 
-__all__ = ["unbalanced_prefill"]
+@bug_pair(
+    "sglang-6328-unbalanced-prefill",
+    engine="SGLang",
+    ref="sglang#6328",
+    cause="a prefill of prompt lengths [100, 2000] is split at a request boundary, leaving "
+    "one ubatch 20x the other's tokens, so its compute has nothing to overlap with "
+    "(performance)",
+    caught_by="the simulated timeline (DBO gain)",
+    evidence="ubatch 1's compute is",
+)
+def unbalanced_prefill() -> tuple[Verdict, Verdict]:
+    buggy, fixed = simulated_timeline(True), simulated_timeline(False)
+    # A split that loses time, or gives up most of what a balanced split gains, is the bug;
+    # a fix must gain.
+    lost = buggy.gain < 1.0 or buggy.gain - 1.0 < LOST_SHARE * (fixed.gain - 1.0)
+    against = f"; the token-midpoint split gains {fixed.gain:.2f}x"
+    caught = Verdict(lost, "the simulated timeline", buggy.describe() + against)
+    clean = Verdict(fixed.gain < MIN_GAIN, "the simulated timeline", fixed.describe())
+    return caught, clean
+
+
+__all__ = ["Timeline", "simulated_timeline", "unbalanced_prefill"]

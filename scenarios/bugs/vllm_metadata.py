@@ -4,7 +4,7 @@ reported mistake, its fixed split `dbo.split.split_attn_metadata` (or a builder 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -126,41 +126,28 @@ def continuation_computed(buggy: bool) -> Verdict:
 # A metadata builder that keeps what it built on itself
 
 
-@dataclass(frozen=True)
-class PrefillMetadata:
-    """What an MLA prefill backend's forward reads: the common metadata, and the builder
-    that planned it (whose stash holds cu_seqlens_q and max_seqlen_q)."""
-
-    common: CommonAttentionMetadata
-    builder: PrefillBuilder
-
-
 class PrefillBuilder:
-    """Plans a prefill and, like MLA's and FlashInfer's builders, keeps the plan on itself;
-    the forward reads it back."""
+    """Plans a prefill and, like MLA's and FlashInfer's builders, keeps the plan on itself:
+    `cu_seqlens_q` is a persistent buffer (so a captured graph can read it) that every
+    `build()` overwrites in place, and the metadata it returns points into it."""
 
-    def __init__(self) -> None:
-        self.cu_seqlens_q: torch.Tensor | None = None
-        self.max_seqlen_q = 0
+    def __init__(self, max_reqs: int) -> None:
+        self.cu_seqlens_q = torch.zeros(max_reqs + 1, dtype=torch.int32)
 
-    def build(self, common: CommonAttentionMetadata) -> PrefillMetadata:
-        self.cu_seqlens_q = common.query_start_loc_cpu.clone()
-        self.max_seqlen_q = common.max_query_len
-        return PrefillMetadata(common, self)
+    def build(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
+        n = common.num_reqs + 1
+        self.cu_seqlens_q[:n].copy_(common.query_start_loc_cpu)
+        return replace(common, query_start_loc=self.cu_seqlens_q[:n])
 
 
 def _varlen_forward(model: PagedAttention):
+    """The prefill forward: the varlen kernel takes its cu_seqlens_q from the builder's plan
+    (the metadata's device `query_start_loc`), not from the host copy."""
+
     def forward(inputs: dict[str, Any]) -> torch.Tensor:
-        q, meta = inputs["q"], inputs["attn"]
-        cu = meta.builder.cu_seqlens_q
-        # The varlen kernel's own host-side argument check (a real kernel reads past q).
-        if int(cu[-1]) != q.shape[0]:
-            raise ValueError(
-                f"varlen attention: cu_seqlens_q covers {int(cu[-1])} query tokens but q "
-                f"holds {q.shape[0]} (metadata planned for another batch)"
-            )
-        common = replace(meta.common, query_start_loc_cpu=cu, query_start_loc=cu)
-        return model.forward({"q": q, "attn": common})
+        m = inputs["attn"]
+        planned = replace(m, query_start_loc_cpu=m.query_start_loc.to(torch.int64))
+        return model.forward({"q": inputs["q"], "attn": planned})
 
     return forward
 
@@ -169,21 +156,22 @@ def _varlen_forward(model: PagedAttention):
     "vllm-50945-shared-builder",
     engine="vLLM",
     ref="vllm#50945 (review thread)",
-    cause="one metadata builder is shared by the ubatches and stashes the prefill plan on "
-    "itself; ubatch 1's build() overwrites it before ubatch 0's forward reads it",
-    caught_by="dbo.verify (the runner's ubatch error)",
-    evidence="cu_seqlens_q",
+    cause="one metadata builder is shared by the ubatches and stashes the prefill plan "
+    "(cu_seqlens_q) on itself; ubatch 1's build() overwrites it before ubatch 0's forward "
+    "reads it",
+    caught_by="dbo.verify (ubatch-metadata checker)",
+    evidence="ubatch 0, query_start_loc: differs from query_start_loc_cpu",
 )
 def shared_builder(buggy: bool) -> Verdict:
     meta, model, slices = _step()
-    builders = [PrefillBuilder() for _ in slices]
+    builders = [PrefillBuilder(meta.num_reqs) for _ in slices]
 
     def split(inputs: dict[str, Any], n: int) -> list[dict[str, Any]]:
-        parts = split_attn_metadata(slices, inputs["attn"].common)
+        parts = split_attn_metadata(slices, inputs["attn"])
         # DBO builds every ubatch's metadata before any forward runs.
         built = [(builders[0] if buggy else builders[k]).build(p) for k, p in enumerate(parts)]
         return [{"q": inputs["q"][s.token_slice], "attn": b} for s, b in zip(slices, built)]
 
     # The serial step has its own builder: it never runs in the same step as the ubatches.
-    whole = {"q": model.q, "attn": PrefillBuilder().build(meta)}
+    whole = {"q": model.q, "attn": PrefillBuilder(meta.num_reqs).build(meta)}
     return verify_verdict(_varlen_forward(model), whole, split)

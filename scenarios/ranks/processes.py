@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from scenarios.harness import RunOptions
+from scenarios.ranks.crosscheck import register_crosscheck
 from scenarios.ranks.group import HOSTED_ENV, RankSetupError, init_rank
 from scenarios.ranks.merge import merge_outcomes
 from scenarios.ranks.runner import (
@@ -272,6 +273,8 @@ def child_main() -> int:
     """Entry of a process started by `run_local_ranks`."""
     if _LAUNCHER_ENV in os.environ:
         _exit_with_launcher(int(os.environ[_LAUNCHER_ENV]))
+    register_crosscheck()  # rank-only scenarios, registered where they run
+
     spec = json.loads(os.environ[_SPEC_ENV])
     opts = RunOptions(**spec["opts"])
     try:

@@ -1,0 +1,106 @@
+"""When an all-to-all ends on each rank of an EP group, given when each rank reached it and the
+bytes every rank sends every other: the coupling rule of a dispatch or combine in virtual time.
+
+A rank's collective ends when its own kernel has sent and received its bytes (NVLink inside a
+node, RDMA across nodes, the two links working in parallel) *and* every peer that sends it
+rows has finished sending: that peer's last row leaves at its own start plus the link latency
+plus its whole send time. So the slowest sender gates the receiver, and a rank that reaches the
+collective late delays everyone it sends to. The RDMA bytes of high-throughput (DeepEP normal)
+kernels are scaled by `rdma_share`, the share of remote copies left after per-node
+de-duplication.
+
+`dbo.sim.cluster` applies this rule vectorised over a group's routing shares; a `SimDevice`
+whose comm region carries its peers (`dbo.comm`'s EP group across processes) applies it to
+the byte matrix the ranks exchange, so both price the same bytes the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dbo.sim.hardware import HardwareProfile
+
+__all__ = [
+    "AllToAllEnds",
+    "link_time_us",
+    "collective_latency_us",
+    "all_to_all_ends",
+    "couple_to_peers",
+]
+
+
+def link_time_us(profile: HardwareProfile, total: np.ndarray, rdma: np.ndarray) -> np.ndarray:
+    """Wire time of `total` bytes of which `rdma` cross nodes: NVLink and RDMA in parallel."""
+    nvl_bw = profile.nvlink_gbps * 1e3 * profile.nvlink_efficiency  # bytes per us
+    rdma_bw = profile.rdma_gbps * 1e3 * profile.rdma_efficiency
+    return np.maximum((total - rdma) / nvl_bw, rdma / rdma_bw)
+
+
+def collective_latency_us(profile: HardwareProfile, mode: str, multi_node: bool) -> float:
+    """The fixed time of one dispatch or combine: DeepEP's low-latency kernels' own, else the
+    link's (RDMA once the group spans nodes)."""
+    if mode == "ll":
+        return profile.ll_latency_us
+    return profile.rdma_latency_us if multi_node else profile.nvlink_latency_us
+
+
+@dataclass(frozen=True)
+class AllToAllEnds:
+    """Per rank: when its collective ends, what its own bytes alone would give, and the rank
+    whose rows arrived last (itself when its own link set the time)."""
+
+    end: np.ndarray
+    own: np.ndarray
+    gate: np.ndarray
+
+    @property
+    def peer_wait_us(self) -> np.ndarray:
+        return np.clip(self.end - self.own, 0.0, None)
+
+
+def all_to_all_ends(
+    profile: HardwareProfile,
+    mode: str,
+    ready: np.ndarray,
+    traffic: np.ndarray,
+    *,
+    gpus_per_node: int | None = None,
+    rdma_share: float = 1.0,
+) -> AllToAllEnds:
+    """The coupling rule (module docstring) for `ready[r]` (when rank r's kernel starts) and
+    `traffic[p, r]` (bytes rank p sends rank r; the diagonal stays local and is ignored)."""
+    ready = np.asarray(ready, dtype=float)
+    ranks = ready.shape[0]
+    traffic = np.asarray(traffic, dtype=float) * (1.0 - np.eye(ranks))
+    g = int(gpus_per_node or profile.gpus_per_node)
+    node = np.arange(ranks) // g
+    cross = node[:, None] != node[None, :]
+    rdma = traffic * cross * (rdma_share if mode == "ht" else 1.0)
+    send, recv = traffic.sum(axis=1), traffic.sum(axis=0)
+    send_rdma, recv_rdma = rdma.sum(axis=1), rdma.sum(axis=0)
+    latency = collective_latency_us(profile, mode, ranks > g)
+    send_t = link_time_us(profile, send, send_rdma)
+    own = ready + latency + np.maximum(send_t, link_time_us(profile, recv, recv_rdma))
+    arrive = ready + latency + send_t
+    senders = np.where(traffic > 0, arrive[:, None], -np.inf)  # [p, r]: p's rows for r land
+    from_peer = senders.max(axis=0) if ranks else np.zeros(0)
+    end = np.maximum(own, from_peer)
+    gate = np.where(from_peer > own + 1e-9, np.argmax(senders, axis=0), np.arange(ranks))
+    return AllToAllEnds(end, own, gate)
+
+
+def couple_to_peers(
+    profile: HardwareProfile, mode: str, ready: float, peers: Any, rdma_share: float = 1.0
+) -> tuple[float, float, int]:
+    """One rank's side of a coupled all-to-all across processes: (end, time waited for peers,
+    gating rank). `peers` has `rank` (this EP rank), `send_bytes` (what this rank sends each
+    EP rank) and `exchange(values)`, an all_gather over the group returning every rank's
+    values; this rank's start and `send_bytes` go out, and every rank applies
+    `all_to_all_ends` to the same table."""
+    table = np.asarray(peers.exchange([ready, *peers.send_bytes]), dtype=float)
+    ends = all_to_all_ends(profile, mode, table[:, 0], table[:, 1:], rdma_share=rdma_share)
+    me = int(peers.rank)
+    return float(ends.end[me]), float(ends.peer_wait_us[me]), int(ends.gate[me])
