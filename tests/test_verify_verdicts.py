@@ -269,6 +269,37 @@ def test_the_adversarial_order_of_a_correct_forward_is_benign():
     assert not report.adversarial.changed and "benign here" in report.describe()
 
 
+_W = torch.randn(4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def doubles_its_input(x):
+    x.mul_(2.0)  # legal: each run gets its own copy of the batch
+    return torch.tanh(x @ _W)
+
+
+@pytest.mark.timeout(30)
+def test_the_adversarial_order_of_a_forward_that_rewrites_its_input_is_benign():
+    # The re-executions start from memory as the capture left it; compared with each other
+    # they agree, where a comparison with the serial output would see the input doubled twice.
+    report = dbo.verify(doubles_its_input, batch(), race_order="adversarial")
+    assert report.ok, report.describe()
+    assert "benign here" in report.describe()
+
+
+_CACHE = torch.arange(64.0, dtype=torch.float64).reshape(16, 4) / 10
+
+
+def writes_part_of_a_cache(x):
+    _CACHE[0].fill_(1.0)  # the step's first access to the cache writes one row of it only
+    return x @ _CACHE.T
+
+
+@pytest.mark.timeout(30)
+def test_the_adversarial_order_of_a_partly_written_cache_is_benign():
+    report = dbo.verify(writes_part_of_a_cache, batch(), race_order="adversarial")
+    assert report.ok, report.describe()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
