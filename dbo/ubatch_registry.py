@@ -29,6 +29,7 @@ __all__ = [
     "THREAD_ID_TO_CONTEXT",
     "CURRENT_CONTEXTS",
     "ABANDONED_THREADS",
+    "abandon_thread",
     "REGISTRY_LOCK",
     "register",
     "unregister",
@@ -116,6 +117,14 @@ def abandon_locked(ctx: RegisteredContext, thread: threading.Thread | None, reas
     ident = unregister_locked(ctx)
     if ident is not None and thread is not None:
         ABANDONED_THREADS[ident] = (thread, reason)
+
+
+def abandon_thread(thread: threading.Thread, reason: str) -> None:
+    """Mark `thread` abandoned though it ran no ubatch (a serial run cut off by its timeout):
+    its next runtime call raises `UBatchAbandoned`, so it cannot reach a later step."""
+    if thread.ident is not None:
+        with REGISTRY_LOCK:
+            ABANDONED_THREADS[thread.ident] = (thread, reason)
 
 
 def claim_slots(num_ubatches: int) -> None:

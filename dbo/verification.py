@@ -53,6 +53,7 @@ from dbo.sim.summary import fallback_fraction
 from dbo.sim.trace import TraceRun
 from dbo.split import check_split_inputs, ubatch_cut_points
 from dbo.streams import Device
+from dbo.ubatch_registry import abandon_thread
 from dbo.ubatching import dbo_enabled
 from dbo.verify_compare import compare, copy_batch, same_values, snapshot
 from dbo.verify_report import RunRaces, VerifyError, VerifyReport, error_text
@@ -285,6 +286,7 @@ def _bounded(step: Callable[[], Any], timeout: float) -> Any:
         frame = sys._current_frames().get(thread.ident or -1)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
         where = stack.strip().splitlines()[-2].strip() if stack else "unknown"
+        abandon_thread(thread, f"verify's serial run passed its {timeout:g} s timeout")
         raise UBatchTimeoutError(
             f"the serial run of forward did not finish within {timeout:g} s (timeout=); it is "
             f"stuck at {where}; its thread is left running",

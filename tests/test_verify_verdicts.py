@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dbo
+import workspace
 from workspace import reset_workspace_manager
 
 HIDDEN = 4
@@ -141,6 +142,30 @@ def test_the_timeout_bounds_a_stuck_serial_run():
             dbo.verify(forward, batch(), timeout=0.5, warmup=0)
     finally:
         release.set()
+
+
+@pytest.mark.timeout(30)
+def test_a_serial_run_cut_off_by_the_timeout_cannot_reach_a_later_workspace():
+    release, came_back = threading.Event(), threading.Event()
+    seen: dict[str, str] = {}
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not dbo.dbo_enabled() and not release.is_set():
+            release.wait(20)  # outlives the timeout, then touches the workspace
+            try:
+                workspace.current_workspace_manager().get_simultaneous(((8, 4), torch.float64))
+                seen["then"] = "wrote a later step's slot"
+            except BaseException as error:  # noqa: BLE001 - what the thread saw is the result
+                seen["then"] = type(error).__name__
+            came_back.set()
+        return x
+
+    with pytest.raises(dbo.UBatchTimeoutError):
+        dbo.verify(forward, batch(), timeout=0.5, warmup=0)
+    workspace.init_workspace_manager(torch.device("cpu"), 2)  # a later, unrelated manager
+    release.set()
+    assert came_back.wait(10)
+    assert seen["then"] == "UBatchAbandoned"
 
 
 @pytest.mark.timeout(30)
