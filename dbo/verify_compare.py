@@ -15,6 +15,7 @@ tolerance is given.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,6 +55,12 @@ def _map_tensors(value: Any, fn: Any) -> Any:
             return type(value)({k: _map_tensors(v, fn) for k, v in value.items()})
         except TypeError:  # a mapping type that cannot be built from a dict
             return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # vLLM's IntermediateTensors and the like: each field snapshotted as it is.
+        copied = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(copied, f.name, _map_tensors(getattr(value, f.name), fn))
+        return copied
     try:
         return copy.deepcopy(value)
     except Exception:  # noqa: BLE001 - an uncopyable object is compared as it is
@@ -61,8 +68,12 @@ def _map_tensors(value: Any, fn: Any) -> Any:
 
 
 def same_values(a: Any, b: Any) -> bool:
-    """Whether two snapshots are identical (NaN equal to NaN): did a run write its input?"""
-    return compare(a, b, 0.0, 0.0).match
+    """Whether two snapshots are identical (NaN equal to NaN): did a run write its input?
+    Parts that cannot be compared (objects without `==`) count as unchanged."""
+    try:
+        return compare(a, b, 0.0, 0.0).match
+    except TypeError:
+        return True
 
 
 @dataclass(frozen=True)
@@ -106,9 +117,33 @@ def _compare(
         return _worst(
             _compare(expected[k], got[k], atol, rtol, f"{where}[{k!r}]") for k in expected
         )
-    if expected == got or (_is_nan(expected) and _is_nan(got)):
-        return 0.0, None
-    return math.inf, f"{where}: {got!r} under DBO, {expected!r} serially"
+    if dataclasses.is_dataclass(expected) and not isinstance(expected, type):
+        return _worst(
+            _compare(
+                getattr(expected, f.name), getattr(got, f.name), atol, rtol, f"{where}.{f.name}"
+            )
+            for f in dataclasses.fields(expected)
+        )
+    return _compare_plain(expected, got, where)
+
+
+def _compare_plain(expected: Any, got: Any, where: str) -> tuple[float, str | None]:
+    """Two values that are neither tensors nor containers: equal by `==`, or refused."""
+    if type(expected).__eq__ is object.__eq__ and expected is not None:
+        raise TypeError(
+            f"{where}: cannot compare {type(expected).__name__} values (the class defines no "
+            f"==, so two runs' outputs always differ); return tensors, containers of them or "
+            f"dataclasses, or pass merge= to build one"
+        )
+    try:
+        if expected == got or (_is_nan(expected) and _is_nan(got)):
+            return 0.0, None
+    except Exception as error:  # noqa: BLE001 - an `==` that cannot answer is a refusal
+        raise TypeError(
+            f"{where}: cannot compare {type(expected).__name__} values ({error}); return "
+            f"tensors, containers of them or dataclasses, or pass merge= to build one"
+        ) from None
+    return math.inf, f"{where}: {got!r:.200} under DBO, {expected!r:.200} serially"
 
 
 def _is_nan(value: Any) -> bool:
@@ -148,8 +183,8 @@ def _compare_values(
         close = torch.isclose(b, a, atol=atol, rtol=rtol, equal_nan=True)
     else:  # integers and booleans: exact, without the float rounding of large int64 values
         close = expected.detach().to("cpu") == got.detach().to("cpu")
-    both_nan = a.isnan() & b.isnan()
-    diff = (a - b).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=math.inf)
+    same = (a == b) | (a.isnan() & b.isnan())  # inf == inf contributes 0, not inf - inf
+    diff = (a - b).abs().masked_fill(same, 0.0).nan_to_num(nan=math.inf)
     worst = diff.max().item()
     if bool(close.all()):
         return worst, None

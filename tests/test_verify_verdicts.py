@@ -4,6 +4,7 @@ values, dtypes, containers), and the calls that cannot be verified are refused c
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import dbo
 import workspace
+from dbo.verify_compare import compare
 from workspace import reset_workspace_manager
 
 HIDDEN = 4
@@ -379,3 +381,29 @@ def test_communication_that_never_leaves_the_gpu_is_explained():
     report = dbo.verify(forward, batch())
     assert report.local_comm and "all communication is local" in report.describe()
     assert not dbo.verify(correct, batch()).local_comm  # ep_size=8: it leaves the GPU
+
+
+@dataclasses.dataclass
+class _Hidden:
+    hidden: torch.Tensor
+
+
+def test_dataclass_outputs_are_compared_field_by_field():
+    same = compare(_Hidden(torch.ones(3)), _Hidden(torch.ones(3)), 0.0, 0.0)
+    differs = compare(_Hidden(torch.ones(3)), _Hidden(torch.zeros(3)), 0.0, 0.0)
+    assert same.match and not differs.match and "output.hidden" in differs.mismatch
+
+
+def test_an_output_type_without_equality_is_refused_with_what_to_return():
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    with pytest.raises(TypeError, match="cannot compare Box values"):
+        compare(Box(torch.ones(3)), Box(torch.ones(3)), 0.0, 0.0)
+
+
+def test_equal_infinities_add_nothing_to_the_difference():
+    a = torch.tensor([1.0, float("inf"), -float("inf")])
+    found = compare(a, a.clone(), 0.0, 0.0)
+    assert found.match and found.max_abs_diff == 0.0
