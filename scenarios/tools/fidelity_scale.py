@@ -227,7 +227,12 @@ def scale_rows(
         if on_point:
             on_point(f"scale decode {tokens}")
     rows += _deepep_rows() + _deepep_normal_rows()
-    assumptions = {
+    return rows, _assumptions(), extra
+
+
+def _assumptions() -> dict[str, str]:
+    """What each scale row's replay assumed, by assumption set."""
+    return {
         "S-P": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_PREFILL_EP} (4 nodes) "
             f"replayed; 288 physical experts placed by EPLB on the batch's load; routing: "
@@ -252,4 +257,3 @@ def scale_rows(
             "bytes over kernel time"
         ),
     }
-    return rows, assumptions, extra
