@@ -30,6 +30,7 @@ from dbo.sim.state import CommRegion, SimDeviceProtocol
 from dbo.streams import Event, GraphCapture, Stream
 
 __all__ = [
+    "rerun_op",
     "BufferOwners",
     "SimGraph",
     "GraphReplayError",
@@ -108,7 +109,7 @@ def _tensor_list(values: Iterable[Any]) -> list[torch.Tensor]:
     return found
 
 
-def _rerun(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+def rerun_op(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     """Recompute one op and leave its result in the tensors captured as its output."""
     new = func(*args, **kwargs)
     if isinstance(out, torch.Tensor):
@@ -268,7 +269,7 @@ class SimGraph(GraphCapture):
         try:
             for item in self.items:
                 if isinstance(item, GraphOp):
-                    _rerun(item.func, item.args, item.kwargs, item.out)
+                    rerun_op(item.func, item.args, item.kwargs, item.out)
                     device.place_op(
                         item.name, item.cost_us, stream=item.stream, flops=item.flops,
                         nbytes=item.nbytes, reads=item.reads, writes=item.writes,
@@ -280,7 +281,7 @@ class SimGraph(GraphCapture):
                     item.stream.wait_event(item.event)
                 else:
                     for func, args, kwargs, out in item.ops:
-                        _rerun(func, args, kwargs, out)
+                        rerun_op(func, args, kwargs, out)
                     tls.ubatches.append(item.ubatch)
                     try:
                         device.place_comm(item.region, item.event)

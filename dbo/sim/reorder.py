@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dbo.sim.graph import GraphComm, GraphEventRecord, GraphEventWait, GraphOp, SimGraph
+from dbo.sim.graph import GraphComm, GraphEventRecord, GraphEventWait, GraphOp, SimGraph, rerun_op
 from dbo.sim.records import Access, RaceReport
 from dbo.sim.regions import region_ops
 
@@ -119,17 +119,6 @@ class _Task:
     kernels: tuple[str, ...] = ()  # the torch ops a comm task's region ran
 
 
-def _rerun(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    new = func(*args, **kwargs)
-    if isinstance(out, torch.Tensor):
-        if new is not out:
-            out.copy_(new)
-    elif isinstance(out, (list, tuple)):
-        for old, fresh in zip(out, new):
-            if isinstance(old, torch.Tensor) and fresh is not old:
-                old.copy_(fresh)
-
-
 def _comm_tasks(graph: SimGraph, item: GraphComm, start: int) -> list[_Task]:
     """The tasks a comm region was placed as (`dbo.sim.regions.region_ops`): one on its
     stream, or a send there and a transfer on the link track. The block's torch ops run with
@@ -142,7 +131,7 @@ def _comm_tasks(graph: SimGraph, item: GraphComm, start: int) -> list[_Task]:
 
     def run() -> None:
         for func, args, kwargs, out in ops:
-            _rerun(func, args, kwargs, out)
+            rerun_op(func, args, kwargs, out)
 
     tasks = []
     for k, op in enumerate(placed):
@@ -175,7 +164,7 @@ def _tasks(graph: SimGraph) -> list[_Task]:
             op = item
             new = [
                 _Task(i, op.name, op.stream, op.ubatch, [*op.reads, *op.writes],
-                      lambda op=op: _rerun(op.func, op.args, op.kwargs, op.out))
+                      lambda op=op: rerun_op(op.func, op.args, op.kwargs, op.out))
             ]  # fmt: skip
         elif isinstance(item, GraphComm):
             new = _comm_tasks(graph, item, i)
