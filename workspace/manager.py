@@ -44,7 +44,7 @@ attribute, a result not yet consumed). That memory stays allocated until the vie
 hidden peak of old + new for that slot, and on a GPU a hazard if queued kernels still write
 it. Growing only the requesting slot avoids replacing the others but leaves them undersized
 at lock time, so the first locked request from another ubatch fails (what later vLLM versions
-had to patch). Shown in tests/test_workspace.py (test_synchronous_growth_*): a DBO warmup
+had to patch). Shown in tests/workspace/test_workspace.py (test_synchronous_growth_*): a DBO warmup
 in which only ubatch 0 sees the largest shape leaves per-slot growth with a slot that fails
 under lock, while synchronous growth serves it. The cost of synchronous growth is exactly the
 held views' old buffers: with no views held the peak is the new total; each held view keeps

@@ -15,7 +15,7 @@ from dbo.analysis import reader as reader_module
 from dbo.analysis.reader import read_trace
 from dbo.sim.tables import __file__ as tables_init
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 

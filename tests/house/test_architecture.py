@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dbo", "workspace", "scenarios")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60

@@ -18,7 +18,7 @@ from dbo.sim.summary import intersect_intervals, total_length, union_intervals
 
 hta = pytest.importorskip("hta.trace_analysis", reason="HTA is in the dev extra")
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 NAMES = ("prefill-serial", "prefill-dbo", "decode-serial", "decode-dbo")
 

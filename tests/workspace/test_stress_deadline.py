@@ -16,7 +16,7 @@ import pytest
 
 from scenarios.tools import stress
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # What "a few seconds" over the deadline is: the stopped threads' grace plus slack for a
 # loaded machine. Generous on purpose: the test is that the run does not go on for tens of
 # seconds (it did: 24 s for a 2 s deadline), not a timing figure.

@@ -15,7 +15,7 @@ from dbo.sim.summary import summarize
 from dbo.sim.trace import runs_from_trace
 from scenarios.cli import main as cli_main
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 PREFILL_DBO = str(FIXTURES / "prefill-dbo.json.gz")
 
 

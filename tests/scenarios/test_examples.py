@@ -13,7 +13,7 @@ import dbo
 from examples.my_moe import MyMoE, make_batch
 from scenarios.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(60)

@@ -30,7 +30,7 @@ from scenarios.tools.stress import run_stress
 # the test, never the whole run.
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fake(name: str, seen: list, *, run=None, error: str | None = None) -> catalog.Scenario:

@@ -11,7 +11,7 @@ import re
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dbo", "workspace", "scenarios")
 # Files whose figures are published constants quoted with their source, not our measurements.
 PUBLISHED_FIGURES = {
