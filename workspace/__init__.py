@@ -23,6 +23,7 @@ from .singleton import (
     reset_workspace_manager,
     unlock_workspace,
 )
+from .steps import WorkspaceStep, current_workspace_step, workspace_step
 
 __all__ = [
     "ALIGNMENT",
@@ -43,4 +44,7 @@ __all__ = [
     "reserve_workspace",
     "use_workspace_lane",
     "current_workspace_lane",
+    "WorkspaceStep",
+    "workspace_step",
+    "current_workspace_step",
 ]

@@ -21,6 +21,7 @@ from .diagnostics import debug_enabled, logger, mb
 from .errors import WorkspaceAllocationError
 from .layout import Layout
 from .records import GrowthRecord
+from .steps import describe_current_step
 
 __all__ = [
     "Allocate",
@@ -171,7 +172,9 @@ class SlotStore:
                     self.install(w, new_bytes)
         except BaseException as exc:
             self._fail_growth(exc, slots, old_bytes, new_bytes, orphaned, caller)
-        record = GrowthRecord(caller, old_bytes, new_bytes, self.num_ubatches, orphaned, lane)
+        record = GrowthRecord(
+            caller, old_bytes, new_bytes, self.num_ubatches, orphaned, lane, describe_current_step()
+        )
         self.growths.append(record)
         if orphaned:
             self.ledger.orphaning_events += 1

@@ -91,6 +91,7 @@ from .growth import AllocationHook, SlotStore, nbytes_of
 from .lanes import current_workspace_lane as _current_lane
 from .layout import Layout, plan_layout
 from .records import BufferInfo, GrowthRecord, WorkspaceStats
+from .steps import sizing_story
 
 __all__ = ["WorkspaceManager"]
 
@@ -227,7 +228,7 @@ class WorkspaceManager:
             if layout.total_bytes > have:
                 caller = caller_info()
                 if self._locked:
-                    raise self._locked_error(caller, layout.total_bytes, have)
+                    raise self._locked_error(caller, layout.total_bytes, have, lane)
                 self._store.check_fits_device(lane, layout, "reserve", caller)
                 self._grow(lane, layout.total_bytes, caller)
 
@@ -335,7 +336,7 @@ class WorkspaceManager:
                     if self._locked:
                         if soft:
                             return None
-                        raise self._locked_error(caller, layout.total_bytes, have)
+                        raise self._locked_error(caller, layout.total_bytes, have, lane)
                     who = "try_get_simultaneous" if soft else "get_simultaneous"
                     self._store.check_fits_device(lane, layout, who, caller)
                     self._grow(lane, layout.total_bytes, caller)
@@ -346,12 +347,11 @@ class WorkspaceManager:
                 cache[layout.key] = views
         return [view.data for view in views]
 
-    @staticmethod
-    def _locked_error(caller: str, need: int, have: int) -> WorkspaceLockedError:
+    def _locked_error(self, caller: str, need: int, have: int, lane: int) -> WorkspaceLockedError:
         return WorkspaceLockedError(
             f"Workspace is locked but allocation from '{caller}' requires {mb(need)}, current "
             f"size is {mb(have)}; growth is not allowed after lock_workspace() (call "
-            f"unlock_workspace() to re-warm)"
+            f"unlock_workspace() to re-warm){sizing_story(self._store.growths, lane, need)}"
         )
 
     def _check_slot(self, ubatch: Any) -> int:

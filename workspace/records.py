@@ -22,6 +22,7 @@ class GrowthRecord:
     # Bytes of the replaced buffers that outstanding views still kept alive at release time.
     orphaned_bytes: int = 0
     lane: int = 0  # the workspace lane whose slots grew (only that lane's slots change)
+    step: str = ""  # the run it served ("the profile run (ubatched: 2 ubatches, 16 tokens)")
 
 
 @dataclass(frozen=True, slots=True)
