@@ -282,13 +282,14 @@ def test_growth_history_records_caller_sizes_and_slot_count():
     m.get_simultaneous(((2048,), U8))
     history = m.growth_history()
     assert history == [
-        GrowthRecord(history[0].caller, 0, 1024, 2, 0),
+        GrowthRecord(history[0].caller, 0, 1024, 2, 0, step="an unlabelled serial run"),
         GrowthRecord(
             f"test_workspace.py:{line}:test_growth_history_records_caller_sizes_and_slot_count",
             1024,
             2048,
             2,
             0,
+            step="an unlabelled serial run",
         ),
     ]
     with pytest.raises(FrozenInstanceError):
