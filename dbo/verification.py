@@ -35,6 +35,7 @@ import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,12 @@ from dbo.sim.reorder import ReorderOutcome, run_adversarially
 from dbo.sim.report import summarize
 from dbo.sim.summary import fallback_fraction
 from dbo.sim.trace import TraceRun
-from dbo.split import check_split_inputs, ubatch_cut_points
+from dbo.split import UBatchSlice, check_split_inputs, ubatch_cut_points
 from dbo.streams import Device
 from dbo.ubatch_registry import abandon_thread
 from dbo.ubatching import dbo_enabled
 from dbo.verify_compare import compare, copy_batch, same_values, snapshot
+from dbo.verify_layout import SPLIT_RULES, SplitRules, resolve_layout, split_by_layout
 from dbo.verify_report import RunRaces, VerifyError, VerifyReport, error_text
 
 __all__ = ["RACE_ORDERS", "RunRaces", "VerifyError", "VerifyReport", "split_inputs", "verify"]
@@ -301,7 +303,7 @@ def verify(
     forward: Callable[[Any], Any],
     inputs: Any,
     *,
-    num_ubatches: int = 2,
+    num_ubatches: int | None = None,
     device: Device | str = "sim",
     split: Callable[[Any, int], Sequence[Any]] | None = None,
     merge: Callable[[list[Any]], Any] | None = None,
@@ -311,8 +313,11 @@ def verify(
     timeout: float = 60.0,
     artifacts: str | Path | None = None,
     race_order: str = "issue",
+    slices: Sequence[Any] | None = None,
+    split_rules: str = "vllm-v1",
 ) -> VerifyReport:
-    """Run `forward(inputs)` serially and as `num_ubatches` ubatches, and compare.
+    """Run `forward(inputs)` serially and as `num_ubatches` ubatches (default 2, or as many
+    as `slices` lists), and compare.
 
     `split(inputs, num_ubatches) -> list` gives the ubatch inputs (default: `split_inputs`);
     `merge(outputs) -> output` joins the ubatch outputs (default: `dbo.merge_outputs`).
@@ -320,17 +325,29 @@ def verify(
     simulated). `artifacts`: a folder for a Chrome trace and a PNG of both runs.
     `race_order="adversarial"` (simulated device, real tensors) also re-executes the
     ubatched step in an order that runs each race the other way round and reports what it
-    changes. Bad arguments raise before any work; a serial forward that raises or outlives
-    `timeout` raises (there is nothing to compare); every failure of the ubatched step is
-    reported in `error`.
+    changes. `slices` (`UBatchSlice`s or token `slice`s): an explicit ubatch layout, which
+    also cuts the batch when `split` is None; `split_rules` ("vllm-v1", "vllm-v2", "sglang",
+    `dbo.verify_layout`) says where the engine runs a ubatch without real tokens, and a
+    layout it would not run is refused. Bad arguments raise before any work; a serial forward
+    that raises or outlives `timeout` raises (there is nothing to compare); every failure of
+    the ubatched step is reported in `error`, a split whose metadata breaks an invariant in
+    `metadata_error`.
     """
+    rules = _rules(split_rules)
+    if num_ubatches is None:
+        num_ubatches = 2 if slices is None or isinstance(slices, (str, bytes)) else len(slices)
     _check_args(
         forward, num_ubatches, split, merge, warmup, atol, rtol, timeout, artifacts, race_order
     )
+    layout = None if slices is None else resolve_layout(slices, inputs, num_ubatches, rules)
+    if layout is not None and split is None:
+        split = partial(_layout_split, layout=layout, allow_empty=rules.empty != "never")
     pieces = _ubatch_inputs(inputs, num_ubatches, split)  # a bad split: refused before work
     # Attention metadata the pieces carry must describe exactly their part of the batch
     # (dbo.split's checker); a wrong split is the cause of whatever the step then does.
-    metadata_error = check_split_inputs(inputs, pieces)
+    metadata_error = check_split_inputs(
+        inputs, pieces, layout, padding_in_last_ubatch=rules.empty == "never"
+    )
     dev = _resolve(device)
     if race_order == "adversarial":
         _check_adversarial(dev, inputs)
@@ -352,6 +369,18 @@ def verify(
     if artifacts is not None:
         report.write_artifacts(artifacts)
     return report
+
+
+def _rules(split_rules: Any) -> SplitRules:
+    if split_rules not in SPLIT_RULES:
+        raise ValueError(f"split_rules must be one of {sorted(SPLIT_RULES)}, got {split_rules!r}")
+    return SPLIT_RULES[split_rules]
+
+
+def _layout_split(
+    inputs: Any, num_ubatches: int, *, layout: list[UBatchSlice], allow_empty: bool
+) -> list[Any]:
+    return split_by_layout(inputs, layout, allow_empty)
 
 
 def _check_adversarial(device: Device, inputs: Any) -> None:
@@ -472,8 +501,8 @@ def _add_findings(
         report.adversarial = outcome
         if outcome.mismatch is not None:
             report.outputs_match = report.ok = False
-    if metadata_error is not None:
-        report.ok, report.error = False, metadata_error
+    if metadata_error is not None:  # the cause; the ubatched step's own error stays its own
+        report.ok, report.metadata_error = False, metadata_error
 
 
 def _report(

@@ -104,6 +104,9 @@ class VerifyReport:
     local_comm: bool | None = None  # every comm op stayed on one GPU (ep_size 1)
     race_order: str = "issue"  # "adversarial": the ubatched step re-executed out of issue order
     adversarial: ReorderOutcome | None = None
+    # The split's attention metadata breaking an invariant (dbo.split's checker): the cause
+    # of what the ubatched step then did, reported beside its error, never in place of it.
+    metadata_error: Exception | None = None
     trace: str | None = None
     timeline_png: str | None = None
     records: dict[str, list[OpRecord]] = field(default_factory=dict, repr=False)
@@ -122,6 +125,8 @@ class VerifyReport:
         lines = [f"dbo.verify: {verdict} ({self.num_ubatches} ubatches on {self.device})"]
         lines += _outputs_lines(self)
         lines += _race_lines(self)
+        if self.metadata_error is not None:
+            lines.append(f"  split metadata   {error_text(self.metadata_error)}")
         lines.append(f"  error            {error_text(self.error)}")
         lines.extend(f"    {line}" for line in _error_detail(self.error))
         counts = "n/a" if self.yield_counts is None else str(self.yield_counts)
@@ -187,6 +192,9 @@ class VerifyReport:
                 "adversarial": None if self.adversarial is None else self.adversarial.to_dict(),
                 "error": None if self.error is None else error_text(self.error),
                 "error_type": None if self.error is None else type(self.error).__name__,
+                "metadata_error": None
+                if self.metadata_error is None
+                else error_text(self.metadata_error),
                 "yield_counts": self.yield_counts,
                 "step_us_serial": self.step_us_serial,
                 "step_us_dbo": self.step_us_dbo,

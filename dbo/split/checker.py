@@ -11,7 +11,9 @@ The invariants of a correct split, checked in this order:
 2. coverage: the ubatches' token ranges tile the parent's tokens in order, and each ubatch row
    runs tokens of the parent request it stands for, so every request's tokens are run exactly
    once.
-3. padding: padding tokens sit only after the real ones, in the last ubatch.
+3. padding: padding tokens sit only after the real ones, in the last ubatch (unless
+   `padding_in_last_ubatch=False`: vLLM's V2 runner pads every ubatch's share and runs a
+   ubatch of padding only like a dummy run).
 4. computed tokens: per request `seq_lens - query_lens == num_computed_tokens_cpu`, and both
    match the parent's counts plus the part of a cut request an earlier ubatch ran.
 5. fields: every optional per-token (`positions`) and per-request (`is_prefilling`,
@@ -281,7 +283,7 @@ def _check_rows(k: int, p: _Host, s: UBatchSlice, u: _Host) -> None:
         )
 
 
-def _check_padding(p: _Host, slices: Sequence[UBatchSlice]) -> None:
+def _check_padding(p: _Host, slices: Sequence[UBatchSlice], last_only: bool) -> None:
     real = _real_tokens(p)
     for t in range(real, p.num_tokens):
         if p.slots[t] != PAD_SLOT_ID:
@@ -292,6 +294,8 @@ def _check_padding(p: _Host, slices: Sequence[UBatchSlice]) -> None:
                 None,
                 f"padding token {t} maps to slot {p.slots[t]}",
             )
+    if not last_only:  # the engine runs a ubatch of padding only (vLLM's V2 runner, SGLang)
+        return
     for k, s in enumerate(slices):
         if s.token_slice.start >= real and s.token_slice.stop > s.token_slice.start:
             _fail(
@@ -493,12 +497,14 @@ def find_metadata_violation(
     slices: Sequence[UBatchSlice] | None = None,
     *,
     block_size: int | None = None,
+    padding_in_last_ubatch: bool = True,
 ) -> MetadataViolation | None:
     """The first invariant the per-ubatch metadata breaks against `parent`, or None.
 
     `slices`: the ubatch slices the records were built from (default: inferred as a correct
     split lays them out). `block_size`: also check each token's slot against its request's
-    blocks at its position."""
+    blocks at its position. `padding_in_last_ubatch=False`: padding may fill any ubatch after
+    the real tokens (vLLM's V2 runner)."""
     p, us = _records(parent, ubatches)
     try:
         _check_shapes(None, p)
@@ -508,7 +514,7 @@ def find_metadata_violation(
         _check_tiling(p, slices, us)
         for k, (s, u) in enumerate(zip(slices, us)):
             _check_rows(k, p, s, u)
-        _check_padding(p, slices)
+        _check_padding(p, slices, padding_in_last_ubatch)
         for k, (s, u) in enumerate(zip(slices, us)):
             _check_computed(k, p, s, u)
             _check_fields(k, p, s, u)
@@ -551,10 +557,17 @@ def _metadata_leaves(value: Any) -> dict[str, CommonAttentionMetadata]:
     return {where: v for where, v in items if isinstance(v, CommonAttentionMetadata)}
 
 
-def check_split_inputs(inputs: Any, pieces: Sequence[Any]) -> UBatchMetadataError | None:
+def check_split_inputs(
+    inputs: Any,
+    pieces: Sequence[Any],
+    slices: Sequence[UBatchSlice] | None = None,
+    *,
+    padding_in_last_ubatch: bool = True,
+) -> UBatchMetadataError | None:
     """For a step's whole inputs and its per-ubatch inputs (what `dbo.verify` runs): the
     error of the first attention metadata the pieces carry that breaks an invariant against
-    the one the inputs carry at the same place, or None (also when the inputs carry none)."""
+    the one the inputs carry at the same place, or None (also when the inputs carry none).
+    `slices`: the layout the pieces were cut by (default: inferred)."""
     for where, parent in _metadata_leaves(inputs).items():
         parts = []
         for k, piece in enumerate(pieces):
@@ -571,7 +584,9 @@ def check_split_inputs(inputs: Any, pieces: Sequence[Any]) -> UBatchMetadataErro
                     )
                 )
             parts.append(found)
-        violation = find_metadata_violation(parent, parts)
+        violation = find_metadata_violation(
+            parent, parts, slices, padding_in_last_ubatch=padding_in_last_ubatch
+        )
         if violation is not None:
             return UBatchMetadataError(violation)
     return None

@@ -267,14 +267,60 @@ def _make_metadata_with_slice(
     )
 
 
+def _empty_slice_metadata(
+    ubatch_slice: UBatchSlice, attn_metadata: CommonAttentionMetadata
+) -> CommonAttentionMetadata:
+    """The record of a ubatch with no real tokens: no request rows, and the slice's padding
+    tokens (none for an unpadded empty slice), as vLLM's V2 runner runs it like a dummy run."""
+    toks = ubatch_slice.token_slice
+    width = attn_metadata.block_table_tensor.shape[1]
+    rows = attn_metadata.block_table_tensor[:0].reshape(0, width)
+    zero = attn_metadata.query_start_loc_cpu[:1] * 0
+    return CommonAttentionMetadata(
+        query_start_loc=zero.to(attn_metadata.query_start_loc.device),
+        query_start_loc_cpu=zero,
+        seq_lens=attn_metadata.seq_lens[:0],
+        num_computed_tokens_cpu=attn_metadata.num_computed_tokens_cpu[:0],
+        block_table_tensor=rows,
+        slot_mapping=attn_metadata.slot_mapping[toks],
+        num_reqs=0,
+        num_actual_tokens=max(0, toks.stop - toks.start),
+        max_query_len=attn_metadata.max_query_len,
+        max_seq_len=attn_metadata.max_seq_len,
+        positions=_optional(attn_metadata.positions, toks),
+        is_prefilling=_optional(attn_metadata.is_prefilling, slice(0, 0)),
+        seq_lens_cpu_upper_bound=_optional(attn_metadata.seq_lens_cpu_upper_bound, slice(0, 0)),
+    )
+
+
+def _holds_no_real_token(ubatch_slice: Any, attn_metadata: CommonAttentionMetadata) -> bool:
+    real = int(attn_metadata.query_start_loc_cpu[-1])
+    toks = getattr(ubatch_slice, "token_slice", None)
+    return (
+        isinstance(toks, slice)
+        and toks.start is not None
+        and toks.start >= min(real, toks.stop if toks.stop is not None else real)
+    )
+
+
 def split_attn_metadata(
-    ubatch_slices: Sequence[UBatchSlice], common_attn_metadata: CommonAttentionMetadata
+    ubatch_slices: Sequence[UBatchSlice],
+    common_attn_metadata: CommonAttentionMetadata,
+    *,
+    allow_empty: bool = False,
 ) -> list[CommonAttentionMetadata]:
-    """One metadata per slice (the input is not modified). Raises ValueError for an empty
-    slice or one that does not match the metadata."""
+    """One metadata per slice (the input is not modified). Raises ValueError for a slice
+    that does not match the metadata, and for a slice with no real tokens unless
+    `allow_empty` (engines whose split rules run such a ubatch: vLLM's V2 runner, SGLang),
+    which gives it a record with no request rows."""
     if not isinstance(common_attn_metadata, CommonAttentionMetadata):
         raise TypeError(
             f"common_attn_metadata must be a CommonAttentionMetadata, got "
             f"{type(common_attn_metadata).__name__}"
         )
-    return [_make_metadata_with_slice(s, common_attn_metadata) for s in ubatch_slices]
+    return [
+        _empty_slice_metadata(s, common_attn_metadata)
+        if allow_empty and _holds_no_real_token(s, common_attn_metadata)
+        else _make_metadata_with_slice(s, common_attn_metadata)
+        for s in ubatch_slices
+    ]

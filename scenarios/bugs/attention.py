@@ -90,7 +90,10 @@ class PagedAttention:
 
 
 def first_finding(report: Any) -> str:
-    """The line of a verify report that says what failed."""
+    """The line of a verify report that says what failed: a broken split first (the cause),
+    then the ubatched step's error."""
+    if report.metadata_error is not None:
+        return f"{type(report.metadata_error).__name__}: {report.metadata_error}"
     if report.error is not None:
         return f"{type(report.error).__name__}: {report.error}"
     if report.mismatch:

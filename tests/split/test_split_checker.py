@@ -253,7 +253,7 @@ def test_verify_fails_a_split_whose_metadata_breaks_an_invariant() -> None:
 
     report = dbo.verify(forward, {"x": x, "attn": meta}, split=split)
     assert not report.ok and report.outputs_match  # the values agree; the metadata does not
-    assert isinstance(report.error, UBatchMetadataError)
+    assert isinstance(report.metadata_error, UBatchMetadataError) and report.error is None
     assert "positions" in report.describe()
 
 
