@@ -45,6 +45,7 @@ import workspace
 from dbo.checks import as_int
 from dbo.devices import resolve_device, use_device
 from dbo.errors import UBatchTimeoutError, YieldMismatchError
+from dbo.graph_runner import CUDAGraphRunner, GraphReplay
 from dbo.runner import merge_outputs, run_ubatches
 from dbo.sim.device import SimDevice
 from dbo.sim.records import COMM, HANDOFF, EventWait, HostRange, OpRecord, RaceReport
@@ -57,6 +58,7 @@ from dbo.streams import Device
 from dbo.ubatch_registry import abandon_thread
 from dbo.ubatching import dbo_enabled
 from dbo.verify_compare import compare, copy_batch, same_values, snapshot
+from dbo.verify_graphs import check_graphs_device, replay_steps
 from dbo.verify_layout import SPLIT_RULES, SplitRules, resolve_layout, split_by_layout
 from dbo.verify_report import RunRaces, VerifyError, VerifyReport, error_text
 
@@ -315,6 +317,7 @@ def verify(
     race_order: str = "issue",
     slices: Sequence[Any] | None = None,
     split_rules: str = "vllm-v1",
+    graphs: CUDAGraphRunner | None = None,
 ) -> VerifyReport:
     """Run `forward(inputs)` serially and as `num_ubatches` ubatches (default 2, or as many
     as `slices` lists), and compare.
@@ -331,44 +334,74 @@ def verify(
     layout it would not run is refused. Bad arguments raise before any work; a serial forward
     that raises or outlives `timeout` raises (there is nothing to compare); every failure of
     the ubatched step is reported in `error`, a split whose metadata breaks an invariant in
-    `metadata_error`.
+    `metadata_error`. `graphs`: a `dbo.graph_runner.CUDAGraphRunner` with its graphs
+    captured; the step is also served through it and each replay checked (`report.graphs`,
+    `dbo.verify_graphs`).
     """
     rules = _rules(split_rules)
-    if num_ubatches is None:
+    if num_ubatches is None:  # the layout's count, else two
         num_ubatches = 2 if slices is None or isinstance(slices, (str, bytes)) else len(slices)
     _check_args(
         forward, num_ubatches, split, merge, warmup, atol, rtol, timeout, artifacts, race_order
     )
+    split, metadata_error = _split_and_check(inputs, num_ubatches, split, slices, rules)
+    dev = _resolve(device) if graphs is None else check_graphs_device(graphs, device)
+    if race_order == "adversarial":
+        _check_adversarial(dev, inputs)
+    plan = _Plan(forward, inputs, split, num_ubatches, dev, merge or merge_outputs, timeout)
+    serial, ubatched, mutated, outcome, replays = _run_all(
+        plan, warmup, race_order, graphs, atol, rtol
+    )
+    report = _report(serial, ubatched, num_ubatches, dev, atol, rtol)
+    report.input_mutated, report.race_order = mutated, race_order
+    _add_findings(report, outcome, metadata_error, replays)
+    if artifacts is not None:
+        report.write_artifacts(artifacts)
+    return report
+
+
+def _run_all(
+    plan: _Plan,
+    warmup: int,
+    race_order: str,
+    graphs: CUDAGraphRunner | None,
+    atol: float,
+    rtol: float,
+) -> tuple[_Run, _Run, bool, ReorderOutcome | None, list[GraphReplay]]:
+    """Every run, with a workspace manager made for them if none is initialised: the serial
+    and ubatched steps, the adversarial re-execution, the steps served through graphs."""
+    owns_workspace = _own_workspace(plan.num_ubatches, plan.device)
+    try:
+        serial, ubatched, mutated = _run_both(plan, warmup, owns_workspace)
+        outcome = None
+        if race_order == "adversarial" and ubatched.error is None:
+            outcome = _adversarial(plan, atol, rtol)
+        replays = []
+        if graphs is not None:
+            replays = replay_steps(
+                graphs, plan.inputs, serial.output, plan.num_ubatches, atol, rtol
+            )
+    finally:
+        if owns_workspace:
+            workspace.reset_workspace_manager()
+    return serial, ubatched, mutated, outcome, replays
+
+
+def _split_and_check(
+    inputs: Any, num_ubatches: int, split: Callable | None, slices: Any, rules: SplitRules
+) -> tuple[Callable | None, Exception | None]:
+    """The split to run (the layout's, given `slices` and no `split`) and the error of the
+    first attention metadata its pieces carry that breaks an invariant, all before work."""
     layout = None if slices is None else resolve_layout(slices, inputs, num_ubatches, rules)
     if layout is not None and split is None:
         split = partial(_layout_split, layout=layout, allow_empty=rules.empty != "never")
     pieces = _ubatch_inputs(inputs, num_ubatches, split)  # a bad split: refused before work
     # Attention metadata the pieces carry must describe exactly their part of the batch
     # (dbo.split's checker); a wrong split is the cause of whatever the step then does.
-    metadata_error = check_split_inputs(
+    found = check_split_inputs(
         inputs, pieces, layout, padding_in_last_ubatch=rules.empty == "never"
     )
-    dev = _resolve(device)
-    if race_order == "adversarial":
-        _check_adversarial(dev, inputs)
-    plan = _Plan(forward, inputs, split, num_ubatches, dev, merge or merge_outputs, timeout)
-    owns_workspace = _check_workspace(num_ubatches)
-    if owns_workspace:
-        workspace.init_workspace_manager(dev.torch_device, num_ubatches)
-    try:
-        serial, ubatched, mutated = _run_both(plan, warmup, owns_workspace)
-        outcome = None
-        if race_order == "adversarial" and ubatched.error is None:
-            outcome = _adversarial(plan, atol, rtol)
-    finally:
-        if owns_workspace:
-            workspace.reset_workspace_manager()
-    report = _report(serial, ubatched, num_ubatches, dev, atol, rtol)
-    report.input_mutated, report.race_order = mutated, race_order
-    _add_findings(report, outcome, metadata_error)
-    if artifacts is not None:
-        report.write_artifacts(artifacts)
-    return report
+    return split, found
 
 
 def _rules(split_rules: Any) -> SplitRules:
@@ -397,10 +430,11 @@ def _check_adversarial(device: Device, inputs: Any) -> None:
         )
 
 
-def _check_workspace(num_ubatches: int) -> bool:
-    """True when verify must make (and later forget) the workspace manager itself; refuses
-    an initialised one with too few slots, before any work."""
+def _own_workspace(num_ubatches: int, device: Device) -> bool:
+    """True when verify makes (and must later forget) the workspace manager itself, which it
+    then has; refuses an initialised one with too few slots, before any work."""
     if not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(device.torch_device, num_ubatches)
         return True
     slots = workspace.current_workspace_manager().num_ubatches
     if slots < num_ubatches:
@@ -494,9 +528,16 @@ def _adversarial(plan: _Plan, atol: float, rtol: float) -> ReorderOutcome:
 
 
 def _add_findings(
-    report: VerifyReport, outcome: ReorderOutcome | None, metadata_error: Exception | None
+    report: VerifyReport,
+    outcome: ReorderOutcome | None,
+    metadata_error: Exception | None,
+    replays: list[GraphReplay],
 ) -> None:
-    """What the adversarial order changed, and a split that broke the metadata's invariants."""
+    """What the adversarial order changed, a split that broke the metadata's invariants, and
+    the steps served through CUDA graphs."""
+    report.graphs = replays
+    if not all(r.ok for r in replays):
+        report.ok = False
     if outcome is not None:
         report.adversarial = outcome
         if outcome.mismatch is not None:

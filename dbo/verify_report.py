@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dbo.graph_runner import GraphReplay
 from dbo.jsonsafe import json_safe
 from dbo.race_causes import group_races
 from dbo.sim.records import OpRecord, RaceReport
 from dbo.sim.reorder import ReorderOutcome
 from dbo.sim.report import plot_runs, write_chrome_trace_runs
 from dbo.sim.trace import TraceRun, Window
+from dbo.verify_graphs import graph_lines
 
 __all__ = ["HOST_BOUND_FRACTION", "RunRaces", "VerifyError", "VerifyReport"]
 
@@ -107,6 +109,7 @@ class VerifyReport:
     # The split's attention metadata breaking an invariant (dbo.split's checker): the cause
     # of what the ubatched step then did, reported beside its error, never in place of it.
     metadata_error: Exception | None = None
+    graphs: list[GraphReplay] = field(default_factory=list)  # steps served through CUDA graphs
     trace: str | None = None
     timeline_png: str | None = None
     records: dict[str, list[OpRecord]] = field(default_factory=dict, repr=False)
@@ -125,6 +128,7 @@ class VerifyReport:
         lines = [f"dbo.verify: {verdict} ({self.num_ubatches} ubatches on {self.device})"]
         lines += _outputs_lines(self)
         lines += _race_lines(self)
+        lines += graph_lines(self.graphs)
         if self.metadata_error is not None:
             lines.append(f"  split metadata   {error_text(self.metadata_error)}")
         lines.append(f"  error            {error_text(self.error)}")
@@ -195,6 +199,18 @@ class VerifyReport:
                 "metadata_error": None
                 if self.metadata_error is None
                 else error_text(self.metadata_error),
+                "graphs": [
+                    {
+                        "step": r.step,
+                        "mode": r.mode.name,
+                        "key": r.key._asdict(),
+                        "batch": r.batch._asdict(),
+                        "problems": r.problems,
+                        "mismatch": r.mismatch,
+                        "ok": r.ok,
+                    }
+                    for r in self.graphs
+                ],
                 "yield_counts": self.yield_counts,
                 "step_us_serial": self.step_us_serial,
                 "step_us_dbo": self.step_us_dbo,
