@@ -230,7 +230,7 @@ class CUDAGraphRunner:
             replay.output = snapshot(self._step(batch, num_ubatches))
             return replay
         replay.problems += _input_problems(entry.inputs, batch)
-        if any(p.startswith("shape") for p in replay.problems):
+        if any(p.startswith("shapes") for p in replay.problems):
             return replay  # the batch cannot be copied into the captured buffers
         _copy_into(entry.inputs, batch)
         with use_device(self.device), self.device.thread_scope(None):
@@ -276,14 +276,17 @@ class CUDAGraphRunner:
 
 def _input_problems(captured: Any, batch: Any) -> list[str]:
     """Shapes of every tensor, and the request layout of the attention metadata."""
-    found = []
+    found, shapes = [], []
     have, got = tensor_paths(captured), tensor_paths(batch)
     for where in sorted(set(have) | set(got)):
         a, b = have.get(where), got.get(where)
         if a is None or b is None or a.shape != b.shape:
             shape_a = None if a is None else tuple(a.shape)
             shape_b = None if b is None else tuple(b.shape)
-            found.append(f"shape of {where}: captured {shape_a}, replayed with {shape_b}")
+            shapes.append(f"{where}: captured {shape_a}, replayed with {shape_b}")
+    if shapes:  # one line: a batch of another size differs in every tensor
+        more = f"; and {len(shapes) - 2} more" if len(shapes) > 2 else ""
+        found.append(f"shapes of the captured inputs differ: {'; '.join(shapes[:2])}{more}")
     ours, theirs = _metadata(captured), _metadata(batch)
     for where, m in ours.items():
         other = theirs.get(where)

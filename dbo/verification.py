@@ -45,7 +45,7 @@ import workspace
 from dbo.checks import as_int
 from dbo.devices import resolve_device, use_device
 from dbo.errors import UBatchTimeoutError, YieldMismatchError
-from dbo.graph_runner import CUDAGraphRunner, GraphReplay
+from dbo.graph_runner import CUDAGraphRunner, GraphReplay, describe_batch
 from dbo.runner import merge_outputs, run_ubatches
 from dbo.sim.device import SimDevice
 from dbo.sim.records import COMM, HANDOFF, EventWait, HostRange, OpRecord, RaceReport
@@ -463,11 +463,18 @@ class _Plan:
             with use_device(self.device), self.device.thread_scope(None):
                 return self.forward(batch)
 
-        return _bounded(step, self.timeout)
+        # Labelled for the workspace: a locked one's refusal names the run that sized it.
+        with workspace.workspace_step("serial step", num_tokens=self.num_tokens()):
+            return _bounded(step, self.timeout)
 
     def ubatch_outputs(self, batch: Any) -> list[Any]:
         pieces = _ubatch_inputs(batch, self.num_ubatches, self.split)
-        return run_ubatches(self.forward, pieces, device=self.device, timeout=self.timeout)
+        tokens, n = self.num_tokens(), self.num_ubatches
+        with workspace.workspace_step("DBO step", num_tokens=tokens, num_ubatches=n):
+            return run_ubatches(self.forward, pieces, device=self.device, timeout=self.timeout)
+
+    def num_tokens(self) -> int:
+        return describe_batch(self.inputs).num_tokens
 
     def ubatched_step(self, batch: Any) -> Any:
         return self.merge(self.ubatch_outputs(batch))

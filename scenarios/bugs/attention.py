@@ -91,11 +91,14 @@ class PagedAttention:
 
 def first_finding(report: Any) -> str:
     """The line of a verify report that says what failed: a broken split first (the cause),
-    then the ubatched step's error."""
+    then the ubatched step's error, then a graph replay that does not fit its batch."""
     if report.metadata_error is not None:
         return f"{type(report.metadata_error).__name__}: {report.metadata_error}"
     if report.error is not None:
         return f"{type(report.error).__name__}: {report.error}"
+    failed = [r for r in report.graphs if not r.ok]
+    if failed:
+        return f"graph replay: {failed[0].describe()}"
     if report.mismatch:
         return f"outputs differ: {report.mismatch}"
     for run in ("serial", "ubatched"):
@@ -112,8 +115,10 @@ def verify_verdict(
     *,
     num_ubatches: int = 2,
     merge: Callable[[list[Any]], Any] | None = None,
+    **options: Any,
 ) -> Verdict:
-    """`dbo.verify` of the step on the simulated device, as a verdict."""
+    """`dbo.verify` of the step on the simulated device, as a verdict (`options`: verify's
+    other arguments: slices, split_rules, graphs)."""
     report = dbo.verify(
         forward,
         inputs,
@@ -122,5 +127,6 @@ def verify_verdict(
         merge=merge,
         timeout=30.0,
         atol=1e-9,
+        **options,
     )
     return Verdict(not report.ok, "dbo.verify", first_finding(report))

@@ -27,6 +27,9 @@ def test_the_corpus_covers_the_reported_bugs() -> None:
     for number in ("48659", "50945", "49542", "43966", "56031", "33694", "43145", "26209"):
         assert f"vllm#{number}" in refs
     assert "sglang#13082" in refs and "sglang#6328" in refs
+    for number in ("25625", "25906", "52176"):  # graph kind and size, workspace fallback
+        assert f"vllm#{number}" in refs
+    assert "afd-plugin#99" in refs  # an empty ubatch the engine's rules refuse
     assert all(b.cause and b.evidence and b.caught_by for b in BUGS.values())
 
 

@@ -151,7 +151,9 @@ def test_a_batch_of_other_shapes_than_the_capture_is_not_replayed() -> None:
     wider["q"] = torch.zeros(4, 3, dtype=torch.float64)
     replay = graphs.run(wider)
     assert replay.output is None
-    assert replay.problems == ["shape of ['q']: captured (4, 2), replayed with (4, 3)"]
+    assert replay.problems == [
+        "shapes of the captured inputs differ: ['q']: captured (4, 2), replayed with (4, 3)"
+    ]
 
 
 def test_verify_refuses_graphs_nothing_was_captured_for() -> None:
