@@ -18,7 +18,7 @@ from dbo.split import CommonAttentionMetadata
 from scenarios.bugs.attention import verify_verdict
 from scenarios.bugs.registry import Verdict, bug
 
-__all__ = ["attention", "decode_batch", "dispatcher", "graph_runner"]
+__all__ = ["attention", "decode_batch", "dispatcher", "graph_runner", "mixed_batch"]
 
 CAPTURE_SIZES = (1, 2, 4, 8)
 BLOCK = 16
@@ -58,6 +58,12 @@ def dispatcher() -> CudagraphDispatcher:
     return CudagraphDispatcher(CUDAGraphMode.FULL_DECODE_ONLY, CAPTURE_SIZES)
 
 
+def mixed_batch() -> dict:
+    """One prefill of 5 tokens and three decodes, padded to the 8 request rows the decode
+    graph's buffers hold."""
+    return _batch([5, 1, 1, 1], [5, 9, 7, 12], num_reqs_padded=8)
+
+
 def graph_runner(key=None, num_tokens_across_dp=None) -> CUDAGraphRunner:
     """The engine's graphs, captured on its dummy decode batches."""
     runner = CUDAGraphRunner(
@@ -88,12 +94,9 @@ def _by_token_count(batch: dict, num_ubatches: int) -> BatchDescriptor:
     "mixed batch",
 )
 def full_graph_mixed_batch(buggy: bool) -> Verdict:
-    # One prefill of 5 tokens and three decodes, padded to the 8 request rows the decode
-    # graph's buffers hold; the DBO layout cuts at the request boundary.
-    mixed = _batch([5, 1, 1, 1], [5, 9, 7, 12], num_reqs_padded=8)
     runner = graph_runner(key=_by_token_count if buggy else None)
-    layout = [slice(0, 5), slice(5, 8)]
-    return verify_verdict(attention, mixed, None, slices=layout, graphs=runner)
+    layout = [slice(0, 5), slice(5, 8)]  # the DBO layout cuts at the request boundary
+    return verify_verdict(attention, mixed_batch(), None, slices=layout, graphs=runner)
 
 
 @bug(
