@@ -95,7 +95,8 @@ def describe_batch(
 @dataclass
 class GraphEntry:
     """One captured graph: its mode and key, the batch it was captured on (whose tensors the
-    graph reads: the static inputs), and its output tensors."""
+    graph reads: the static inputs), and its output tensors (each ubatch's, for a ubatched
+    key)."""
 
     mode: CUDAGraphMode
     descriptor: BatchDescriptor
@@ -175,12 +176,17 @@ class CUDAGraphRunner:
 
     def capture(self, mode: CUDAGraphMode, key: BatchDescriptor, batch: Any) -> GraphEntry:
         graph = self.device.graph()
-        output = self._step(batch, key.num_ubatches, graph)
+        output = self._step(batch, key.num_ubatches, graph, merge=False)
         entry = GraphEntry(mode, key, graph, batch, output)
         self.entries[(mode, key)] = entry
         return entry
 
-    def _step(self, batch: Any, num_ubatches: int, graph: SimGraph | None = None) -> Any:
+    def _step(
+        self, batch: Any, num_ubatches: int, graph: SimGraph | None = None, merge: bool = True
+    ) -> Any:
+        """One step, serial or ubatched, captured into `graph` if given. Unmerged (the
+        ubatches' own outputs) for a capture: a replay rewrites those, not a merge made after
+        the graph ended."""
         if num_ubatches == 1:
             with use_device(self.device), self.device.thread_scope(None):
                 if graph is None:
@@ -196,7 +202,7 @@ class CUDAGraphRunner:
         outputs = run_ubatches(
             self.forward, pieces, device=self.device, timeout=self.timeout, graph=graph
         )
-        return self.merge(outputs)
+        return self.merge(outputs) if merge else outputs
 
     # ------------------------------------------------------------------------------ replay
 
@@ -235,7 +241,8 @@ class CUDAGraphRunner:
         _copy_into(entry.inputs, batch)
         with use_device(self.device), self.device.thread_scope(None):
             entry.graph.replay()
-        replay.output = snapshot(entry.output)
+        output = entry.output if key.num_ubatches == 1 else self.merge(entry.output)
+        replay.output = snapshot(output)
         return replay
 
     def _descriptor_problems(

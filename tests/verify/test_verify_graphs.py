@@ -13,6 +13,7 @@ from dbo.graph_dispatch import BatchDescriptor, CudagraphDispatcher, CUDAGraphMo
 from dbo.graph_runner import CUDAGraphRunner, describe_batch
 from dbo.sim import SimDevice
 from dbo.split import CommonAttentionMetadata
+from dbo.verification import split_inputs
 
 FULL, PIECEWISE, NONE = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE
 LAYOUT = [slice(0, 5), slice(5, 8)]  # cuts the mixed batch below at a request boundary
@@ -160,3 +161,36 @@ def test_verify_refuses_graphs_nothing_was_captured_for() -> None:
     graphs = CUDAGraphRunner(attention, CudagraphDispatcher(FULL, [4]), device=SimDevice("h200"))
     with pytest.raises(ValueError, match="holds no captured graph"):
         dbo.verify(attention, mixed_batch(), graphs=graphs, slices=LAYOUT)
+
+
+def scale_and_shift(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2.0
+    dbo.dbo_yield()
+    return y + 1.0
+
+
+def ubatched_runner(key=None) -> CUDAGraphRunner:
+    dispatcher = CudagraphDispatcher(FULL, [4, 8], ubatch_counts=(1, 2))
+    graphs = CUDAGraphRunner(
+        scale_and_shift, dispatcher, device=SimDevice("h200"), key=key, split=split_inputs
+    )
+    graphs.capture_all(lambda key: torch.zeros(key.num_tokens, 3))
+    return graphs
+
+
+@pytest.mark.timeout(60)
+def test_verify_replays_the_dbo_step_through_a_graph_captured_ubatched() -> None:
+    report = dbo.verify(scale_and_shift, torch.randn(8, 3), graphs=ubatched_runner())
+    assert report.ok, report.describe()
+    assert [r.key.num_ubatches for r in report.graphs] == [1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_a_serial_step_replayed_with_a_ubatched_graph_is_named() -> None:
+    def always_ubatched(batch: torch.Tensor, num_ubatches: int) -> BatchDescriptor:
+        return BatchDescriptor(batch.shape[0], None, False, 2)
+
+    replay = ubatched_runner(always_ubatched).run(torch.randn(8, 3))
+    assert replay.problems == [
+        "ubatches: a graph captured for 2 ubatch(es) is replayed for a step of 1"
+    ]
