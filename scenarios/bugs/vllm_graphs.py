@@ -1,6 +1,7 @@
-"""vLLM bugs in how a step picks its CUDA graph: a graph keyed by token count only replayed
-for a batch of another kind (#25625), and an idle DP rank's dummy run replaying a graph of its
-own size instead of the DP-agreed one (#25906). Each engine captures its graphs per
+"""vLLM and vLLM-ascend bugs in how a step picks its CUDA graph: a graph keyed by token count
+only replayed for a batch of another kind (#25625), and a DP dummy run replaying a graph of
+another size than the DP-agreed one (its own count, vLLM #25906; mRoPE positions' first dim,
+vLLM-ascend #4393). Each engine captures its graphs per
 dispatcher key on the simulated device (`dbo.graph_runner`) and serves the step through them;
 the runner's checks name the graph that does not describe the batch."""
 
@@ -120,5 +121,43 @@ def dummy_run_graph_size(buggy: bool) -> Verdict:
 
     runner = graph_runner(key=key, num_tokens_across_dp=agreed)
     replay = runner.run(decode_batch(padded), step="dummy run")
+    message = replay.describe() if replay.problems else f"ok: {replay.describe()}"
+    return Verdict(bool(replay.problems), "the graph runner", message)
+
+
+MROPE_SECTIONS = 3  # mRoPE's positions: one row per section (temporal, height, width)
+
+
+def _mrope_batch(num_tokens: int) -> dict:
+    """A multimodal model's decode batch: mRoPE positions of shape (3, num_tokens)."""
+    batch = decode_batch(num_tokens)
+    row = batch["attn"].positions
+    batch["positions"] = row.expand(MROPE_SECTIONS, num_tokens).clone()
+    return batch
+
+
+@bug(
+    "vllm-ascend-4393-mrope-graph-tokens",
+    engine="vLLM-ascend",
+    ref="vllm-ascend#4393 / #3425",
+    cause="a DP dummy run under FULL_DECODE_ONLY takes its token count for the graph from "
+    "positions.shape[0], which is 3 for a multimodal model's mRoPE positions (3, num_tokens), "
+    "so it replays the graph of another size than its peers and the ranks hang",
+    caught_by="the graph runner (DP size check)",
+    evidence="the step runs a graph of 4 tokens, but the ranks agreed on 8 tokens",
+)
+def mrope_graph_tokens(buggy: bool) -> Verdict:
+    agreed = [8, 8]  # both ranks run 8 tokens this step (rank 0's a padded dummy run)
+
+    def key(batch: dict, num_ubatches: int) -> BatchDescriptor:
+        positions = batch["positions"]
+        n = positions.shape[0] if buggy else positions.shape[-1]  # the fix: num_tokens
+        return BatchDescriptor(n, n, True, num_ubatches)
+
+    runner = CUDAGraphRunner(
+        attention, dispatcher(), device=SimDevice("h200"), key=key, num_tokens_across_dp=agreed
+    )
+    runner.capture_all(lambda k: _mrope_batch(k.num_tokens))  # the engine's own dummy runs
+    replay = runner.run(_mrope_batch(8), step="dummy run")
     message = replay.describe() if replay.problems else f"ok: {replay.describe()}"
     return Verdict(bool(replay.problems), "the graph runner", message)

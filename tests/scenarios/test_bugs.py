@@ -30,6 +30,7 @@ def test_the_corpus_covers_the_reported_bugs() -> None:
     for number in ("25625", "25906", "52176"):  # graph kind and size, workspace fallback
         assert f"vllm#{number}" in refs
     assert "afd-plugin#99" in refs  # an empty ubatch the engine's rules refuse
+    assert "vllm-ascend#4393" in refs  # a dummy run's graph size from mRoPE positions
     assert all(b.cause and b.evidence and b.caught_by for b in BUGS.values())
 
 
