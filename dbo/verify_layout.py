@@ -129,7 +129,7 @@ def _check_tiling(bounds: list[tuple[int, int]], real: int, total: int) -> None:
         )
 
 
-def _check_rules(bounds: list[tuple[int, int]], real: int, rules: SplitRules) -> None:
+def _check_rules(bounds: list[tuple[int, int]], real: int, total: int, rules: SplitRules) -> None:
     empty = [start >= min(stop, real) for start, stop in bounds]
     if not any(empty) or rules.empty == "anywhere":
         return
@@ -141,7 +141,8 @@ def _check_rules(bounds: list[tuple[int, int]], real: int, rules: SplitRules) ->
             f"{what}: {rules.rule}; pass split_rules='vllm-v2' or 'sglang' where the engine "
             f"runs an empty ubatch"
         )
-    if real < len(bounds) or not all(empty[k:]):
+    # V2's guard counts the batch as it runs it, padding included (every DP rank padded).
+    if total < len(bounds) or not all(empty[k:]):
         raise EmptyUBatchError(f"{what}: {rules.rule}")
 
 
@@ -161,7 +162,7 @@ def resolve_layout(
     real, total, counts = _token_counts(inputs)
     bounds = _bounds(slices)
     _check_tiling(bounds, real, total)
-    _check_rules(bounds, real, rules)
+    _check_rules(bounds, real, total, rules)
     if all(isinstance(s, UBatchSlice) for s in slices):
         return list(slices)
     if counts is None:  # no requests to speak of: one row per token

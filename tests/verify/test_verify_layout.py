@@ -116,3 +116,11 @@ def test_describe_says_the_dbo_step_failed_only_when_it_did() -> None:
     report = dbo.verify(scale_by_seq_len, _batch([3, 3], [5, 9]), split=reused_metadata)
     assert report.metadata_error is not None and report.error is None
     assert "DBO step failed" not in report.describe()
+
+
+def test_vllm_v2_refuses_a_batch_with_fewer_tokens_than_ubatches() -> None:
+    batch = _batch([1], [7])
+    with pytest.raises(EmptyUBatchError, match="fewer tokens than ubatches"):
+        dbo.verify(
+            scale_by_seq_len, batch, slices=[slice(0, 1), slice(1, 1)], split_rules="vllm-v2"
+        )
