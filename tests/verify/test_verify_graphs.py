@@ -194,3 +194,12 @@ def test_a_serial_step_replayed_with_a_ubatched_graph_is_named() -> None:
     assert replay.problems == [
         "ubatches: a graph captured for 2 ubatch(es) is replayed for a step of 1"
     ]
+
+
+def test_a_prefill_shaped_like_a_speculative_decode_is_not_uniform() -> None:
+    # Two prompts of 2 tokens each alias a decode with one speculative token (vllm#53051):
+    # the shape says uniform, is_prefilling says they are still in their prompts.
+    meta = CommonAttentionMetadata.make([2, 2], [2, 2], prompt_lens=[2, 2])
+    decode = CommonAttentionMetadata.make([2, 2], [9, 5], prompt_lens=[4, 3])
+    assert not describe_batch({"attn": meta}, uniform_decode_query_len=2).uniform
+    assert describe_batch({"attn": decode}, uniform_decode_query_len=2).uniform
