@@ -197,7 +197,7 @@ def _deepep_rows() -> list[FidelityRow]:
                     "calibration: the one-rank row's constants (ll_latency_us at EP 8, "
                     "rdma_efficiency at EP >= 64) came off this figure"
                     if calibration
-                    else "random routing: the mean rank waits for the most loaded receiver's rows",
+                    else "each rank waits for the most loaded rank's rows (its own draw)",
                     calibration=calibration,
                 )  # fmt: skip
             )
@@ -219,8 +219,9 @@ def scale_rows(
             gain,
             "S-P",
             SGLANG_BLOG,
-            "the sampled batch's imbalance leaves the gain where the one-rank row has it: "
-            "the gap is per-rank compute, not stragglers",
+            "each rank's own 16K-token batch leaves the busiest rank within a fraction of a "
+            "percent of the mean: the gap is per-rank compute (see the one-rank rows), not "
+            "stragglers",
         )  # fmt: skip
     ]
     if on_point:
@@ -236,7 +237,8 @@ def scale_rows(
                 gain,
                 "S-D",
                 SGLANG_BLOG,
-                "the slowest rank gates both runs alike; the miss is per-ubatch cost",
+                "the group's imbalance is small and gates both runs alike; the miss is "
+                "per-ubatch cost, as in the one-rank row",
             )  # fmt: skip
         )
         if on_point:
@@ -250,25 +252,28 @@ def _assumptions() -> dict[str, str]:
     return {
         "S-P": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_PREFILL_EP} (4 nodes) "
-            f"replayed; 288 physical experts placed by EPLB on the batch's load; routing: "
-            f"{SCALE_PREFILL_TOKENS} tokens per rank sampled top-8 of uniform scores (seed "
-            f"{SEED}); otherwise as [P]"
+            f"replayed; 288 physical experts placed by EPLB per layer on that layer's load; "
+            f"routing: {SCALE_PREFILL_TOKENS} tokens on each rank, its own draw of top-8 of "
+            f"uniform scores inside 4 of 8 groups (seed {SEED}); bytes as DeepEP's normal "
+            "kernels move them (one row per token and destination rank over NVLink, per token "
+            "and remote node over RDMA); otherwise as [P]"
         ),
         "S-D": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_DECODE_EP} (9 nodes) "
-            "replayed; EPLB 288 physical experts; routing sampled top-8 per batch; otherwise "
-            "as [D]"
+            "replayed; EPLB 288 physical experts per layer; routing: each rank's own batch "
+            "sampled top-8 (seeded); otherwise as [D]"
         ),
         "S-K": (
             f"{describe_profile(H800)}. DeepEP's LL benchmark on every rank: one dispatch and "
-            f"one combine of {DEEPEP_LL_TOKENS} tokens per rank, random top-{DEEPEP_TOPK} "
-            "routing (sampled, seeded), mean over ranks"
+            f"one combine of {DEEPEP_LL_TOKENS} tokens on each rank, its own random "
+            f"top-{DEEPEP_TOPK} draw (seeded); every (token, expert) copy sent; mean over ranks "
+            "of the kernel time, each ending when its slowest pair does"
         ),
         "S-N": (
             f"{describe_profile(H800)}. DeepEP's normal-mode benchmark on every rank: one HT "
-            f"dispatch or combine of {DEEPEP_NORMAL_TOKENS} tokens per rank, random "
-            f"top-{DEEPEP_TOPK} routing (sampled, seeded), RDMA bytes deduplicated per node as "
-            "DeepEP's test routing (top-4 node groups) gives; mean over ranks of received "
-            "bytes over kernel time"
+            f"dispatch or combine of {DEEPEP_NORMAL_TOKENS} tokens on each rank, its own random "
+            f"top-{DEEPEP_TOPK} draw inside the top-4 node groups (seeded); bytes counted as "
+            "DeepEP's tests count them (NVLink: rows received per rank, own included; RDMA: "
+            "(token, node) pairs, own node included) over the kernel time, mean over ranks"
         ),
     }
