@@ -304,7 +304,7 @@ class Placement:
 
     def rank_shares(self, expert_shares: np.ndarray, layer: int = 0) -> np.ndarray:
         """Each rank's share of a layer's rows, from the experts' shares (last axis)."""
-        return expert_shares @ self.layer(layer)
+        return np.einsum("...e,er->...r", expert_shares, self.layer(layer))
 
 
 def contiguous(num_experts: int, num_ranks: int) -> Placement:
@@ -363,7 +363,7 @@ def eplb(load: np.ndarray, num_ranks: int, num_redundant: int) -> Placement:
     shares = []
     for row in load:
         share = _pack(row, _replicas(row, num_redundant), num_ranks)
-        if plain is not None and (row @ share).max() > (row @ plain).max() + 1e-12:
+        if plain is not None and row.dot(share).max() > row.dot(plain).max() + 1e-12:
             share = plain
         shares.append(share)
     share = shares[0] if len(shares) == 1 else np.stack(shares)
