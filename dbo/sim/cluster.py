@@ -176,7 +176,7 @@ class _Links:
             r = self.routing
             legacy = mode == "ht" and self.per_copy is not None
             b = layer_bytes(
-                r.sources(layer, self.ranks), self.placement.layer(layer), 1.0, r.top_k,
+                r.layer(layer), self.placement.layer(layer), 1.0, r.top_k,
                 "ll" if legacy else mode, self.g, r.groups,
             )  # fmt: skip
             if legacy:  # off-node copies deduplicated by the share; the rest on NVLink

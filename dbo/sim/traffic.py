@@ -115,16 +115,17 @@ def layer_bytes(
     gpus_per_node: int,
     groups: tuple[int, int] | None = None,
 ) -> LayerBytes:
-    """A dispatch's bytes, every rank routing `sources[p]` (ranks x experts shares) and
-    sending `copy_bytes` for all its (token, expert) copies together (tokens x top_k x bytes
-    per copy); `placement` is experts x ranks."""
+    """A dispatch's bytes, every rank routing `sources[p]` (ranks x experts shares, or one row
+    every rank follows) and sending `copy_bytes` for all its (token, expert) copies together
+    (tokens x top_k x bytes per copy); `placement` is experts x ranks."""
     ranks = placement.shape[1]
     node = np.arange(ranks) // gpus_per_node
     nodes = int(node[-1]) + 1
     same = node[:, None] == node[None, :]
     off_diag = ~np.eye(ranks, dtype=bool)
     # [p, r]: p's share of copies bound for r (einsum: a small product BLAS threads slow down)
-    c = np.einsum("pe,er->pr", sources, placement)
+    c = np.einsum("pe,er->pr", np.atleast_2d(sources), placement)
+    c = np.broadcast_to(c, (ranks, ranks))
     sends_to = (c > 0) & off_diag
     if mode == "ll":
         pair = copy_bytes * c * off_diag
