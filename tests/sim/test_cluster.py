@@ -210,3 +210,10 @@ def test_a_placement_of_another_ep_size_is_refused():
     program = record_step(_spec("decode", 16, 2))
     with pytest.raises(ValueError, match="recorded at EP 16"):
         simulate_cluster(program, balanced(4, 256, 8), contiguous(256, 8))
+
+
+def test_a_routing_with_a_row_per_rank_of_another_group_is_refused():
+    program = record_step(_spec("decode", 16, 2))
+    routing = Routing(np.full((4, 8, 256), 1 / 256), "8 ranks' histogram", 8)
+    with pytest.raises(ValueError, match="8 source ranks, the group 16"):
+        simulate_cluster(program, routing, contiguous(256, 16))

@@ -156,3 +156,10 @@ def test_eplb_is_never_heavier_on_its_busiest_rank_than_contiguous(seed):
     for j in range(3):
         assert (load[j] @ placement.layer(j)).max() <= (load[j] @ plain.share).max() + 1e-12
         assert np.allclose(placement.layer(j).sum(axis=1), 1.0)  # every expert's rows served
+
+
+def test_a_per_rank_json_histogram_is_a_list_of_per_rank_lists_per_layer(tmp_path):
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps([[[1, 3], [3, 1], [2, 2]]]))
+    r = from_histogram(path, num_layers=2, num_experts=2)
+    assert r.load.shape == (2, 3, 2) and np.allclose(r.expert_load(), 0.5)
