@@ -9,7 +9,8 @@ collective late delays everyone it sends to. The RDMA bytes of high-throughput (
 kernels are scaled by `rdma_share`, the share of remote copies left after per-node
 de-duplication.
 
-`dbo.sim.cluster` applies this rule vectorised over a group's routing shares; a `SimDevice`
+`dbo.sim.cluster` applies this rule (`pair_ends`) to the bytes DeepEP's kernels move under
+a group's routing (`dbo.sim.traffic`); a `SimDevice`
 whose comm region carries its peers (`dbo.comm`'s EP group across processes) applies it to
 the byte matrix the ranks exchange, so both price the same bytes the same way.
 """
@@ -28,6 +29,7 @@ __all__ = [
     "link_time_us",
     "collective_latency_us",
     "all_to_all_ends",
+    "pair_ends",
     "couple_to_peers",
 ]
 
@@ -83,9 +85,24 @@ def all_to_all_ends(
     send_rdma, recv_rdma = rdma.sum(axis=1), rdma.sum(axis=0)
     latency = collective_latency_us(profile, mode, ranks > g)
     send_t = link_time_us(profile, send, send_rdma)
-    own = ready + latency + np.maximum(send_t, link_time_us(profile, recv, recv_rdma))
+    recv_t = link_time_us(profile, recv, recv_rdma)
+    return pair_ends(ready, latency, send_t, recv_t, traffic > 0)
+
+
+def pair_ends(
+    ready: np.ndarray,
+    latency: float,
+    send_t: np.ndarray,
+    recv_t: np.ndarray,
+    sends_to: np.ndarray,
+) -> AllToAllEnds:
+    """The coupling rule on wire times: rank r's own kernel ends at its start + `latency` +
+    its slower direction; the rows of every peer p with `sends_to[p, r]` land at p's start +
+    `latency` + p's whole send time; r ends when the last of them (its slowest pair) has."""
+    ranks = ready.shape[0]
+    own = ready + latency + np.maximum(send_t, recv_t)
     arrive = ready + latency + send_t
-    senders = np.where(traffic > 0, arrive[:, None], -np.inf)  # [p, r]: p's rows for r land
+    senders = np.where(sends_to, arrive[:, None], -np.inf)  # [p, r]: p's rows for r land
     from_peer = senders.max(axis=0) if ranks else np.zeros(0)
     end = np.maximum(own, from_peer)
     gate = np.where(from_peer > own + 1e-9, np.argmax(senders, axis=0), np.arange(ranks))

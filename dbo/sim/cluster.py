@@ -7,29 +7,35 @@
   routed rows, from the routing and the placement): a GEMM by a two-term roofline anchored on
   its recorded time (its weights are read whatever the rows; its activations and FLOPs scale),
   the elementwise work on the same rows linearly.
-- Each dispatch and combine is an all-to-all coupling the ranks: rank r's ends when its own
-  kernel has sent and received its bytes (NVLink inside a node, RDMA across nodes, the two
-  links in parallel; DeepEP normal mode sends one copy per remote node: the recording's
-  `ht_rdma_share`) *and* every peer's rows for it have arrived, a peer's last row leaving at
-  that peer's start plus its own send time (the rule of `dbo.sim.alltoall`, here over
-  routing shares). So the slowest sender gates the receiver, and a
-  rank late to a collective (more expert work before it) delays everyone it sends to.
+- Each dispatch and combine is an all-to-all coupling the ranks, priced from the layer's
+  traffic matrix (each rank's own tokens over the experts, through the placement) as
+  DeepEP's kernels move it (`dbo.sim.traffic`: low-latency kernels one message per (token,
+  expert) copy; normal kernels one copy per token and destination rank over NVLink, one per
+  token and destination node over RDMA). Rank r's ends when its own kernel has sent and
+  received its bytes (the two links in parallel) *and* every peer's rows for it have
+  arrived, a peer's last row leaving at that peer's start plus its own send time
+  (`dbo.sim.alltoall.pair_ends`): the collective ends on each rank when its slowest pair
+  does, so the slowest sender gates the receiver, and a rank late to a collective (more
+  expert work before it) delays everyone it sends to. A recording whose HT bytes were
+  priced per expert copy (a `SimDevice` without `ht_nvl_share`, as the cross-check's rank
+  processes, which move rows per expert) is replayed per copy too.
   High-throughput (HT) kernels hold `comm_sms` of the SMs while they run and compute on the
   same rank progresses at the rest (as the single-rank device stretches it); low-latency (LL)
   kernels hold none and pay `ll_latency_us`.
 - Everything else keeps its recorded duration; start times follow the program's
   dependencies, so waiting propagates through streams, events and the host.
 
-Balanced routing gives every rank the recorded costs, and the replay is then the recording.
+Balanced routing gives every rank the recorded costs (the recording priced its HT bytes with
+the same count, `balanced_dedup`), and the replay is then the recording.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dbo.sim.alltoall import collective_latency_us, link_time_us
+from dbo.sim.alltoall import collective_latency_us, pair_ends
 from dbo.sim.cluster_program import (
     HOST,
     HOST_SYNC,
@@ -40,6 +46,7 @@ from dbo.sim.cluster_program import (
 )
 from dbo.sim.cost import GEMM_OPS
 from dbo.sim.routing import Placement, Routing
+from dbo.sim.traffic import LayerBytes, layer_bytes
 
 __all__ = ["CollectiveResult", "ClusterResult", "simulate_cluster", "gpus_per_node_of"]
 
@@ -146,37 +153,44 @@ def gpus_per_node_of(program: StreamProgram, gpus_per_node: int | None) -> int:
 
 
 class _Links:
-    """Per-rank link arithmetic of one group: bandwidths, node membership, latencies."""
+    """One group's links: bandwidths, latencies, and each layer's bytes per byte of copies
+    (computed once per layer and kernel mode)."""
 
-    def __init__(self, program: StreamProgram, ranks: int, gpus_per_node: int) -> None:
+    def __init__(
+        self, program: StreamProgram, routing: Routing, placement: Placement, gpus_per_node: int
+    ) -> None:
         p = self.profile = program.profile
-        self.ranks, self.g = ranks, gpus_per_node
-        self.node = np.arange(ranks) // gpus_per_node
-        self.node_size = np.bincount(self.node)[self.node]
-        self.multi_node = ranks > gpus_per_node
-        self.ht_latency = collective_latency_us(p, "ht", self.multi_node)
-        self.ll_latency = collective_latency_us(p, "ll", self.multi_node)
-        self.dedup = program.ht_rdma_share
+        self.routing, self.placement = routing, placement
+        # A recording whose HT bytes were priced per copy (no `ht_nvl_share`) replays so.
+        self.per_copy = None if program.ht_nvl_share is not None else program.ht_rdma_share
+        self.ranks, self.g = placement.num_ranks, gpus_per_node
+        multi_node = self.ranks > gpus_per_node
+        self.latency = {m: collective_latency_us(p, m, multi_node) for m in ("ht", "ll")}
+        self.nvl_bw = p.nvlink_gbps * 1e3 * p.nvlink_efficiency  # bytes per us
+        self.rdma_bw = p.rdma_gbps * 1e3 * p.rdma_efficiency
+        self._bytes: dict[tuple[int, str], LayerBytes] = {}
 
-    def wire(self, total: np.ndarray, rdma: np.ndarray) -> np.ndarray:
-        return link_time_us(self.profile, total, rdma)
+    def layer(self, layer: int, mode: str) -> LayerBytes:
+        key = (layer, mode)
+        if key not in self._bytes:
+            r = self.routing
+            legacy = mode == "ht" and self.per_copy is not None
+            b = layer_bytes(
+                r.layer(layer), self.placement.layer(layer), 1.0, r.top_k,
+                "ll" if legacy else mode, self.g, r.groups,
+            )  # fmt: skip
+            if legacy:  # off-node copies deduplicated by the share; the rest on NVLink
+                keep = float(self.per_copy)
+                b = replace(
+                    b, nvl_send=b.nvl_send + b.rdma_send * (1 - keep),
+                    nvl_recv=b.nvl_recv + b.rdma_recv * (1 - keep),
+                    rdma_send=b.rdma_send * keep, rdma_recv=b.rdma_recv * keep,
+                )  # fmt: skip
+            self._bytes[key] = b
+        return self._bytes[key]
 
-    def traffic(self, share: np.ndarray, full: float, mode: str, kind: str) -> tuple:
-        """(send, recv, send RDMA, recv RDMA) bytes per rank for a layer whose rank shares of
-        the rows are `share` and each rank's full row payload is `full` bytes."""
-        r = self.ranks
-        node_share = np.bincount(self.node, weights=share)[self.node]
-        send = full * (1.0 - share)
-        recv = full * share * (r - 1)
-        if self.multi_node:
-            dedup = self.dedup if mode == "ht" else 1.0
-            send_rdma = full * (1.0 - node_share) * dedup
-            recv_rdma = full * share * (r - self.node_size) * dedup
-        else:
-            send_rdma = recv_rdma = np.zeros(r)
-        if kind == "combine":  # the rows go back the way they came
-            return recv, send, recv_rdma, send_rdma
-        return send, recv, send_rdma, recv_rdma
+    def wire_us(self, nvl: np.ndarray, rdma: np.ndarray) -> np.ndarray:
+        return np.maximum(nvl / self.nvl_bw, rdma / self.rdma_bw)
 
 
 def _expert_factor(
@@ -184,8 +198,11 @@ def _expert_factor(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(rank shares per layer, rows received relative to balanced), both layers x ranks."""
     layers = max(program.num_layers, 1)
-    shares = np.stack([placement.rank_shares(routing.layer(j)) for j in range(layers)])
-    return shares, shares * placement.num_ranks
+    ranks = placement.num_ranks
+    shares = np.stack(
+        [placement.rank_shares(routing.sources(j, ranks).mean(axis=0), j) for j in range(layers)]
+    )
+    return shares, shares * ranks
 
 
 def _scaled_work(program: StreamProgram, i: int, factor: np.ndarray) -> np.ndarray:
@@ -217,42 +234,24 @@ def _stretch(
 
 
 def _collective(
-    program: StreamProgram,
-    c_index: int,
-    links: _Links,
-    shares: np.ndarray,
-    ready: np.ndarray,
+    program: StreamProgram, c_index: int, links: _Links, ready: np.ndarray
 ) -> tuple[np.ndarray, CollectiveResult]:
     """End times of one all-to-all on every rank, and who gated each."""
     c = program.collectives[c_index]
     r = links.ranks
-    share = shares[min(c.layer, len(shares) - 1)]
-    full = c.nbytes * r / (r - 1)
-    send, recv, send_rdma, recv_rdma = links.traffic(share, full, c.mode, c.kind)
-    latency = links.ll_latency if c.mode == "ll" else links.ht_latency
-    send_t, recv_t = links.wire(send, send_rdma), links.wire(recv, recv_rdma)
-    own = ready + latency + np.maximum(send_t, recv_t)
-    arrive = ready + latency + send_t
-    # A peer sends to r if it has rows for r: for a dispatch, r holds experts; for a
-    # combine, that peer received rows from r.
-    senders_ok = share > 0
-    arrive = np.where(senders_ok if c.kind == "combine" else np.ones(r, bool), arrive, -np.inf)
-    top = int(np.argmax(arrive))
-    masked = arrive.copy()
-    masked[top] = -np.inf
-    second = int(np.argmax(masked))
-    from_peer = np.where(np.arange(r) == top, masked[second], arrive[top])
-    peer = np.where(np.arange(r) == top, second, top)
-    if c.kind != "combine":
-        from_peer = np.where(share > 0, from_peer, -np.inf)
-    end = np.maximum(own, from_peer)
-    gate = np.where(from_peer > own + 1e-9, peer, np.arange(r))
-    mb = 1e-6
+    b = links.layer(c.layer, c.mode)
+    if c.kind == "combine":  # the rows go back the way they came
+        b = b.reversed()
+    full = c.nbytes * r / (r - 1)  # the recording's copies, its own rank's included
+    send_t = links.wire_us(b.nvl_send * full, b.rdma_send * full)
+    recv_t = links.wire_us(b.nvl_recv * full, b.rdma_recv * full)
+    ends = pair_ends(ready, links.latency[c.mode], send_t, recv_t, b.sends_to)
+    mb = full * 1e-6
     result = CollectiveResult(
-        c.kind, c.mode, c.layer, c.ubatch, c.op, gate, np.clip(from_peer - own, 0.0, None),
-        send * mb, recv * mb, recv_rdma * mb,
+        c.kind, c.mode, c.layer, c.ubatch, c.op, ends.gate, ends.peer_wait_us,
+        (b.nvl_send + b.rdma_send) * mb, (b.nvl_recv + b.rdma_recv) * mb, b.rdma_recv * mb,
     )  # fmt: skip
-    return end, result
+    return ends.end, result
 
 
 def simulate_cluster(
@@ -269,13 +268,18 @@ def simulate_cluster(
         raise ValueError(
             f"the placement has {ranks} ranks but the program was recorded at EP {program.ep_size}"
         )
-    if routing.num_experts != placement.share.shape[0]:
+    if routing.num_experts != placement.num_experts:
         raise ValueError(
-            f"routing has {routing.num_experts} experts, placement {placement.share.shape[0]}"
+            f"routing has {routing.num_experts} experts, placement {placement.num_experts}"
+        )
+    if routing.num_sources not in (1, ranks):
+        raise ValueError(
+            f"routing {routing.label!r} has {routing.num_sources} source ranks, the group "
+            f"{ranks}; give one row per rank or one for all"
         )
     g = gpus_per_node_of(program, gpus_per_node)
-    links = _Links(program, ranks, g)
-    shares, factor = _expert_factor(program, routing, placement)
+    links = _Links(program, routing, placement, g)
+    _, factor = _expert_factor(program, routing, placement)
     n = program.num_ops
     start, end = np.empty((n, ranks)), np.empty((n, ranks))
     host = np.full(ranks, float(program.issue0[0]) if n else 0.0)
@@ -289,7 +293,7 @@ def simulate_cluster(
             continue
         ready = start[i]
         if k in (HT_COMM, LL_LINK) and program.collective[i] >= 0 and ranks > 1:
-            end[i], result = _collective(program, int(program.collective[i]), links, shares, ready)
+            end[i], result = _collective(program, int(program.collective[i]), links, ready)
             collectives.append(result)
             if k == HT_COMM:
                 busy = [*busy[-2:], (start[i].copy(), end[i].copy())]

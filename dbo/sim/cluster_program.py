@@ -91,6 +91,7 @@ class StreamProgram:
     ep_size: int
     profile: HardwareProfile
     ht_rdma_share: float = 1.0
+    ht_nvl_share: float | None = None  # None: HT bytes priced per copy (`dbo.sim.regions`)
     records: list[OpRecord] = field(default_factory=list, repr=False)
 
     @property
@@ -270,6 +271,7 @@ def program_from_records(
     ep_size: int,
     gemm_sms_reserved: bool = False,
     ht_rdma_share: float = 1.0,
+    ht_nvl_share: float | None = None,
 ) -> StreamProgram:
     """The stream program of one rank's recorded step (`device.timeline`, `device.event_waits`
     after a `device.reset()` and the step)."""
@@ -300,7 +302,8 @@ def program_from_records(
         work=end0 - start0 - slowdown, host_adv=np.maximum(host_adv, 0.0), floor_off=floor,
         deps=deps, stretchable=(klass == OP) & ~reserved, expert_layer=layer,
         weight_share=wshare, intensity=rho, collective=coll_of, collectives=collectives,
-        ep_size=ep_size, profile=profile, ht_rdma_share=ht_rdma_share, records=list(records),
+        ep_size=ep_size, profile=profile, ht_rdma_share=ht_rdma_share, ht_nvl_share=ht_nvl_share,
+        records=list(records),
     )  # fmt: skip
 
 
@@ -319,6 +322,7 @@ def record_program(step: Callable[[], Any], device: Any, *, ep_size: int) -> Str
         ep_size=ep_size,
         gemm_sms_reserved=device.dbo_gemm_sms is not None,
         ht_rdma_share=device.ht_rdma_share,
+        ht_nvl_share=device.ht_nvl_share,
     )
 
 

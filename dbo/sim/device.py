@@ -92,6 +92,7 @@ class SimDevice(Device):
         race_action: str = "record",
         dbo_gemm_sms: int | None = None,
         ht_rdma_share: float = 1.0,
+        ht_nvl_share: float | None = None,
     ) -> None:
         self.profile: HardwareProfile = profile_with(
             profile, launch_us=launch_us, handoff_us=handoff_us, comm_sms=comm_sms,
@@ -99,12 +100,12 @@ class SimDevice(Device):
         )  # fmt: skip
         self.rank = int(rank)
         self.torch_device = tensor_device_of(tensor_device)
-        check_knobs(self.profile, race_action, dbo_gemm_sms, ht_rdma_share)
+        check_knobs(self.profile, race_action, dbo_gemm_sms, ht_rdma_share, ht_nvl_share)
         self.record_timeline = record_timeline
         self.capture_stacks = capture_stacks
         self.race_action = race_action
         self.dbo_gemm_sms = dbo_gemm_sms  # see dbo.sim.options.check_knobs
-        self.ht_rdma_share = float(ht_rdma_share)
+        self.ht_rdma_share, self.ht_nvl_share = float(ht_rdma_share), ht_nvl_share
         self._init_timelines()
         # Race bookkeeping needs real storages; a meta run has none.
         self._checker: RaceChecker | None = None
@@ -484,8 +485,7 @@ class SimDevice(Device):
         `place_comm`); its torch ops are not placed, their accesses are the comm op's."""
         state = self.thread_state()
         region = open_region(self.profile, state, kind, nbytes, mode, ep_size, link)
-        nbytes = region.nbytes
-        handle = CommHandle(kind=kind, nbytes=nbytes, mode=mode, event=self.Event())
+        handle = CommHandle(kind=kind, nbytes=region.nbytes, mode=mode, event=self.Event())
         state.comm = region
         try:
             yield handle
@@ -498,8 +498,8 @@ class SimDevice(Device):
         marks its data usable (an "ll" region's: arrival, on the link track). `peers` (the
         EP ranks of an all-to-all across processes) couples the transfer's end to theirs:
         `dbo.sim.alltoall.couple_to_peers`."""
-        replaying = self.thread_state().replaying
-        ops = region_ops(self.profile, region, self.ht_rdma_share, replaying)
+        replaying, shares = self.thread_state().replaying, (self.ht_rdma_share, self.ht_nvl_share)
+        ops = region_ops(self.profile, region, shares[0], replaying, shares[1])
         stream_track = region.stream.track  # type: ignore[attr-defined]
         coupled = peers is not None and region.ep_size > 1 and region.link is None
         with self._lock:

@@ -34,7 +34,11 @@ def tensor_device_of(tensor_device: str | torch.device) -> torch.device:
 
 
 def check_knobs(
-    profile: HardwareProfile, race_action: str, dbo_gemm_sms: int | None, ht_rdma_share: float
+    profile: HardwareProfile,
+    race_action: str,
+    dbo_gemm_sms: int | None,
+    ht_rdma_share: float,
+    ht_nvl_share: float | None = None,
 ) -> None:
     """Refuse a race action, reserved GEMM SM count or RDMA share out of range.
 
@@ -44,10 +48,14 @@ def check_knobs(
     `ht_rdma_share`: of the bytes a multi-node "ht" region sends off-node, the share that
     crosses RDMA: DeepEP's normal kernels send a token once per destination node and forward
     it over NVLink there (`dbo.sim.cost.node_dedup_share` derives it from the routing); 1.0 is
-    one RDMA copy per expert copy, as the low-latency kernels send."""
+    one RDMA copy per expert copy, as the low-latency kernels send. `ht_nvl_share`: NVLink
+    bytes per byte of expert copies sent, one per token and destination rank as DeepEP's
+    normal kernels move them (`dbo.sim.traffic.balanced_dedup` gives both shares, its own
+    node and rank included); None keeps every byte not on RDMA on NVLink."""
     if race_action not in RACE_ACTIONS:
         raise ValueError(f"race_action must be 'record', 'raise' or 'warn', got {race_action!r}")
     if dbo_gemm_sms is not None and not 0 < dbo_gemm_sms <= profile.num_sms:
         raise ValueError(f"dbo_gemm_sms must be in (0, {profile.num_sms}], got {dbo_gemm_sms!r}")
-    if not 0.0 < ht_rdma_share <= 1.0:
-        raise ValueError(f"ht_rdma_share must be in (0, 1], got {ht_rdma_share!r}")
+    for name, share in (("ht_rdma_share", ht_rdma_share), ("ht_nvl_share", ht_nvl_share)):
+        if share is not None and not 0.0 < share < float("inf"):
+            raise ValueError(f"{name} must be a positive share of the bytes, got {share!r}")

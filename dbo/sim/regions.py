@@ -2,11 +2,13 @@
 
 "ht" (high-throughput): one op on the region's stream, holding comm_sms / num_sms of the SMs
 for its duration, costed by `dbo.sim.cost.comm_time_us` (`ht_rdma_share` scales the RDMA part
-of a multi-node region: DeepEP's per-node de-duplication). "ll" (low-latency): a send on the
-region's stream, then the transfer on the device's link track, leaving after the send. An EP
-group of one rank moves no byte over a link: the block's own ops (a gather, a weighting, a
-scatter-add) are its whole cost, issued eagerly like any op, and placed as one full-grid
-kernel on its stream that takes the GPU in turn with compute, in either mode.
+of a multi-node region: DeepEP's per-node de-duplication; `ht_nvl_share`, where given, sets
+the NVLink part: one copy per token and destination rank, `dbo.sim.traffic`). "ll"
+(low-latency): a send on the region's stream, then the transfer on the device's link track,
+leaving after the send. An EP group of one rank moves no byte over a link: the block's own
+ops (a gather, a weighting, a scatter-add) are its whole cost, issued eagerly like any op,
+and placed as one full-grid kernel on its stream that takes the GPU in turn with compute,
+in either mode.
 """
 
 from __future__ import annotations
@@ -62,7 +64,11 @@ class RegionOp:
 
 
 def region_ops(
-    profile: HardwareProfile, region: CommRegion, ht_rdma_share: float, replaying: bool
+    profile: HardwareProfile,
+    region: CommRegion,
+    ht_rdma_share: float,
+    replaying: bool,
+    ht_nvl_share: float | None = None,
 ) -> list[RegionOp]:
     """The ops `region` is placed as, in order (see the module docstring)."""
     # A replayed graph writes the storages it captured: nothing is freshly allocated.
@@ -70,11 +76,13 @@ def region_ops(
     if region.ep_size == 1 and region.link is None and region.op_names:
         return [_local_op(profile, region, fresh)]
     nbytes = region.nbytes
-    rdma_bytes = None
+    wire, rdma_bytes = nbytes, None
     if region.mode == "ht" and region.link is None and region.ep_size > profile.gpus_per_node:
         rdma_bytes = ep_traffic(nbytes, region.ep_size, profile.gpus_per_node)[1] * ht_rdma_share
+    if region.mode == "ht" and region.link is None and ht_nvl_share is not None:
+        wire = nbytes * ht_nvl_share + (rdma_bytes or 0.0)  # NVLink and RDMA as DeepEP's kernels
     cost = comm_time_us(
-        profile, region.kind, nbytes, region.ep_size, region.mode, region.link,
+        profile, region.kind, wire, region.ep_size, region.mode, region.link,
         rdma_bytes=rdma_bytes,
     )  # fmt: skip
     which = comm_link(profile, region.ep_size, region.link)

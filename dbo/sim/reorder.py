@@ -125,7 +125,7 @@ def _comm_tasks(graph: SimGraph, item: GraphComm, start: int) -> list[_Task]:
     the task that writes (the transfer: its data lands then)."""
     region = item.region
     device = graph.device
-    placed = region_ops(device.profile, region, device.ht_rdma_share, True)
+    placed = region_ops(device.profile, region, device.ht_rdma_share, True, device.ht_nvl_share)
     ops = list(item.ops)
     kernels = tuple(func._schema.name for func, *_ in ops)
 

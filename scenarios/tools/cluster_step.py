@@ -22,7 +22,6 @@ from pathlib import Path
 from dbo.sim import SimDevice
 from dbo.sim.cluster import ClusterResult, simulate_cluster
 from dbo.sim.cluster_program import StreamProgram, record_program, tile_layers
-from dbo.sim.cost import node_dedup_share
 from dbo.sim.hardware import HardwareProfile
 from dbo.sim.routing import (
     Placement,
@@ -34,6 +33,7 @@ from dbo.sim.routing import (
     from_histogram,
     zipf,
 )
+from dbo.sim.traffic import balanced_dedup
 from dbo.split import UBatchProposal, decide_ubatching, is_last_ubatch_empty
 from scenarios.model import Batch, ModelConfig, MoEModel
 from scenarios.steps import prepare, serial_step, ubatched_step
@@ -48,6 +48,7 @@ __all__ = [
     "placement_from_spec",
     "cluster_step",
     "moe_layers",
+    "device_options",
 ]
 
 # Group-limited routing of the presets that have it (n_group, topk_group): DeepEP's normal
@@ -123,18 +124,17 @@ def moe_layers(config: ModelConfig) -> int:
     return config.num_layers - config.num_dense_layers
 
 
-def _device_options(spec: StepSpec) -> dict:
+def device_options(spec: StepSpec) -> dict:
     """SGLang's HT prefill: GEMMs capped at the SMs DeepEP leaves under two-batch overlap,
-    and RDMA carrying one copy per remote node."""
+    and the bytes DeepEP's normal kernels move under balanced routing (one copy per token and
+    destination rank over NVLink, per token and destination node over RDMA)."""
     p, c = spec.profile, spec.config
     if spec.mode != "ht":
         return {}
-    groups, topk_groups = ROUTING_GROUPS.get(c.name, (1, 1))
-    options = {
-        "ht_rdma_share": node_dedup_share(
-            c.top_k, c.ep_size, spec.gpus_per_node, groups, topk_groups
-        )
-    }
+    nvl, rdma = balanced_dedup(
+        c.top_k, c.num_experts, c.ep_size, spec.gpus_per_node, ROUTING_GROUPS.get(c.name)
+    )
+    options: dict = {"ht_nvl_share": nvl, "ht_rdma_share": rdma}
     if spec.num_ubatches:
         options["dbo_gemm_sms"] = p.num_sms - p.comm_sms
     return options
@@ -149,7 +149,7 @@ def record_step(spec: StepSpec) -> StreamProgram:
     if full > RECORDED_MOE_LAYERS:
         config = config.with_(num_layers=config.num_dense_layers + RECORDED_MOE_LAYERS)
     profile = replace(spec.profile, gpus_per_node=spec.gpus_per_node)
-    device = SimDevice(profile, tensor_device="meta", **_device_options(spec))
+    device = SimDevice(profile, tensor_device="meta", **device_options(spec))
     model = MoEModel(config, spec.batch())
     x = model.inputs()
     if spec.num_ubatches is None:
@@ -175,14 +175,21 @@ def routing_from_spec(
     """`balanced`, `zipf:S`, `dirichlet:ALPHA`, or (with `histogram`) the file's loads."""
     layers, experts, k = moe_layers(config), config.num_experts, config.top_k
     if histogram is not None:
-        return from_histogram(histogram, layers, experts, k)
+        routing = from_histogram(histogram, layers, experts, k)
+    else:
+        routing = _family(spec, layers, experts, k, seed)
+    # DeepSeek-V3 routes inside 4 of 8 expert groups: fewer nodes per token for DeepEP.
+    return replace(routing, groups=ROUTING_GROUPS.get(config.name))
+
+
+def _family(spec: str, layers: int, experts: int, k: int, seed: int) -> Routing:
     name, _, value = spec.partition(":")
-    if name == "balanced" and not value:
-        return balanced(layers, experts, k)
     try:
         number = float(value)
     except ValueError:
         number = None
+    if name == "balanced" and not value:
+        return balanced(layers, experts, k)
     if name == "zipf" and number is not None:
         return zipf(layers, experts, number, top_k=k, seed=seed)
     if name == "dirichlet" and number is not None:
@@ -194,13 +201,14 @@ def routing_from_spec(
 
 
 def placement_from_spec(spec: str, config: ModelConfig, routing: Routing) -> Placement:
-    """`contiguous`, or `eplb:N` (N redundant experts placed by the routing's mean load)."""
+    """`contiguous`, or `eplb:N` (N redundant experts placed per MoE layer by that layer's
+    load, as DeepSeek's EPLB does)."""
     ranks = config.ep_size
     if spec == "contiguous":
         return contiguous(config.num_experts, ranks)
     name, _, value = spec.partition(":")
     if name == "eplb" and value.isdigit():
-        return eplb(routing.load.mean(axis=0), ranks, int(value))
+        return eplb(routing.expert_load(), ranks, int(value))
     raise ValueError(f"unknown placement {spec!r}: give contiguous or eplb:N (e.g. eplb:32)")
 
 

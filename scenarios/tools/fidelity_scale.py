@@ -4,15 +4,19 @@ The same figures as the one-rank rows (SGLang's TBO gains at EP 32 prefill over 
 EP 72 decode over 9 nodes; DeepEP's low-latency kernel times and normal-mode RDMA bandwidth),
 now replayed for every rank (`dbo.sim.cluster`) with the routing each publication states:
 SGLang serves DeepSeek-V3 with EPLB over 32 redundant experts (288 physical); DeepEP's
-benchmarks route random scores. Both become a batch's sampled top-8 (`dbo.sim.routing.sampled`:
-each token picks 8 distinct experts, seeded), so a rank's load is what a finite batch gives it,
-and the slowest rank sets the step. The calibration marks of the one-rank rows carry over:
+benchmarks route random scores. Both become sampled batches (`dbo.sim.routing.sampled`), each
+rank drawing its own tokens' top-8 (seeded), so an expert's load is a sum over the ranks'
+batches, EPLB places each layer by that layer's load, and the slowest pair of ranks ends each
+collective. Bytes move as DeepEP's kernels move them (`dbo.sim.traffic`) and the normal-mode
+bandwidths count them as DeepEP's tests do (`recv_x` rows per rank over NVLink; (token, node)
+pairs, own node included, over RDMA). The calibration marks of the one-rank rows carry over:
 a constant read off a figure still makes its row a calibration row here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,10 +24,10 @@ import numpy as np
 from dbo.sim import SimDevice
 from dbo.sim.cluster import simulate_cluster
 from dbo.sim.cluster_program import record_program
-from dbo.sim.cost import node_dedup_share
 from dbo.sim.hardware import H800, HardwareProfile
 from dbo.sim.routing import balanced, contiguous, eplb, sampled
-from scenarios.tools.cluster_step import StepSpec, moe_layers, record_step
+from dbo.sim.traffic import balanced_dedup, layer_bytes
+from scenarios.tools.cluster_step import ROUTING_GROUPS, StepSpec, moe_layers, record_step
 from scenarios.tools.fidelity_kernels import DEEPEP_BYTES
 from scenarios.tools.fidelity_rows import (
     DEEPEP_LL_PUBLISHED,
@@ -62,8 +66,10 @@ def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, 
     physical = deepseek_config(ep, quick)
     logical = physical.with_(num_experts=physical.num_experts - SGLANG_REDUNDANT_EXPERTS)
     layers = moe_layers(physical)
-    routing = sampled(balanced(layers, logical.num_experts), tokens, DEEPEP_TOPK, seed=SEED)
-    placement = eplb(routing.load.mean(axis=0), ep, SGLANG_REDUNDANT_EXPERTS)
+    family = balanced(layers, logical.num_experts, DEEPEP_TOPK)
+    routing = sampled(family, tokens, DEEPEP_TOPK, ranks=ep, seed=SEED)
+    routing = replace(routing, groups=ROUTING_GROUPS["deepseek-v3"])
+    placement = eplb(routing.expert_load(), ep, SGLANG_REDUNDANT_EXPERTS)
     steps, facts = {}, {}
     for n in (None, 2):
         spec = StepSpec(physical, phase, tokens, n, STEP_PROFILE, context=SGLANG_DECODE_CONTEXT,
@@ -77,7 +83,8 @@ def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, 
 
 def deepep_ll_cluster_us(kind: str, ep: int, profile: HardwareProfile = H800) -> float:
     """DeepEP's low-latency benchmark on the virtual group: one dispatch and one combine of
-    128 random-routed tokens per rank; the mean over ranks of the kernel's time."""
+    128 random-routed tokens on each rank (its own draw); the mean over ranks of the
+    kernel's time."""
     device = SimDevice(profile, tensor_device="meta")
     sent = {
         k: int(DEEPEP_LL_TOKENS * DEEPEP_TOPK * DEEPEP_BYTES[k] * (ep - 1) / ep)
@@ -91,24 +98,26 @@ def deepep_ll_cluster_us(kind: str, ep: int, profile: HardwareProfile = H800) ->
                     pass
 
     program = record_program(step, device, ep_size=ep)
-    routing = sampled(balanced(1, 256), DEEPEP_LL_TOKENS, DEEPEP_TOPK, seed=SEED)
+    base = balanced(1, 256, DEEPEP_TOPK)
+    routing = sampled(base, DEEPEP_LL_TOKENS, DEEPEP_TOPK, ranks=ep, seed=SEED)
     result = simulate_cluster(program, routing, contiguous(256, ep))
     op = next(c.op for c in program.collectives if c.kind == kind)
     return float(np.mean(result.end[op] - result.start[op]))
 
 
-def deepep_normal_cluster_gbps(kind: str, ep: int, profile: HardwareProfile = H800) -> float:
+def deepep_normal_cluster_gbps(
+    kind: str, ep: int, profile: HardwareProfile = H800, *, random: bool = True
+) -> float:
     """DeepEP's normal-mode benchmark on the virtual group: one HT dispatch or combine of 4096
-    random-routed tokens per rank; the mean over ranks of the bytes each received over its
-    bottleneck link (RDMA across nodes, after DeepEP's per-node deduplication with its test
-    routing of top-4 node groups; NVLink inside one node) over the kernel's time."""
+    random-routed tokens on each rank (its own draw; across nodes, DeepEP's test routing:
+    the experts inside the top-4 node groups); the mean over ranks of the bytes as DeepEP's
+    tests count them (NVLink inside one node: the rows each rank receives, its own included;
+    RDMA: one per token and node, its own node included) over the kernel's time.
+    `random=False`: balanced routing instead of sampled batches."""
     nodes = max(ep // profile.gpus_per_node, 1)
-    share = (
-        node_dedup_share(DEEPEP_TOPK, ep, profile.gpus_per_node, nodes, min(nodes, 4))
-        if nodes > 1
-        else 1.0
-    )
-    device = SimDevice(profile, tensor_device="meta", ht_rdma_share=share)
+    groups = (nodes, min(nodes, 4)) if nodes > 1 else None
+    nvl, rdma = balanced_dedup(DEEPEP_TOPK, 256, ep, profile.gpus_per_node, groups)
+    device = SimDevice(profile, tensor_device="meta", ht_nvl_share=nvl, ht_rdma_share=rdma)
     sent = int(DEEPEP_NORMAL_TOKENS * DEEPEP_TOPK * DEEPEP_BYTES[kind] * (ep - 1) / ep)
 
     def step() -> None:
@@ -117,12 +126,18 @@ def deepep_normal_cluster_gbps(kind: str, ep: int, profile: HardwareProfile = H8
                 pass
 
     program = record_program(step, device, ep_size=ep)
-    routing = sampled(balanced(1, 256), DEEPEP_NORMAL_TOKENS, DEEPEP_TOPK, seed=SEED)
+    base = replace(balanced(1, 256, DEEPEP_TOPK), groups=groups)
+    routing = base
+    if random:
+        routing = sampled(base, DEEPEP_NORMAL_TOKENS, DEEPEP_TOPK, ranks=ep, seed=SEED)
     result = simulate_cluster(program, routing, contiguous(256, ep))
     collective = next(c for c in result.collectives if c.kind == kind)
-    op = collective.op
-    mb = collective.rdma_mb if nodes > 1 else collective.recv_mb
-    return float(np.mean(mb / (result.end[op] - result.start[op]))) * 1e3
+    seconds = result.end[collective.op] - result.start[collective.op]
+    if nodes == 1:  # NVLink: the rows each rank receives, its own included
+        return float(np.mean(collective.recv_mb / seconds)) * 1e3
+    moved = layer_bytes(routing.sources(0, ep), contiguous(256, ep).share, sent * ep / (ep - 1),
+                        DEEPEP_TOPK, "ht", profile.gpus_per_node, groups)  # fmt: skip
+    return float(np.mean(moved.rdma_counted * 1e-6 / seconds)) * 1e3
 
 
 def _deepep_normal_rows() -> list[FidelityRow]:
@@ -182,7 +197,7 @@ def _deepep_rows() -> list[FidelityRow]:
                     "calibration: the one-rank row's constants (ll_latency_us at EP 8, "
                     "rdma_efficiency at EP >= 64) came off this figure"
                     if calibration
-                    else "random routing: the mean rank waits for the most loaded receiver's rows",
+                    else "each rank waits for the most loaded rank's rows (its own draw)",
                     calibration=calibration,
                 )  # fmt: skip
             )
@@ -204,8 +219,9 @@ def scale_rows(
             gain,
             "S-P",
             SGLANG_BLOG,
-            "the sampled batch's imbalance leaves the gain where the one-rank row has it: "
-            "the gap is per-rank compute, not stragglers",
+            "each rank's own 16K-token batch leaves the busiest rank within a fraction of a "
+            "percent of the mean: the gap is per-rank compute (see the one-rank rows), not "
+            "stragglers",
         )  # fmt: skip
     ]
     if on_point:
@@ -221,7 +237,8 @@ def scale_rows(
                 gain,
                 "S-D",
                 SGLANG_BLOG,
-                "the slowest rank gates both runs alike; the miss is per-ubatch cost",
+                "the group's imbalance is small and gates both runs alike; the miss is "
+                "per-ubatch cost, as in the one-rank row",
             )  # fmt: skip
         )
         if on_point:
@@ -235,25 +252,28 @@ def _assumptions() -> dict[str, str]:
     return {
         "S-P": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_PREFILL_EP} (4 nodes) "
-            f"replayed; 288 physical experts placed by EPLB on the batch's load; routing: "
-            f"{SCALE_PREFILL_TOKENS} tokens per rank sampled top-8 of uniform scores (seed "
-            f"{SEED}); otherwise as [P]"
+            f"replayed; 288 physical experts placed by EPLB per layer on that layer's load; "
+            f"routing: {SCALE_PREFILL_TOKENS} tokens on each rank, its own draw of top-8 of "
+            f"uniform scores inside 4 of 8 groups (seed {SEED}); bytes as DeepEP's normal "
+            "kernels move them (one row per token and destination rank over NVLink, per token "
+            "and remote node over RDMA); otherwise as [P]"
         ),
         "S-D": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_DECODE_EP} (9 nodes) "
-            "replayed; EPLB 288 physical experts; routing sampled top-8 per batch; otherwise "
-            "as [D]"
+            "replayed; EPLB 288 physical experts per layer; routing: each rank's own batch "
+            "sampled top-8 (seeded); otherwise as [D]"
         ),
         "S-K": (
             f"{describe_profile(H800)}. DeepEP's LL benchmark on every rank: one dispatch and "
-            f"one combine of {DEEPEP_LL_TOKENS} tokens per rank, random top-{DEEPEP_TOPK} "
-            "routing (sampled, seeded), mean over ranks"
+            f"one combine of {DEEPEP_LL_TOKENS} tokens on each rank, its own random "
+            f"top-{DEEPEP_TOPK} draw (seeded); every (token, expert) copy sent; mean over ranks "
+            "of the kernel time, each ending when its slowest pair does"
         ),
         "S-N": (
             f"{describe_profile(H800)}. DeepEP's normal-mode benchmark on every rank: one HT "
-            f"dispatch or combine of {DEEPEP_NORMAL_TOKENS} tokens per rank, random "
-            f"top-{DEEPEP_TOPK} routing (sampled, seeded), RDMA bytes deduplicated per node as "
-            "DeepEP's test routing (top-4 node groups) gives; mean over ranks of received "
-            "bytes over kernel time"
+            f"dispatch or combine of {DEEPEP_NORMAL_TOKENS} tokens on each rank, its own random "
+            f"top-{DEEPEP_TOPK} draw inside the top-4 node groups (seeded); bytes counted as "
+            "DeepEP's tests count them (NVLink: rows received per rank, own included; RDMA: "
+            "(token, node) pairs, own node included) over the kernel time, mean over ranks"
         ),
     }

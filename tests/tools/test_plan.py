@@ -80,3 +80,12 @@ def test_plan_shows_progress_once_per_token_count_on_a_terminal(monkeypatch, cap
     drawn = terminal.getvalue()
     assert "plan:" in drawn and "/2 [" in drawn  # one step per token count
     assert "decode EP 64 balanced 32 tokens" in drawn
+
+
+@pytest.mark.timeout(600)
+def test_sglang_s_decode_setup_pays_from_between_64_and_128_tokens(capsys):
+    # DeepSeek-V3 on H100, EP 72 over 9 nodes with EPLB's 32 redundant experts
+    argv = ["plan", "--profile", "h100", "--ep", "72", "--placement", "eplb:32"]
+    argv += ["--phase", "decode", "--tokens", "64,128", "--ubatches", "2", "--skew", "balanced"]
+    assert main(argv) == 0
+    assert "DBO pays for decode from 128 tokens per device" in capsys.readouterr().out
