@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import os
 import re
 import sys
@@ -45,6 +44,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _installed(name: str) -> str | None:
+    import importlib.metadata  # a tenth of a second: only for --version
+
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -59,7 +60,17 @@ def _version() -> str:
         text = pyproject.read_text() if pyproject.is_file() else ""
         match = re.search(r'^version = "([^"]+)"', text, re.MULTILINE)
         found = match.group(1) if match else "unknown"
-    return found
+    return f"dbo-sim {found} (torch {_installed('torch') or 'not installed'})"
+
+
+class _Version(argparse.Action):
+    """`--version`, its text looked up only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        parser.exit(0, _version() + "\n")
 
 
 @dataclass(frozen=True)
@@ -135,8 +146,7 @@ def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dbo-sim", description="Dual Batch Overlap scenarios on a simulated or real GPU"
     )
-    version = f"dbo-sim {_version()} (torch {_installed('torch') or 'not installed'})"
-    parser.add_argument("--version", action="version", version=version)
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command")
     for verb in VERBS:
         if verbs is not None and verb.name not in verbs:

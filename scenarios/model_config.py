@@ -171,5 +171,9 @@ def _field_problem(name: str, value: object) -> str | None:
             return None
         ok = isinstance(value, str) and value.removeprefix("torch.") in DTYPE_NAMES
         return None if ok else f"give one of {', '.join(map(repr, DTYPE_NAMES))}"
+    if name == "attention":
+        return None if value in ("mha", "mla") else "give 'mha' or 'mla'"
+    if name == "tensor_device":
+        return None if value in ("cpu", "meta", "cuda") else "give 'cpu', 'meta' or 'cuda'"
     ok = isinstance(value, str) and 0 < len(value) <= 100
     return None if ok else "give a non-empty string"

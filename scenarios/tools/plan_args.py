@@ -221,7 +221,8 @@ def parse_args(args: argparse.Namespace) -> PlanArgs:
     if args.dp is not None and args.dp not in (1, *eps):
         raise UsageError(f"--dp {args.dp}: give 1 or the EP size (DP attention over the EP group)")
     phases = ["decode", "prefill"] if args.phase == "both" else [args.phase]
-    tokens = {p: parse_tokens(args.tokens or DEFAULT_TOKENS[p]) for p in phases}
+    given = args.tokens
+    tokens = {p: parse_tokens(DEFAULT_TOKENS[p] if given is None else given) for p in phases}
     skews = _skews(args)
     points = sum(len(tokens[p]) for p in phases) * len(eps) * len(skews)
     if points > MAX_POINTS:
