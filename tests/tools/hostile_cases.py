@@ -320,6 +320,8 @@ def _plan_heavy_cases() -> list[Case]:
             "--skew",
             "balanced,zipf:0.5",
             "--json",
+            "--out",
+            "{dir}/o",
             "--config",
             "{dir}/c.json",
             files={"c.json": '{"dtype": "bfloat16"}'},

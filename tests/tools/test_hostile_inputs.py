@@ -9,6 +9,7 @@ profile, a trace's contents, two small answered runs) import torch and are marke
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -61,3 +62,5 @@ def test_a_hostile_input_is_answered_or_refused_in_one_line(case: Case, tmp_path
     else:
         assert not NON_FINITE.search(done.stdout), NON_FINITE.search(done.stdout)
         assert case.says in done.stdout
+        if "--json" in case.argv:
+            json.loads(done.stdout)  # exactly one JSON document, nothing else on stdout
