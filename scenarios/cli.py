@@ -70,7 +70,8 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="show the version and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
-        parser.exit(0, _version() + "\n")
+        print(_version())  # on stdout, as argparse's own version action prints it
+        parser.exit(0)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,13 @@ def _window(timeline: DeviceTimeline, step: Step, text: str | None) -> Window | 
     spec = _window_spec(text)
     try:
         if spec.unit == "us":
-            return Window(step.start_us + spec.start, step.start_us + spec.end)
+            length = step.end_us - step.start_us  # a window past the step is clipped to it
+            if not 0 <= spec.start < length:
+                raise ValueError(
+                    f"--window {text}: {step.label} lasts {length:.1f} us; give START:END "
+                    f"with 0 <= START < {length:.1f}"
+                )
+            return Window(step.start_us + spec.start, step.start_us + min(spec.end, length))
         starts = layer_starts(timeline.step_records(step))
         first, stop = int(spec.start), int(spec.end)
         if first >= len(starts):

@@ -169,3 +169,21 @@ def test_the_png_of_a_real_trace_names_the_profilers_clock(tmp_path, monkeypatch
     report = dbo.analyze_trace(write_trace(tmp_path / "t.json"))
     write_artifacts(report, report.timeline.steps[0], tmp_path, None)
     assert labels and all("virtual" not in label for label in labels)
+
+
+def test_a_window_past_the_step_is_clipped_to_it(capsys):
+    from scenarios.cli import main
+
+    argv = ["analyze", str(FIXTURES / "decode-dbo.json.gz"), "--no-artifacts", "--json"]
+    assert main([*argv, "--window", "0:1e308"]) == 0
+    whole = json.loads(capsys.readouterr().out)["steps"][0]["step_us"]
+    assert main(argv) == 0
+    assert whole == json.loads(capsys.readouterr().out)["steps"][0]["step_us"]
+
+
+def test_a_window_that_starts_outside_the_step_is_refused(capsys):
+    from scenarios.cli import main
+
+    argv = ["analyze", str(FIXTURES / "decode-dbo.json.gz"), "--no-artifacts"]
+    assert main([*argv, "--window=-5:10"]) == 2
+    assert "give START:END with 0 <= START <" in capsys.readouterr().err
