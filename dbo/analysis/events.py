@@ -101,9 +101,10 @@ def slim_event(event: dict[str, Any]) -> dict[str, Any] | None:
     """The reader's `select`: the events any report reads, profiler events checked and cut
     to the fields read; a dbo-sim trace's events whole; None for the rest. Raises
     `MalformedEvent` for an event the reports read that cannot be read."""
-    cat = event.get("cat")
-    if not isinstance(cat, str):
+    cat = event.get("cat", "")
+    if not isinstance(cat, str):  # kept events are matched against sets of names
         cat = ""
+        event = {**event, "cat": cat}
     if cat in SIM_CATS or cat.startswith("range."):
         return event
     if cat in DEVICE_CATS or cat in HOST_CATS:

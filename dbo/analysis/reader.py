@@ -142,6 +142,8 @@ def read_trace(path: str | Path, select: Select = lambda e: e) -> RawTrace:
         raise TraceError(f"{path}: the compressed file is damaged or cut short ({error})") from None
     except UnicodeDecodeError:
         raise TraceError(f"{path}: not a text file (not a Chrome trace)") from None
+    except OSError as error:  # unreadable (permissions, a device): the file, not a bug
+        raise TraceError(f"{path}: cannot read it ({error.strerror or error})") from None
     except TraceError as error:
         raise TraceError(f"{path}: not a profiler trace: {error}") from None
     return out

@@ -445,8 +445,8 @@ def split_steps(timeline: DeviceTimeline, count: int) -> list[Step]:
     for k, group in enumerate(groups):
         if group:
             start = min(min(r.issue_us, r.start_us) for r in group)
-            if steps:  # launched while the GPU still ran the step before: starts at its end
-                start = max(start, steps[-1].end_us)
             end = max(r.end_us for r in group)
+            if steps:  # launched while the GPU still ran the step before: starts at its end
+                start = min(max(start, steps[-1].end_us), end)
             steps.append(Step(k, f"step {k}", start, end, frozenset(r.seq for r in group)))
     return steps

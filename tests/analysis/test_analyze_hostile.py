@@ -187,3 +187,44 @@ def test_a_window_that_starts_outside_the_step_is_refused(capsys):
     argv = ["analyze", str(FIXTURES / "decode-dbo.json.gz"), "--no-artifacts"]
     assert main([*argv, "--window=-5:10"]) == 2
     assert "give START:END with 0 <= START <" in capsys.readouterr().err
+
+
+def test_an_event_whose_category_is_not_a_string_is_no_crash(tmp_path):
+    meta = {"ph": "M", "cat": {"a": 1}, "name": "process_name", "pid": 0, "tid": 0, "args": {}}
+    report = dbo.analyze_trace(write_trace(tmp_path / "t.json", meta))
+    assert report.steps[0].figures.summary.step_us == pytest.approx(200.0)
+
+
+def test_a_cut_step_whose_work_ended_before_the_previous_one_does_not_end_before_it_starts(
+    tmp_path,
+):
+    events = []
+    for k, (ts, dur) in enumerate([(100.0, 500.0), (110.0, 500.0), (120.0, 10.0), (130.0, 10.0)]):
+        events.append(
+            {
+                "ph": "X",
+                "cat": "kernel",
+                "name": "nvjet_gemm",
+                "pid": 0,
+                "tid": 7,
+                "ts": ts,
+                "dur": dur,
+                "args": {"stream": 7, "correlation": k + 1},
+            }
+        )
+        events.append(
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaLaunchKernel",
+                "pid": 1,
+                "tid": 100,
+                "ts": 90.0 + k,
+                "dur": 1.0,
+                "args": {"correlation": k + 1},
+            }
+        )
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    steps = dbo.analyze_trace(path, steps=2).steps
+    assert len(steps) == 2 and all(s.figures.step_us >= 0 for s in steps)
