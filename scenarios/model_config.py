@@ -29,8 +29,10 @@ OPTIONAL_SIZES = (
 BYTE_WIDTHS = ("dispatch_bytes_per_elem", "combine_bytes_per_elem")
 NAMES = ("name", "attention", "tensor_device")
 DTYPE_FIELDS = ("dtype", "weight_dtype")
-# torch's names of the dtypes a configuration may give ("bfloat16", or "torch.bfloat16").
-DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+# torch's names of the dtypes a configuration may give ("bfloat16", or "torch.bfloat16"): FP8
+# only for the weights (the GEMM scales its inputs), never as the activations' dtype.
+DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
+WEIGHT_DTYPE_NAMES = (*DTYPE_NAMES, "float8_e4m3fn", "float8_e5m2")
 # Far above any real model, low enough that sizes multiplied together stay exact in a float.
 MAX_SIZE = 1 << 20
 
@@ -169,8 +171,9 @@ def _field_problem(name: str, value: object) -> str | None:
     if name in DTYPE_FIELDS:
         if value is None and name == "weight_dtype":
             return None
-        ok = isinstance(value, str) and value.removeprefix("torch.") in DTYPE_NAMES
-        return None if ok else f"give one of {', '.join(map(repr, DTYPE_NAMES))}"
+        names = WEIGHT_DTYPE_NAMES if name == "weight_dtype" else DTYPE_NAMES
+        ok = isinstance(value, str) and value.removeprefix("torch.") in names
+        return None if ok else f"give one of {', '.join(map(repr, names))}"
     if name == "attention":
         return None if value in ("mha", "mla") else "give 'mha' or 'mla'"
     if name == "tensor_device":

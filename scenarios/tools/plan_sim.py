@@ -38,12 +38,13 @@ from scenarios.tools.cluster_step import (
     dp_agreement,
     moe_layers,
     placement_from_spec,
+    record_step,
     routing_from_spec,
 )
 from scenarios.tools.plan_args import PlanArgs
 from scenarios.tools.plan_output import PhaseAnswer, PlanPoint, report, write_outputs
 from scenarios.tools.progress import advance, progress_bar
-from scenarios.tools.usage import UsageError
+from scenarios.tools.usage import UsageError, one_line
 
 __all__ = ["PlanInputs", "check_inputs", "plan_phase", "run_plan"]
 
@@ -99,6 +100,7 @@ def check_inputs(parsed: PlanArgs) -> PlanInputs:
             routing_from_spec(s, config, seed=parsed.seed, histogram=parsed.histogram)
         except ValueError as error:
             raise UsageError(f"--{'histogram' if parsed.histogram else 'skew'}: {error}") from None
+    _check_recordable(config, profile, parsed)
     return PlanInputs(
         config,
         profile,
@@ -111,6 +113,25 @@ def check_inputs(parsed: PlanArgs) -> PlanInputs:
         parsed.placement,
         parsed.redundant,
     )
+
+
+def _check_recordable(config: ModelConfig, profile: HardwareProfile, parsed: PlanArgs) -> None:
+    """Record each phase's first serial step (cached: the sweep replays it) so that a model
+    torch cannot run on meta tensors (an activation dtype its grouped GEMM lacks) is refused
+    in one line, not with a traceback after the first points."""
+    ep = parsed.eps[0]
+    shaped = config.with_(ep_size=ep, num_experts=config.num_experts + parsed.redundant)
+    for phase in parsed.phases:
+        spec = StepSpec(shaped, phase, parsed.tokens[phase][0], None, profile, parsed.gpus_per_node)
+        try:
+            record_step(spec)
+        except (RuntimeError, NotImplementedError) as error:
+            dtype = str(config.dtype).removeprefix("torch.")
+            raise UsageError(
+                f"{config.name} with dtype {dtype} cannot be recorded on meta tensors, as plan "
+                f'records a step ({one_line(str(error), 160)}); give a --config with "dtype": '
+                f'"bfloat16"'
+            ) from None
 
 
 def _dp_tokens(tokens: int, ranks: int, spread: float, seed: int) -> list[int]:

@@ -314,6 +314,7 @@ def _plan_heavy_cases() -> list[Case]:
             heavy=True,
             says="experts per row",
         ),
+        _plan("tiny-float64-refused", *_TINY, heavy=True, says="cannot be recorded on meta"),
         _plan(
             "tiny-json-answered",
             *_TINY,
