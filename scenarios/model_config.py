@@ -35,6 +35,9 @@ DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
 WEIGHT_DTYPE_NAMES = (*DTYPE_NAMES, "float8_e4m3fn", "float8_e5m2")
 # Far above any real model, low enough that sizes multiplied together stay exact in a float.
 MAX_SIZE = 1 << 20
+# Counts a simulation repeats work for (a layer's ops, an expert's row in every routing table):
+# far above real models (DeepSeek-V3: 61 layers, 256 experts, top-8), low enough to stay quick.
+MAX_COUNT = {"num_layers": 1024, "num_dense_layers": 1023, "num_experts": 4096, "top_k": 64}
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,9 @@ class ModelConfig:
 
     def _check_sizes(self) -> None:
         for name in POSITIVE_SIZES + OPTIONAL_SIZES:
-            low = 1 if name in POSITIVE_SIZES else 0
-            if not low <= getattr(self, name) <= MAX_SIZE:
-                raise ValueError(f"{name} must be in {low}..{MAX_SIZE}, got {getattr(self, name)}")
+            low, high = _size_range(name)
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"{name} must be in {low}..{high}, got {getattr(self, name)}")
         for name in BYTE_WIDTHS:
             if not 0 < getattr(self, name) <= 8:
                 raise ValueError(f"{name} must be above 0 and at most 8, got {getattr(self, name)}")
@@ -158,12 +161,16 @@ def config_changes(data: object) -> dict[str, object]:
     return dict(data)
 
 
+def _size_range(name: str) -> tuple[int, int]:
+    return (1 if name in POSITIVE_SIZES else 0), MAX_COUNT.get(name, MAX_SIZE)
+
+
 def _field_problem(name: str, value: object) -> str | None:
     """What is wrong with `value` for the field `name` (None: nothing)."""
     if name in POSITIVE_SIZES or name in OPTIONAL_SIZES:
-        low = 1 if name in POSITIVE_SIZES else 0
-        ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_SIZE
-        return None if ok else f"give a whole number in {low}..{MAX_SIZE}"
+        low, high = _size_range(name)
+        ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+        return None if ok else f"give a whole number in {low}..{high}"
     if name in BYTE_WIDTHS:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         ok = ok and math.isfinite(value) and 0 < value <= 8

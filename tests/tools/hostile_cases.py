@@ -231,6 +231,8 @@ _CONFIGS = {
     "hidden-null": '{"hidden": null}',
     "hidden-1e9": '{"hidden": 1000000000}',
     "layers-negative": '{"num_layers": -1}',
+    "layers-a-million": '{"num_layers": 1048576}',
+    "experts-a-million": '{"num_experts": 1048576, "top_k": 1}',
     "dtype-unknown": '{"dtype": "bfloat17"}',
     "dtype-number": '{"dtype": 5}',
     "bytes-nan": '{"dispatch_bytes_per_elem": NaN}',
