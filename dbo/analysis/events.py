@@ -50,11 +50,11 @@ def _is_number(value: object) -> bool:
 def _time(event: dict[str, Any], key: str, cat: str, bound: float, low: float) -> float:
     value = event.get(key, 0.0 if key == "dur" else None)
     if value is None:
-        raise MalformedEvent(f"{cat} event without {key}")
+        raise MalformedEvent(f"{cat}: no {key}")
     if not _is_number(value):
-        raise MalformedEvent(f"{cat} event with a {key} that is not a number")
+        raise MalformedEvent(f"{cat}: {key} not a number")
     if not (math.isfinite(value) and low <= value <= bound):
-        raise MalformedEvent(f"{cat} event with {key} not in [{low:g}, {bound:g}] (or not finite)")
+        raise MalformedEvent(f"{cat}: {key} not finite or outside [{low:g}, {bound:g}]")
     return float(value)
 
 
@@ -65,9 +65,9 @@ def _whole(value: object) -> bool:
 def _args(event: dict[str, Any], cat: str, keep: tuple[str, ...]) -> dict[str, Any]:
     args = event.get("args", {})
     if not isinstance(args, dict):
-        raise MalformedEvent(f"{cat} event whose args is not an object")
+        raise MalformedEvent(f"{cat}: args not an object")
     if "correlation" in args and not _whole(args["correlation"]):
-        raise MalformedEvent(f"{cat} event whose correlation id is not a whole number")
+        raise MalformedEvent(f"{cat}: correlation id not a whole number")
     slim = {k: args[k] for k in keep if k in args}
     if not isinstance(slim.get("stream", 0), int | str):
         del slim["stream"]  # read as the stream's name: a list or object names nothing
@@ -79,7 +79,7 @@ def _args(event: dict[str, Any], cat: str, keep: tuple[str, ...]) -> dict[str, A
 def _profiler_event(event: dict[str, Any], cat: str) -> dict[str, Any]:
     name = event.get("name")
     if not isinstance(name, str) or not name:
-        raise MalformedEvent(f"{cat} event without a name")
+        raise MalformedEvent(f"{cat}: no name")
     slim = {
         "ph": event.get("ph", "X") if isinstance(event.get("ph", "X"), str) else "?",
         "cat": cat,
@@ -89,7 +89,7 @@ def _profiler_event(event: dict[str, Any], cat: str) -> dict[str, Any]:
     }
     tid = event.get("tid")
     if cat in HOST_CATS and not _whole(tid):
-        raise MalformedEvent(f"{cat} event without a whole-number tid")
+        raise MalformedEvent(f"{cat}: tid not a whole number")
     if _whole(tid) or isinstance(tid, str):
         slim["tid"] = tid
     keep = _DEVICE_ARGS if cat in DEVICE_CATS else _CALL_ARGS if cat != "cpu_op" else ()
@@ -111,7 +111,7 @@ def slim_event(event: dict[str, Any]) -> dict[str, Any] | None:
         return _profiler_event(event, cat)
     if event.get("ph") == "M":
         if not isinstance(event.get("args", {}), dict) or not _whole(event.get("tid", 0)):
-            raise MalformedEvent("metadata event whose args is not an object or tid not whole")
+            raise MalformedEvent("metadata: args not an object or tid not a whole number")
         return event
     return event if event.get("ph") == "i" else None
 
@@ -120,5 +120,5 @@ def skipped_note(skipped: Counter[str]) -> str | None:
     """The report's note on the events skipped as malformed (None: none were)."""
     if not skipped:
         return None
-    reasons = "; ".join(f"{n} {why}" for why, n in skipped.most_common())
+    reasons = "; ".join(f"{n}x {why}" for why, n in skipped.most_common())
     return f"skipped {sum(skipped.values())} malformed event(s), not analysed: {reasons}"

@@ -191,7 +191,7 @@ def _events(s: _Stream, out: RawTrace, select: Select) -> None:
         out.total_events += 1
         try:
             if not isinstance(event, dict):
-                raise MalformedEvent("event that is not a JSON object")
+                raise MalformedEvent("an event that is not a JSON object")
             kept = select(event)
         except MalformedEvent as bad:
             out.skipped[str(bad)] += 1
