@@ -19,13 +19,25 @@ __all__ = ["Batch", "DTYPE_FIELDS", "DTYPE_NAMES", "ModelConfig", "config_change
 
 # The sizes a model must have (at least 1), and those that are 0 when their option is off.
 POSITIVE_SIZES = (
-    "num_layers", "hidden", "num_heads", "head_dim", "num_experts", "top_k", "moe_inter",
+    "num_layers",
+    "hidden",
+    "num_heads",
+    "head_dim",
+    "num_experts",
+    "top_k",
+    "moe_inter",
     "ep_size",
-)  # fmt: skip
+)
 OPTIONAL_SIZES = (
-    "q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim",
-    "num_shared_experts", "num_dense_layers", "dense_inter",
-)  # fmt: skip
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_dim",
+    "qk_rope_dim",
+    "v_head_dim",
+    "num_shared_experts",
+    "num_dense_layers",
+    "dense_inter",
+)
 BYTE_WIDTHS = ("dispatch_bytes_per_elem", "combine_bytes_per_elem")
 NAMES = ("name", "attention", "tensor_device")
 DTYPE_FIELDS = ("dtype", "weight_dtype")
