@@ -145,3 +145,12 @@ def test_plan_help_says_its_whole_first_paragraph_and_what_phase_is(capsys):
     shown = " ".join(capsys.readouterr().out.split())
     assert "how does the answer move with expert- load skew?" in shown
     assert "--phase {decode,prefill,both} decode (DeepEP low-latency" in shown
+
+
+def test_every_model_config_field_has_one_rule_for_configuration_files():
+    from dataclasses import fields
+
+    from scenarios import model_config as mc
+
+    rules = [*mc.POSITIVE_SIZES, *mc.OPTIONAL_SIZES, *mc.BYTE_WIDTHS, *mc.NAMES, *mc.DTYPE_FIELDS]
+    assert sorted(rules) == sorted(f.name for f in fields(mc.ModelConfig))
