@@ -6,12 +6,16 @@ Every check of the command line and of the output folder happens before any work
 every refusal is one line, `dbo-sim: <why>`, with exit status 2 (argparse's own refusals too,
 through `_Parser`; a tool refuses by raising `UsageError`). Ctrl-C ends a verb with one line
 and exit status 130; what finished before it stays printed and written.
+
+Only the verb named on the command line is imported (its module is looked up by name), and
+nothing here imports torch: `dbo-sim --help`, a verb's `--help` and a verb whose tool checks
+its options before importing heavy things answer in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
+import importlib
 import os
 import re
 import sys
@@ -21,24 +25,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
-import torch
-
-from scenarios.tools import analyze as analyze_tool
-from scenarios.tools import bench as bench_tool
-from scenarios.tools import bugs as bugs_tool
-from scenarios.tools import (
-    calibrate_host,
-    gpu_check,
-    list_scenarios,
-    race_check,
-    stress,
-    sweep,
-    verify_cli,
-)
-from scenarios.tools import fidelity as fidelity_tool
-from scenarios.tools import plan as plan_tool
-from scenarios.tools import profile as profile_tool
-from scenarios.tools import run as run_tool
 from scenarios.tools.usage import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
@@ -57,92 +43,116 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"dbo-sim: {one_line(message)}\n")
 
 
-def _version() -> str:
+def _installed(name: str) -> str | None:
+    import importlib.metadata  # a tenth of a second: only for --version
+
     try:
-        return importlib.metadata.version("dbo-sim")
+        return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _version() -> str:
+    found = _installed("dbo-sim")
+    if found is None:
         # Run from a source tree that was never installed: read the project file beside it.
         pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
         text = pyproject.read_text() if pyproject.is_file() else ""
-        found = re.search(r'^version = "([^"]+)"', text, re.MULTILINE)
-        return found.group(1) if found else "unknown"
+        match = re.search(r'^version = "([^"]+)"', text, re.MULTILINE)
+        found = match.group(1) if match else "unknown"
+    return f"dbo-sim {found} (torch {_installed('torch') or 'not installed'})"
+
+
+class _Version(argparse.Action):
+    """`--version`, its text looked up only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(_version())  # on stdout, as argparse's own version action prints it
+        parser.exit(0)
 
 
 @dataclass(frozen=True)
 class Verb:
     """One `dbo-sim` verb: its name, its line in `dbo-sim --help`, and what it runs: a tool
-    module with `add_arguments(parser)` and `run(args) -> int`, looked up when the parser is
-    built. Its `--help` description is the tool's DESCRIPTION, else the first
-    line of its docstring."""
+    module in `scenarios.tools` (`module`, imported on first use as `tool`) with
+    `add_arguments(parser)` and `run(args) -> int`. Its `--help` description is the tool's
+    DESCRIPTION, else the first line of its docstring."""
 
     name: str
     help: str
-    tool: ModuleType
+    module: str  # the tool's module name in scenarios.tools
+
+    @property
+    def tool(self) -> ModuleType:
+        return importlib.import_module(f"scenarios.tools.{self.module}")
 
     def description(self) -> str | None:
         described = getattr(self.tool, "DESCRIPTION", None)
         if described:
             return described
-        return (self.tool.__doc__ or "").strip().splitlines()[0] or None
+        # The docstring's first paragraph, whole (its first line may end mid-sentence).
+        doc = (self.tool.__doc__ or "").strip().split("\n\n")[0]
+        return " ".join(doc.split()) or None
 
 
 # Every verb, in `dbo-sim --help` order.
 VERBS: tuple[Verb, ...] = (
-    Verb("list", "list the scenarios", list_scenarios),
-    Verb(
-        "run", "run scenarios (default: every default scenario on the simulated device)", run_tool
-    ),
-    Verb("sweep", "DBO speedup against tokens per device (CSV + PNG)", sweep),
-    Verb("stress", "concurrent workspace slot access with growth and lock/unlock", stress),
+    Verb("list", "list the scenarios", "list_scenarios"),
+    Verb("run", "run scenarios (default: every default scenario on the simulated device)", "run"),
+    Verb("sweep", "DBO speedup against tokens per device (CSV + PNG)", "sweep"),
+    Verb("stress", "concurrent workspace slot access with growth and lock/unlock", "stress"),
     Verb(
         "plan",
         "should DBO be on for your deployment: gain, ubatches, token threshold, engine flags",
-        plan_tool,
+        "plan",
     ),
-    Verb("bench", "benchmarks, each a ratio against a baseline in the same run", bench_tool),
+    Verb("bench", "benchmarks, each a ratio against a baseline in the same run", "bench"),
     Verb(
         "fidelity",
         "the simulator against published DBO/TBO and DeepEP results, side by side",
-        fidelity_tool,
+        "fidelity",
     ),
-    Verb(
-        "profile", "time this GPU's kernels into a table the simulator loads (CUDA)", profile_tool
-    ),
+    Verb("profile", "time this GPU's kernels into a table the simulator loads (CUDA)", "profile"),
     Verb(
         "verify",
         "verify your own forward under DBO (serial vs ubatched, races, errors)",
-        verify_cli,
+        "verify_cli",
     ),
     Verb(
         "gpu-check",
         "real CUDA streams against the simulated H200 (needs a GPU, or --sim-only)",
-        gpu_check,
+        "gpu_check",
     ),
     Verb(
         "calibrate-host",
         "this host's launch and handoff costs, for a profile (needs a GPU, or --device sim)",
-        calibrate_host,
+        "calibrate_host",
     ),
     Verb(
         "race-check",
         "seeded race programs: the simulator's checker and torch's CSAN side by side",
-        race_check,
+        "race_check",
     ),
-    Verb("bugs", "real DBO bugs from vLLM's and SGLang's trackers, each caught", bugs_tool),
-    Verb(
-        "analyze", "what a real GPU profiler trace says DBO did (report, PNG, trace)", analyze_tool
-    ),
+    Verb("bugs", "real DBO bugs from vLLM's and SGLang's trackers, each caught", "bugs"),
+    Verb("analyze", "what a real GPU profiler trace says DBO did (report, PNG, trace)", "analyze"),
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser. Only the tools of `verbs` (None: every verb) are imported and given
+    their options; the others are listed by name and help line."""
     parser = _Parser(
         prog="dbo-sim", description="Dual Batch Overlap scenarios on a simulated or real GPU"
     )
-    version = f"dbo-sim {_version()} (torch {torch.__version__})"
-    parser.add_argument("--version", action="version", version=version)
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command")
     for verb in VERBS:
+        if verbs is not None and verb.name not in verbs:
+            sub.add_parser(verb.name, help=verb.help)
+            continue
         verb_parser = sub.add_parser(verb.name, help=verb.help, description=verb.description())
         verb.tool.add_arguments(verb_parser)
         verb_parser.set_defaults(func=verb.tool.run)
@@ -170,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parse_and_run(argv: list[str]) -> int:
-    parser = build_parser()
+    named = next((a for a in argv if not a.startswith("-")), None)  # the verb, if any
+    parser = build_parser([named] if named else [])
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help, --version, or a refusal already printed

@@ -40,7 +40,8 @@ import torch
 import dbo
 from dbo.comm import current_ep_group, ep_group_for
 from dbo.split import UBatchSlice
-from scenarios.model_config import PRESETS, Batch, ModelConfig, preset
+from scenarios.model_config import Batch, ModelConfig
+from scenarios.model_presets import PRESETS, preset
 from scenarios.model_weights import ModelWeights, layer_weights
 from workspace import current_workspace_manager
 

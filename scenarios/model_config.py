@@ -1,13 +1,55 @@
-"""A model's shape and a step's requests: `ModelConfig`, the presets ("tiny" with values,
-"deepseek-v3" shapes only) and `Batch`. `scenarios.model` re-exports them beside the model."""
+"""A model's shape and a step's requests: `ModelConfig` and `Batch`, and the check of a
+user's configuration file (`config_changes`). `scenarios.model` re-exports them beside the
+model; the presets are in `scenarios.model_presets`.
+
+The module does not import torch (the dtypes are only annotations here), so that the CLI can
+refuse a bad `--config` in a fraction of a second, before torch and the simulator load.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["Batch", "ModelConfig", "PRESETS", "preset"]
+__all__ = ["Batch", "DTYPE_FIELDS", "DTYPE_NAMES", "ModelConfig", "config_changes"]
+
+# The sizes a model must have (at least 1), and those that are 0 when their option is off.
+POSITIVE_SIZES = (
+    "num_layers",
+    "hidden",
+    "num_heads",
+    "head_dim",
+    "num_experts",
+    "top_k",
+    "moe_inter",
+    "ep_size",
+)
+OPTIONAL_SIZES = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_dim",
+    "qk_rope_dim",
+    "v_head_dim",
+    "num_shared_experts",
+    "num_dense_layers",
+    "dense_inter",
+)
+BYTE_WIDTHS = ("dispatch_bytes_per_elem", "combine_bytes_per_elem")
+NAMES = ("name", "attention", "tensor_device")
+DTYPE_FIELDS = ("dtype", "weight_dtype")
+# torch's names of the dtypes a configuration may give ("bfloat16", or "torch.bfloat16"): FP8
+# only for the weights (the GEMM scales its inputs), never as the activations' dtype.
+DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
+WEIGHT_DTYPE_NAMES = (*DTYPE_NAMES, "float8_e4m3fn", "float8_e5m2")
+# Far above any real model, low enough that sizes multiplied together stay exact in a float.
+MAX_SIZE = 1 << 20
+# Counts a simulation repeats work for (a layer's ops, an expert's row in every routing table):
+# far above real models (DeepSeek-V3: 61 layers, 256 experts, top-8), low enough to stay quick.
+MAX_COUNT = {"num_layers": 1024, "num_dense_layers": 1023, "num_experts": 4096, "top_k": 64}
 
 
 @dataclass(frozen=True)
@@ -56,6 +98,25 @@ class ModelConfig:
             raise ValueError(
                 f"tensor_device must be 'cpu', 'meta' or 'cuda', got {self.tensor_device!r}"
             )
+        self._check_sizes()
+
+    def _check_sizes(self) -> None:
+        for name in POSITIVE_SIZES + OPTIONAL_SIZES:
+            low, high = _size_range(name)
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"{name} must be in {low}..{high}, got {getattr(self, name)}")
+        for name in BYTE_WIDTHS:
+            if not 0 < getattr(self, name) <= 8:
+                raise ValueError(f"{name} must be above 0 and at most 8, got {getattr(self, name)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k {self.top_k} is more than the {self.num_experts} experts (num_experts)"
+            )
+        if self.num_dense_layers >= self.num_layers:
+            raise ValueError(
+                f"num_dense_layers {self.num_dense_layers} leaves no MoE layer of the "
+                f"{self.num_layers} (num_layers)"
+            )
 
     @property
     def local_experts(self) -> int:
@@ -64,61 +125,6 @@ class ModelConfig:
 
     def with_(self, **changes: object) -> ModelConfig:
         return replace(self, **changes)
-
-
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        name="tiny",
-        num_layers=3,
-        hidden=64,
-        num_heads=4,
-        head_dim=16,
-        num_experts=8,
-        top_k=2,
-        moe_inter=96,
-        ep_size=8,
-        dtype=torch.float64,
-        tensor_device="cpu",
-        dispatch_bytes_per_elem=1.0,
-        combine_bytes_per_elem=2.0,
-    ),
-    # DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3): 61 layers, hidden 7168, 128 heads;
-    # MLA with q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64,
-    # v_head_dim 128; first_k_dense_replace 3 (dense MLP, intermediate_size 18432); then MoE
-    # with 256 routed experts top-8 (moe_intermediate_size 2048) and n_shared_experts 1; FP8
-    # (e4m3, 128x128 block scales) weights. What the model leaves out is listed in MoEModel.
-    "deepseek-v3": ModelConfig(
-        name="deepseek-v3",
-        num_layers=61,
-        hidden=7168,
-        num_heads=128,
-        head_dim=192,  # qk head dim: nope 128 + rope 64
-        num_experts=256,
-        top_k=8,
-        moe_inter=2048,
-        ep_size=64,
-        dtype=torch.bfloat16,
-        tensor_device="meta",
-        dispatch_bytes_per_elem=1.0,
-        combine_bytes_per_elem=2.0,
-        attention="mla",
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_dim=128,
-        qk_rope_dim=64,
-        v_head_dim=128,
-        num_shared_experts=1,
-        num_dense_layers=3,
-        dense_inter=18432,
-        weight_dtype=getattr(torch, "float8_e4m3fn", torch.bfloat16),
-    ),
-}
-
-
-def preset(name: str, **changes: object) -> ModelConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name].with_(**changes) if changes else PRESETS[name]
 
 
 @dataclass(frozen=True)
@@ -145,3 +151,51 @@ class Batch:
     @staticmethod
     def prefill(num_requests: int, prompt_len: int) -> Batch:
         return Batch(tuple(r * prompt_len for r in range(num_requests + 1)), (0,) * num_requests)
+
+
+def config_changes(data: object) -> dict[str, object]:
+    """A user's JSON object of `ModelConfig` fields, checked field by field (known name, right
+    type, in range) without torch. Dtypes stay names (`model_presets.torch_dtypes` turns them
+    into torch's). ValueError names the first field at fault and what it takes."""
+    if not isinstance(data, dict):
+        raise ValueError('expected a JSON object of ModelConfig fields, e.g. {"num_experts": 64}')
+    known = [f.name for f in fields(ModelConfig)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown field(s) {', '.join(map(repr, unknown))}; ModelConfig's fields are "
+            f"{', '.join(known)}"
+        )
+    for name, value in data.items():
+        why = _field_problem(name, value)
+        if why:
+            raise ValueError(f"field {name!r}: {why}, got {value!r}")
+    return dict(data)
+
+
+def _size_range(name: str) -> tuple[int, int]:
+    return (1 if name in POSITIVE_SIZES else 0), MAX_COUNT.get(name, MAX_SIZE)
+
+
+def _field_problem(name: str, value: object) -> str | None:
+    """What is wrong with `value` for the field `name` (None: nothing)."""
+    if name in POSITIVE_SIZES or name in OPTIONAL_SIZES:
+        low, high = _size_range(name)
+        ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+        return None if ok else f"give a whole number in {low}..{high}"
+    if name in BYTE_WIDTHS:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value) and 0 < value <= 8
+        return None if ok else "give bytes per element above 0 and at most 8 (1: FP8, 2: BF16)"
+    if name in DTYPE_FIELDS:
+        if value is None and name == "weight_dtype":
+            return None
+        names = WEIGHT_DTYPE_NAMES if name == "weight_dtype" else DTYPE_NAMES
+        ok = isinstance(value, str) and value.removeprefix("torch.") in names
+        return None if ok else f"give one of {', '.join(map(repr, names))}"
+    if name == "attention":
+        return None if value in ("mha", "mla") else "give 'mha' or 'mla'"
+    if name == "tensor_device":
+        return None if value in ("cpu", "meta", "cuda") else "give 'cpu', 'meta' or 'cuda'"
+    ok = isinstance(value, str) and 0 < len(value) <= 100
+    return None if ok else "give a non-empty string"

@@ -11,12 +11,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from dbo.analysis.events import slim_event
 from dbo.analysis.layers import layer_figures
 from dbo.analysis.metrics import step_figures
-from dbo.analysis.reader import read_trace
+from dbo.analysis.reader import TraceError, read_trace
 from dbo.analysis.report import StepReport, TraceReport, verdict
 from dbo.analysis.sidebyside import side_by_side
-from dbo.analysis.timeline import DeviceTimeline, Step, build_timeline, slim_event, split_steps
+from dbo.analysis.timeline import DeviceTimeline, Step, build_timeline, split_steps
 
 __all__ = ["analyze_timeline", "analyze_trace", "load_timeline", "step_report"]
 
@@ -51,7 +52,10 @@ def analyze_timeline(
     steps (for a trace of several identical steps with no marker between them)."""
     notes = list(timeline.notes)
     if steps is not None:
-        timeline.steps = split_steps(timeline, steps)
+        try:
+            timeline.steps = split_steps(timeline, steps)
+        except ValueError as error:
+            raise TraceError(f"{path}: {error}") from None
         notes.append(f"cut into {steps} equal steps by launch order (--steps)")
     elif len(timeline.steps) == 1 and timeline.source == "torch.profiler":
         notes.append(
@@ -81,7 +85,9 @@ def analyze_trace(path: str | Path, *, steps: int | None = None) -> TraceReport:
     """Read the Chrome trace at `path` (`torch.profiler`'s `export_chrome_trace`, `.json` or
     `.json.gz`, or a trace `dbo-sim` wrote) and report each step: busy time per stream,
     overlap, exposed comm, idle gaps and what the host did then, kernels side by side,
-    layers and a verdict. Raises `TraceError` (a ValueError) for a file that is not a
-    profiler trace, holds no GPU activity, or is cut short."""
+    layers and a verdict. Raises `TraceError` (a ValueError), and only that, for a file that
+    is not a profiler trace, holds no GPU activity, is cut short or nested too deeply, or
+    for `steps` outside 1..the trace's device ops. Single malformed events are skipped and
+    counted in the report's notes."""
     timeline, read_s = load_timeline(path)
     return analyze_timeline(timeline, path, read_s, steps=steps)

@@ -13,8 +13,9 @@ trace shows. Definitions (microseconds; "idle" always within the step's window):
   the device-idle time above.
 - `host_in_idle`: per host thread, what it was doing during the device-idle time: inside a
   launch call (`launch`), a synchronization (`sync`), another runtime call (`runtime`), a
-  recorded CPU op (`cpu_op`), or nothing the profiler recorded (`untraced`: Python between
-  ops, or a ubatch thread waiting for the baton).
+  recorded CPU op or annotation (`cpu_op`), or nothing the profiler recorded (`untraced`:
+  Python between ops, or a ubatch thread waiting for the baton). A `ProfilerStep#N` range
+  is the profiler's mark, not work: a thread that recorded only that is untraced.
 - `both_busy_us`: time the compute stream and another stream both ran device work (the
   intersection of their busy intervals), whatever the kernels' classes.
 - `comm_on_compute_us`: communication kernels (by name) that ran on the compute stream.
@@ -201,7 +202,9 @@ def thread_label(timeline: DeviceTimeline, tid: int) -> str:
     return f"thread {tid}"
 
 
-def _host_category(span: HostSpan) -> str:
+def _host_category(span: HostSpan) -> str | None:
+    if span.cat == "step":
+        return None  # the profiler's ProfilerStep#N mark: no work the thread did
     if span.cat == "sync":
         return "sync"
     if span.cat in ("cuda_runtime", "cuda_driver"):
@@ -218,9 +221,10 @@ def _host_in_idle(
         return {}
     spans: dict[int, dict[str, list[Interval]]] = {}
     for h in timeline.host_between(lo, hi):
-        spans.setdefault(h.thread, {}).setdefault(_host_category(h), []).append(
-            (h.start_us, h.end_us)
-        )
+        by_cat = spans.setdefault(h.thread, {})  # a thread with only a step mark: untraced
+        category = _host_category(h)
+        if category is not None:
+            by_cat.setdefault(category, []).append((h.start_us, h.end_us))
     idle_us = total_length(idle)
     out: dict[str, dict[str, float]] = {}
     for tid, by_cat in spans.items():

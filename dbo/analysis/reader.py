@@ -10,7 +10,9 @@ element (`json.JSONDecoder.raw_decode` on a buffer that never holds more than a 
 event), so memory holds only what the caller's `select` keeps of each event.
 
 Every way a file can fail to be a trace raises `TraceError` with one line saying what was
-wrong: not JSON, JSON without `traceEvents`, a truncated `.gz` or a cut-off JSON text.
+wrong: not JSON, JSON without `traceEvents`, a truncated `.gz`, a cut-off JSON text, or a
+value nested deeper than Python decodes. One event that cannot be read is not the file's
+fault: `select` raises `MalformedEvent` and the event is skipped and counted (`skipped`).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["RawTrace", "Select", "TraceError", "read_trace"]
+__all__ = ["MalformedEvent", "RawTrace", "Select", "TraceError", "read_trace"]
 
 _CHUNK = 1 << 20  # characters decoded per read: large enough that few events straddle reads
 _WHITESPACE = " \t\n\r"
@@ -39,16 +42,22 @@ class TraceError(ValueError):
     """A file that cannot be analyzed as a profiler trace; the message is one line."""
 
 
+class MalformedEvent(ValueError):
+    """Raised by a `select` for one event it cannot read; the message is the reason, the
+    reader counts the event under it and reads on."""
+
+
 @dataclass
 class RawTrace:
     """What was kept of a trace: its events (those the filter accepted, in file order), its
     other top-level fields (`deviceProperties`, `otherData`, ...), and how many events the
-    file held in all."""
+    file held in all, and the events skipped as malformed, counted by reason."""
 
     path: Path
     events: list[dict[str, Any]] = field(default_factory=list)
     fields: dict[str, Any] = field(default_factory=dict)
     total_events: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
 
 
 class _Stream:
@@ -101,6 +110,10 @@ class _Stream:
                 if len(self.buf) - self.pos < _MAX_VALUE and self._more():
                     continue
                 raise TraceError(f"invalid JSON ({error.msg} at character {error.pos})") from None
+            except RecursionError:
+                raise TraceError(
+                    f"a JSON value nested too deeply to decode (at character {self.pos})"
+                ) from None
             # A number at the very end of the buffer may continue in the next chunk.
             if end == len(self.buf) and not self.eof and self._more():
                 continue
@@ -129,6 +142,8 @@ def read_trace(path: str | Path, select: Select = lambda e: e) -> RawTrace:
         raise TraceError(f"{path}: the compressed file is damaged or cut short ({error})") from None
     except UnicodeDecodeError:
         raise TraceError(f"{path}: not a text file (not a Chrome trace)") from None
+    except OSError as error:  # unreadable (permissions, a device): the file, not a bug
+        raise TraceError(f"{path}: cannot read it ({error.strerror or error})") from None
     except TraceError as error:
         raise TraceError(f"{path}: not a profiler trace: {error}") from None
     return out
@@ -174,10 +189,15 @@ def _events(s: _Stream, out: RawTrace, select: Select) -> None:
             raise TraceError("the event list is cut short (the file ends inside it)")
         event = s.value()
         out.total_events += 1
-        if isinstance(event, dict):
+        try:
+            if not isinstance(event, dict):
+                raise MalformedEvent("an event that is not a JSON object")
             kept = select(event)
-            if kept is not None:
-                out.events.append(kept)
+        except MalformedEvent as bad:
+            out.skipped[str(bad)] += 1
+            kept = None
+        if kept is not None:
+            out.events.append(kept)
         after = s.peek()
         if after == ",":
             s.pos += 1

@@ -29,53 +29,31 @@ real GPU run unchanged; host activity (runtime calls, CPU ops, annotations) beco
 from __future__ import annotations
 
 import bisect
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dbo.analysis.events import DEVICE_CATS, HOST_CATS, skipped_note
 from dbo.analysis.kernels import COMM_CLASS, class_of_sim_op, classify_kernel
 from dbo.analysis.reader import RawTrace, TraceError
 from dbo.sim.records import COMM, COMPUTE, HANDOFF, SYNC, OpRecord
 
 __all__ = [
-    "DEVICE_CATS",
+    "STEP_RANGE",
     "DeviceTimeline",
     "HostSpan",
     "HostThread",
     "Step",
     "build_timeline",
-    "slim_event",
+    "split_steps",
 ]
 
-DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
-_HOST_CATS = frozenset({"cuda_runtime", "cuda_driver", "cpu_op", "user_annotation"})
-_SIM_CATS = frozenset({"compute", "comm", "sync", "handoff", "graph-launch"})
 _SYNC_CALLS = re.compile(r"^(cudaDeviceSynchronize|cudaStreamSynchronize|cuCtxSynchronize)")
-_STEP_RANGE = re.compile(r"^ProfilerStep#(\d+)$")
+STEP_RANGE = re.compile(r"^ProfilerStep#(\d+)$")
 _UBATCH_SHARE = 0.1  # a launching thread with fewer launches than this share is not a ubatch's
-
-
-# The args each kind of profiler event keeps: what the reports read, nothing more (a kernel's
-# args carry a dozen fields, a CPU op's its input shapes).
-_DEVICE_ARGS = ("correlation", "stream", "grid", "block", "bytes")
-_CALL_ARGS = ("correlation",)
-
-
-def slim_event(event: dict[str, Any]) -> dict[str, Any] | None:
-    """The reader's `select`: the events any report reads, profiler events cut to the fields
-    read (flow arrows and the rest dropped); a dbo-sim trace's events whole."""
-    cat = event.get("cat")
-    if cat in _SIM_CATS or (isinstance(cat, str) and cat.startswith("range.")):
-        return event
-    if cat in DEVICE_CATS or cat in _HOST_CATS:
-        keep = _DEVICE_ARGS if cat in DEVICE_CATS else _CALL_ARGS if cat != "cpu_op" else ()
-        args = event.get("args") or {}
-        slim = {k: event[k] for k in ("ph", "cat", "name", "ts", "dur", "tid") if k in event}
-        slim["args"] = {k: args[k] for k in keep if k in args}
-        return slim
-    return event if event.get("ph") in ("M", "i") else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +62,7 @@ class HostSpan:
 
     thread: int
     name: str
-    cat: str  # "cuda_runtime", "cuda_driver", "cpu_op", "user_annotation", "sync"
+    cat: str  # "cuda_runtime", "cuda_driver", "cpu_op", "user_annotation", "sync", "step"
     start_us: float
     end_us: float
 
@@ -157,7 +135,11 @@ def build_timeline(raw: RawTrace) -> DeviceTimeline:
             f"{raw.path}: no GPU activity in this trace (a CPU-only profile?): profile with "
             f"ProfilerActivity.CUDA as well as CPU"
         )
-    origin = min(float(e["ts"]) for e in raw.events if e.get("ph", "X") == "X" and "ts" in e)
+    origin = min(
+        float(e["ts"])
+        for e in raw.events
+        if e.get("cat") in DEVICE_CATS | HOST_CATS and e.get("ph", "X") == "X"
+    )
     host = _host_spans(raw.events, origin)
     launches = _launches(raw.events)
     threads = _threads(raw.events, device, launches, origin)
@@ -165,11 +147,25 @@ def build_timeline(raw: RawTrace) -> DeviceTimeline:
     streams = _stream_roles(device, classes)
     records = _records(device, launches, threads, streams, origin, classes)
     steps = _steps(raw.events, records, host, origin)
-    props = raw.fields.get("deviceProperties")
-    name = props[0].get("name") if isinstance(props, list) and props else None
+    note = skipped_note(raw.skipped)
     return DeviceTimeline(
-        "torch.profiler", name, records, host, threads, streams, steps, raw.total_events
+        "torch.profiler",
+        _device_name(raw.fields.get("deviceProperties")),
+        records,
+        host,
+        threads,
+        streams,
+        steps,
+        raw.total_events,
+        [note] if note else [],
     )
+
+
+def _device_name(props: object) -> str | None:
+    """The first GPU's name in `deviceProperties`, when it has one."""
+    first = props[0] if isinstance(props, list) and props else None
+    name = first.get("name") if isinstance(first, dict) else None
+    return name if isinstance(name, str) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,10 +176,12 @@ def _host_spans(events: Iterable[dict[str, Any]], origin: float) -> list[HostSpa
     out = []
     for e in events:
         cat = e.get("cat")
-        if cat not in _HOST_CATS or e.get("ph", "X") != "X":
+        if cat not in HOST_CATS or e.get("ph", "X") != "X":
             continue
         start = float(e["ts"]) - origin
-        kind = "sync" if _SYNC_CALLS.match(str(e.get("name", ""))) else cat
+        name = str(e.get("name", ""))
+        # A ProfilerStep#N range is the profiler's mark, not work the thread did.
+        kind = "sync" if _SYNC_CALLS.match(name) else "step" if STEP_RANGE.match(name) else cat
         out.append(HostSpan(int(e["tid"]), str(e["name"]), kind, start, start + e.get("dur", 0)))
     out.sort(key=lambda h: (h.start_us, -h.end_us))
     return out
@@ -334,7 +332,7 @@ def _steps(
     marks = sorted(
         (float(e["ts"]) - origin, float(e["ts"]) - origin + e.get("dur", 0), int(m.group(1)))
         for e in events
-        if e.get("ph") == "X" and (m := _STEP_RANGE.match(str(e.get("name", ""))))
+        if e.get("ph") == "X" and (m := STEP_RANGE.match(str(e.get("name", ""))))
     )
     if marks:
         groups = [[r for r in records if lo <= r.issue_us < hi] for lo, hi, _ in marks]
@@ -371,7 +369,13 @@ def _from_sim(raw: RawTrace) -> DeviceTimeline:
     from dbo.sim.trace import runs_from_trace  # the simulator's own reader of its format
 
     trace = {"traceEvents": raw.events, "otherData": raw.fields.get("otherData", {})}
-    runs = runs_from_trace(trace)
+    try:
+        runs = runs_from_trace(trace)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        # The simulator's reader trusts its own format; a damaged file is refused whole.
+        raise TraceError(
+            f"{raw.path}: a damaged dbo-sim trace ({type(error).__name__}: {error})"
+        ) from None
     records: list[OpRecord] = []
     steps: list[Step] = []
     for run in runs:
@@ -395,6 +399,8 @@ def _from_sim(raw: RawTrace) -> DeviceTimeline:
         steps.append(Step(len(steps), label, start, end, frozenset(r.seq for r in own)))
     if not steps:
         raise TraceError(f"{raw.path}: a dbo-sim trace without device ops: nothing to analyze")
+    if not all(math.isfinite(r.issue_us + r.start_us + r.end_us) for r in records):
+        raise TraceError(f"{raw.path}: a damaged dbo-sim trace (a time that is not finite)")
     threads = _sim_threads(records)
     streams = {s: s for s in dict.fromkeys(r.stream for r in records if r.kind in (COMPUTE, COMM))}
     host = [
@@ -421,9 +427,12 @@ def split_steps(timeline: DeviceTimeline, count: int) -> list[Step]:
     without marking them: each launching thread's device ops, in launch order, are cut into
     `count` runs of equal length, and step k is every thread's k-th run (ops of no thread go
     with the step whose window holds their start)."""
-    if count < 1:
-        raise ValueError(f"a trace splits into at least 1 step, not {count}")
     device = [r for r in timeline.records if r.kind in (COMPUTE, COMM)]
+    if not 1 <= count <= len(device):  # also bounds the lists made below
+        raise ValueError(
+            f"cannot cut a trace of {len(device)} device op(s) into {count} steps; give 1 to "
+            f"{len(device)}"
+        )
     by_thread: dict[Any, list[OpRecord]] = {}
     for r in device:
         by_thread.setdefault(r.args.get("thread", r.ubatch), []).append(r)
@@ -436,8 +445,8 @@ def split_steps(timeline: DeviceTimeline, count: int) -> list[Step]:
     for k, group in enumerate(groups):
         if group:
             start = min(min(r.issue_us, r.start_us) for r in group)
-            if steps:  # launched while the GPU still ran the step before: starts at its end
-                start = max(start, steps[-1].end_us)
             end = max(r.end_us for r in group)
+            if steps:  # launched while the GPU still ran the step before: starts at its end
+                start = min(max(start, steps[-1].end_us), end)
             steps.append(Step(k, f"step {k}", start, end, frozenset(r.seq for r in group)))
     return steps

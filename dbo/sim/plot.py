@@ -108,11 +108,13 @@ def plot_timeline(
     races: Sequence[RaceReport] = (),
     window: Window | None = None,
     failure: tuple[float, str] | None = None,
+    clock: str = "virtual",
 ) -> Path:
     """Draw the timeline of `records` (one or many ranks) to a PNG at `path`; returns the path.
-    `failure` (time in us, label) marks where a failed step stopped."""
+    `failure` (time in us, label) marks where a failed step stopped; `clock` names the time
+    axis's clock ("virtual" for the simulator, the profiler's for a real trace)."""
     run = TraceRun(None, list(records), races)
-    return plot_runs(path, [run], title=title, window=window, failure=failure)
+    return plot_runs(path, [run], title=title, window=window, failure=failure, clock=clock)
 
 
 def plot_runs(
@@ -122,6 +124,7 @@ def plot_runs(
     title: str | None = None,
     window: Window | None = None,
     failure: tuple[float, str] | None = None,
+    clock: str = "virtual",
 ) -> Path:
     """Draw several runs (a serial and a DBO one) one above the other on one time axis, races
     marked on both of their ops, and `failure` (time in us, label) as a red line where a
@@ -158,7 +161,7 @@ def plot_runs(
     ax.set_yticklabels([_lane_label(lane) for lane in lanes])
     ax.set_ylim(len(lanes) - 0.5 if lanes else 0.5, -0.5)  # first lane on top
     ax.set_xlim(t0, t0 + span)
-    ax.set_xlabel("time (us, virtual)")
+    ax.set_xlabel(f"time (us, {clock})")
     ax.grid(axis="x", alpha=0.3)
     if not everything:
         ax.text(0.5, 0.5, "no ops", ha="center", va="center", transform=ax.transAxes)

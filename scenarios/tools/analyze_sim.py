@@ -12,22 +12,22 @@ traces), a `scenarios.model` preset, or a JSON file: `{"base": "gpu-check", "hid
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from dbo.analysis import StepReport, TraceReport
 from dbo.analysis.kernels import class_of_sim_op
 from dbo.sim import PROFILES, SimDevice
 from dbo.sim.records import COMM, COMPUTE, OpRecord
 from dbo.sim.summary import summarize
-from scenarios.model import ModelConfig, MoEModel
+from scenarios.model import MoEModel
+from scenarios.model_config import config_changes
+from scenarios.model_presets import torch_dtypes
 from scenarios.steps import prepare, serial_step, ubatched_step
 from scenarios.tools.gpu_check import CheckCase
 from scenarios.tools.profile import GPU_CHECK, config_names, plan_cases
+from scenarios.tools.usage import UsageError, read_json_file
 from workspace import reset_workspace_manager
 
 __all__ = ["Row", "SimRequest", "compare", "format_rows", "plan", "profile_for", "simulate"]
@@ -79,19 +79,16 @@ def profile_for(device_name: str | None, requested: str | None = None) -> str:
 
 def _overrides(path: Path) -> tuple[str, dict[str, Any]]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"--against-sim {path}: not a JSON configuration ({error})") from None
+        data = read_json_file(path, "--against-sim")
+    except UsageError as error:
+        raise ValueError(str(error)) from None
     if not isinstance(data, dict):
         raise ValueError(f"--against-sim {path}: expected a JSON object of ModelConfig fields")
     base = str(data.pop("base", GPU_CHECK))
-    known = {f.name for f in fields(ModelConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"--against-sim {path}: unknown ModelConfig fields {unknown}")
-    if isinstance(data.get("dtype"), str):
-        data["dtype"] = getattr(torch, data["dtype"])
-    return base, data
+    try:
+        return base, torch_dtypes(config_changes(data))
+    except ValueError as error:
+        raise ValueError(f"--against-sim {path}: {error}") from None
 
 
 def plan(request: SimRequest, layers: int | None) -> CheckCase:

@@ -133,11 +133,15 @@ def report(inputs: Any, answers: list[PhaseAnswer], points: list[PlanPoint], sho
            *, as_json: bool = False) -> str:  # fmt: skip
     """The printed answer: per phase the table, the answer, the gating, how skew moves it,
     then the engine flags."""
+    # The answer is the first EP size's under the first skew; the others show how it moves.
+    main = [a for a in answers if a.ep == inputs.eps[0] and a.skew == inputs.skews[0]]
     if as_json:
-        return json.dumps(
-            {"answers": [asdict(a) for a in answers], "points": [asdict(p) for p in points],
-             "flags": engine_flags(answers)}, indent=2,
-        )  # fmt: skip
+        document = {
+            "answers": [asdict(a) for a in answers],
+            "points": [asdict(p) for p in points],
+            "flags": engine_flags(main),
+        }
+        return json.dumps(document, indent=2, allow_nan=False)
     c, p = inputs.config, inputs.profile
     kernels = p.kernel_source
     lines = [
@@ -145,7 +149,6 @@ def report(inputs: Any, answers: list[PhaseAnswer], points: list[PlanPoint], sho
         f"({-(-inputs.eps[0] // inputs.gpus_per_node)} node(s) of {inputs.gpus_per_node}), "
         f"placement {inputs.placement}"
     ]
-    main = [a for a in answers if a.ep == inputs.eps[0] and a.skew == inputs.skews[0]]
     for a in main:
         mode = "LL kernels, CUDA graphs" if a.phase == "decode" else "normal kernels, eager"
         lines += ["", f"{a.phase} ({mode}), skew {a.skew}:"]

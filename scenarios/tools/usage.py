@@ -9,6 +9,7 @@ words without importing the CLI that imports it.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import tempfile
@@ -20,10 +21,13 @@ __all__ = [
     "EXIT_USAGE",
     "Interrupted",
     "MAX_TIMEOUT_S",
+    "finite_float",
     "UsageError",
     "int_in",
     "one_line",
     "positive_int",
+    "read_json_file",
+    "read_text_file",
     "timeout_seconds",
     "writable_dir",
     "writable_file",
@@ -92,6 +96,21 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
 
 positive_int = int_in(1)
 
+# A decimal number as people write one, ASCII only: float() also takes "nan", "inf", "1_0"
+# and other scripts' digits, none of which a command line means.
+_DECIMAL = re.compile(r"[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def finite_float(text: str, low: float, high: float, *, above_low: bool = False) -> float:
+    """`text` as a finite decimal in [low, high] (in (low, high] with `above_low`); ValueError
+    in the user's words otherwise."""
+    value = float(text) if _DECIMAL.fullmatch(text.strip()) else math.nan
+    low_ok = value > low if above_low else value >= low
+    if not (math.isfinite(value) and low_ok and value <= high):
+        side = "above" if above_low else "at least"
+        raise ValueError(f"expected a number {side} {low:g} and at most {high:g}, got {text!r}")
+    return value
+
 
 def timeout_seconds(text: str) -> float:
     """An argparse type: seconds, finite, above zero and at most a day."""
@@ -104,3 +123,34 @@ def timeout_seconds(text: str) -> float:
             f"expected seconds above 0 and at most {MAX_TIMEOUT_S:.0f}, got {text!r}"
         )
     return value
+
+
+MAX_JSON_BYTES = 64 << 20  # a configuration or histogram file; a larger one is not one
+
+
+def read_json_file(path: Path, flag: str) -> object:
+    """The JSON value in the file at `path`, or a `UsageError` in one line: no such file, too
+    large, not text, not JSON, or nested past Python's recursion limit (refused as such)."""
+    text = read_text_file(path, flag)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UsageError(
+            f"{flag} {path}: not JSON ({error.msg} at character {error.pos})"
+        ) from None
+    except RecursionError:
+        raise UsageError(f"{flag} {path}: JSON nested too deeply to be a configuration") from None
+
+
+def read_text_file(path: Path, flag: str, max_bytes: int = MAX_JSON_BYTES) -> str:
+    """The text of a small input file, or a `UsageError` saying why it cannot be read."""
+    try:
+        if not path.is_file():
+            raise UsageError(f"{flag} {path}: no such file")
+        if path.stat().st_size > max_bytes:
+            raise UsageError(f"{flag} {path}: larger than {max_bytes >> 20} MB; not an input file")
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {path}: not a UTF-8 text file") from None
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot read it ({error.strerror})") from None

@@ -17,7 +17,7 @@ from scenarios.tools.plan_output import PhaseAnswer, engine_flags
     [
         (["--preset", "gpt-9"], "unknown preset 'gpt-9'"),
         (["--ep", "72"], "--ep 72 does not divide the 256 experts"),
-        (["--skew", "zipf:x"], "unknown skew 'zipf:x'"),
+        (["--skew", "zipf:x"], "--skew 'zipf:x': expected a number"),
         (["--ubatches", "5"], "--ubatches '5'"),
         (["--profile", "h999"], "unknown hardware profile"),
     ],
