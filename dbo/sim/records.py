@@ -69,6 +69,9 @@ class OpSite:
     is_write: bool
     stack: tuple[str, ...]  # short user stack, innermost last ("file:line:function")
     argument: str = ""  # the op's argument(s) the access went through, or "output"
+    # The plain switch (no wait) that put the issuing thread on `stream`, when it still stood
+    # on one: "dbo_switch_to_comm() at file:line:function" (`dbo.switch_notes`).
+    switched_at: str = ""
 
     def line(self) -> str:
         rw = "writes" if self.is_write else "reads"
