@@ -7,8 +7,8 @@ the yield itself made the simulated baton pass markedly slower than the runtime'
 the ring's critical path, and two objects per pass that the garbage collector tracks, which
 the timeline keeps, growing the oldest generation until a full collection sweeps the whole
 process. The model is unchanged: a host record (a baton pass, a graph launch, a host sync) is
-noted as numbers in typed arrays, no object per record, and `read` makes the same records, at
-their issue positions, when someone reads the timeline.
+noted as one tuple of numbers and shared strings, which the collector soon stops tracking, and
+`read` makes the same records, at their issue positions, when someone reads the timeline.
 """
 
 from __future__ import annotations
@@ -16,32 +16,25 @@ from __future__ import annotations
 import bisect
 import heapq
 import threading
-from array import array
 from typing import Any
 
 from dbo.sim.records import OpRecord
 
 __all__ = ["RecordLog"]
 
-_NO_UBATCH = -1  # a record made outside any ubatch (an int array has no None)
-
 
 class RecordLog:
     """One device's records since its last reset: placed ops as records, host-track records
-    as columns (seq, name, ubatch, start, end, replayed, what it waited on) until `read`."""
+    as plain tuples until `read`."""
 
     def __init__(self, rank: int, lock: threading.RLock, *, keep: bool = True) -> None:
         self._rank = rank
         self._lock = lock  # the device's: records are added under it
         self._keep = keep  # False: nothing is kept (a device made with record_timeline=False)
         self._records: list[OpRecord] = []
-        self._seq = array("q")
-        self._ubatch = array("q")
-        self._start = array("d")
-        self._end = array("d")
-        self._replayed = array("b")
-        self._names: list[tuple[str, str]] = []  # (name, kind): a few shared strings
-        self._on: list[str] = []  # a host sync's "on" ("" for the others)
+        # (seq, name, kind, ubatch, start, end, replayed, on): numbers and shared strings only,
+        # so the collector stops tracking each tuple at its first pass and never promotes it.
+        self._host: list[tuple] = []
 
     def append(self, record: OpRecord) -> None:
         if self._keep:
@@ -50,23 +43,16 @@ class RecordLog:
     def note_host(
         self, name: str, kind: str, seq: int, state: Any, start: float, end: float, on: str
     ) -> None:
-        """A host-track record of the thread whose `state` (a ThreadState) is given."""
-        if not self._keep:
-            return
-        ubatch = state.ubatch
-        self._seq.append(seq)
-        self._ubatch.append(_NO_UBATCH if ubatch is None else ubatch)
-        self._start.append(start)
-        self._end.append(end)
-        self._replayed.append(state.replaying)
-        self._names.append((name, kind))
-        self._on.append(on)
+        """A host-track record of the thread whose `state` (a ThreadState) is given; `on`:
+        what a host sync waited on ("" for the others)."""
+        if self._keep:
+            self._host.append((seq, name, kind, state.ubatch, start, end, state.replaying, on))
 
     def read(self) -> list[OpRecord]:
         """Every record in issue order: the noted host records made and merged in, in place
         (one list for the log's life, so holders of it see them), then forgotten."""
         with self._lock:
-            if self._seq:
+            if self._host:
                 self._merge_host_records()
             return self._records
 
@@ -77,31 +63,20 @@ class RecordLog:
                 name=name,
                 kind=kind,
                 rank=self._rank,
+                ubatch=ubatch,
                 stream="host",
                 issue_us=start,
-                ubatch=None if ubatch == _NO_UBATCH else ubatch,
                 start_us=start,
                 end_us=end,
-                replayed=bool(replayed),
+                replayed=replayed,
                 args={"on": on} if on else {},
             )
-            for seq, (name, kind), ubatch, start, end, replayed, on in zip(
-                self._seq,
-                self._names,
-                self._ubatch,
-                self._start,
-                self._end,
-                self._replayed,
-                self._on,
-            )
+            for seq, name, kind, ubatch, start, end, replayed, on in self._host
         ]
+        self._host.clear()
         # Only the records placed since the first noted one interleave with them.
         first = bisect.bisect_left(self._records, made[0].seq, key=_seq)
         self._records[first:] = heapq.merge(self._records[first:], made, key=_seq)
-        for column in (self._seq, self._ubatch, self._start, self._end, self._replayed):
-            del column[:]
-        self._names.clear()
-        self._on.clear()
 
 
 def _seq(record: OpRecord) -> int:
