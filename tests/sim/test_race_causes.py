@@ -121,3 +121,12 @@ def test_an_ordered_switch_clears_the_plain_switch_note(device):
     plain, cleared = dbo.run_ubatches(fn, [False, True], device=device, timeout=20)
     assert plain.call == "dbo_switch_to_comm" and plain.stream == "comm"
     assert cleared is None
+
+
+@pytest.mark.timeout(30)
+def test_a_race_report_in_full_names_the_plain_switch_first():
+    lines: list[int] = []
+    report = dbo.verify(_forward_with_a_plain_switch(lines), torch.randn(8, 4))
+    text = str(report.races[0]).splitlines()
+    assert text[1].startswith(f"  Origin: dbo_switch_to_comm() at test_race_causes.py:{lines[0]}:")
+    assert "origin: dbo_switch_to_comm()" in report.races[0].describe()
