@@ -39,6 +39,14 @@ class RaceCause:
         return sorted(found, key=lambda u: -1 if u is None else u)
 
     @property
+    def origin(self) -> str | None:
+        """Where the missing wait belongs, when the later op's thread moved onto its stream
+        with a plain switch (`dbo.switch_notes`): "dbo_switch_to_comm() at file:line:fn"."""
+        if self.reused_after_free or not self.second.switched_at:
+            return None
+        return self.second.switched_at
+
+    @property
     def missing(self) -> str:
         """The ordering edge that is missing, in words."""
         if self.reused_after_free:
@@ -52,6 +60,13 @@ class RaceCause:
     def fix(self) -> str:
         """What to add to order the pair."""
         first, second = self.first, self.second
+        if self.origin is not None:
+            call = self.origin.split("(", 1)[0]
+            return (
+                f"make {call}() there {call}_sync(): it records an event on the stream it "
+                f"leaves and makes stream {second.stream!r} wait on it, so {second.op} is "
+                f"ordered after {first.op}"
+            )
         if self.reused_after_free:
             where = f" allocated at {self.freed_at}" if self.freed_at else ""
             return (
@@ -74,15 +89,18 @@ class RaceCause:
         return text
 
     def describe(self) -> str:
-        """Three lines: the op pair, the missing edge, the fix."""
-        return "\n".join(
-            [
-                f"{self.ranges} byte range(s), {self.nbytes} bytes, {_ubatches(self.ubatches)}: "
-                f"{_site(self.first)} and {_site(self.second)}",
-                f"  missing: {self.missing}",
-                f"  fix:     {self.fix}",
-            ]
-        )
+        """The op pair, then the origin (the plain switch, when there was one), the missing
+        edge and the fix."""
+        lines = [
+            f"{self.ranges} byte range(s), {self.nbytes} bytes, {_ubatches(self.ubatches)}: "
+            f"{_site(self.first)} and {_site(self.second)}",
+        ]
+        if self.origin is not None:
+            lines.append(
+                f"  origin:  {self.origin} moved onto stream {self.second.stream!r} without a wait"
+            )
+        lines += [f"  missing: {self.missing}", f"  fix:     {self.fix}"]
+        return "\n".join(lines)
 
 
 def _ubatches(ubatches: list[int | None]) -> str:

@@ -13,6 +13,7 @@ from dbo.checks import as_int
 from dbo.errors import ReadyBarrierBroken, StepAborted
 from dbo.frames import register_runtime_file
 from dbo.streams import Device, Event, Stream
+from dbo.switch_notes import note_switch
 from dbo.ubatch_step import (
     ABORTED,
     FAILED,
@@ -22,6 +23,7 @@ from dbo.ubatch_step import (
     CpuSignal,
     UBatchStep,
     note_yield,
+    plain_switch,
 )
 
 # The contexts' methods (the yield and switch calls) sit on every ubatch's stack: race reports
@@ -167,6 +169,7 @@ class UBatchContext:
     def update_stream(self, stream: Stream) -> None:
         """Make `stream` the calling thread's current stream. Records nothing, no wait, no
         baton: ordering against the other stream is the caller's business."""
+        note_switch(None)  # the callers that leave the stream unordered note it afterwards
         self.current_stream = stream
         if self.device.current_stream() is not stream:
             self.device.set_stream(stream)
@@ -188,11 +191,14 @@ class UBatchContext:
         baton: comm work issued next is NOT ordered after this ubatch's compute work (use
         `switch_to_comm_sync` when it reads what compute wrote)."""
         self.update_stream(self.comm_stream)
+        note_switch(plain_switch(self.comm_stream.name, sys._getframe(1), "switch_to_comm"))
 
     def switch_to_compute(self) -> None:
         """Leave the thread on the compute stream. Records nothing, waits for nothing, keeps
         the baton: compute work issued next is NOT ordered after this ubatch's comm work."""
         self.update_stream(self.compute_stream)
+        site = plain_switch(self.compute_stream.name, sys._getframe(1), "switch_to_compute")
+        note_switch(site)
 
     def switch_to_comm_sync(self) -> None:
         """Record this ubatch's compute-done event on the compute stream, leave the thread on

@@ -7,11 +7,12 @@ import gc
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dbo import ubatch_registry as registry
 from dbo.errors import UBatchError, YieldMismatchError, describe_error
+from dbo.switch_notes import PlainSwitch
 
 __all__ = [
     "CpuSignal",
@@ -25,6 +26,7 @@ __all__ = [
     "ABORTED",
     "as_ubatch_error",
     "note_yield",
+    "plain_switch",
 ]
 
 # The modules whose frames sit between a parked thread's lock wait and the user's call of a
@@ -33,6 +35,7 @@ _HERE = os.path.dirname(__file__)  # as co_filename spells it
 _BATON_FILES = frozenset(
     os.path.join(_HERE, name) for name in ("ubatching.py", "ubatch_context.py")
 )
+_HELPERS_FILE = os.path.join(_HERE, "ubatching.py")
 
 
 class CpuSignal:
@@ -88,10 +91,15 @@ class UBatchState:
     # sys._current_frames(), so the yield path formats no stack (a stack capture per yield
     # measurably slowed every handoff).
     thread_ident: int | None = None
-    # Where the ubatch last yielded (code, line), so a report can place a ubatch that has
-    # finished; reading two frame attributes costs far less than formatting a stack.
-    last_yield: tuple[Any, int] | None = None
+    # Where the ubatch yielded, each time (code, line): a mismatch report names the extra
+    # yield and places a ubatch that has finished. Two frame attribute reads and a list append
+    # per yield cost far less than formatting a stack.
+    yield_sites: list[tuple[Any, int]] = field(default_factory=list)
     thread: threading.Thread | None = None
+
+    @property
+    def last_yield(self) -> tuple[Any, int] | None:
+        return self.yield_sites[-1] if self.yield_sites else None
 
 
 class UBatchStep:
@@ -170,21 +178,36 @@ class UBatchStep:
             if state.status in (PARKED, RUNNING) and frame is not None:
                 where = f" at {_frame_site(_user_frame(frame))}"
             elif state.last_yield is not None:
-                code, line = state.last_yield
-                where = (
-                    f", last yield at {code.co_filename.rsplit('/', 1)[-1]}:{line}:{code.co_name}"
-                )
+                where = f", last yield at {_site_text(state.last_yield)}"
             lines.append(f"  ubatch {i}: {state.yields} yield(s), {state.status}{where}")
         return "\n".join(lines)
 
     def yield_counts(self) -> list[int]:
         return [state.yields for state in self.states]
 
+    def extra_yield(self) -> str:
+        """The yield that makes the counts differ, in words: of the ubatch that yielded most,
+        the first yield with no counterpart at the same place in the one that yielded least
+        (the mismatch is noticed later, where the ring runs out of partners)."""
+        sites = [state.yield_sites for state in self.states]
+        most = max(range(self.num_ubatches), key=lambda i: len(sites[i]))
+        least = min(range(self.num_ubatches), key=lambda i: len(sites[i]))
+        mine, theirs = sites[most], sites[least]
+        k = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(theirs))
+        if k >= len(mine):
+            return "no ubatch yielded more than another"
+        where = f"the extra yield is ubatch {most}'s yield {k + 1} at {_site_text(mine[k])}"
+        if k < len(theirs):
+            return f"{where} (ubatch {least}'s yield {k + 1} is at {_site_text(theirs[k])})"
+        return f"{where} (ubatch {least} yielded {len(theirs)} time(s))"
+
     def mismatch(self, reason: str) -> YieldMismatchError:
-        """The error for a yield-count mismatch the ring detected (`reason`: how)."""
+        """The error for a yield-count mismatch the ring detected (`reason`: how), naming
+        the extra yield first."""
         error = YieldMismatchError(
-            f"ubatches yielded a different number of times ({reason}); every ubatch must "
-            f"yield the same number of times per step, or the ring hangs:\n{self.describe()}",
+            f"ubatches yielded a different number of times: {self.extra_yield()}; noticed when "
+            f"{reason}. Every ubatch must yield the same number of times per step, or the ring "
+            f"hangs:\n{self.describe()}",
             yield_counts=self.yield_counts(),
         )
         self._detected.append(error)
@@ -226,6 +249,11 @@ def _current_frames() -> dict[int, Any]:
             gc.enable()
 
 
+def _site_text(site: tuple[Any, int]) -> str:
+    code, line = site
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{line}:{code.co_name}"
+
+
 def _frame_site(frame: Any) -> str:
     code = frame.f_code
     return f"{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}:{code.co_name}"
@@ -250,7 +278,18 @@ def note_yield(state: UBatchState, frame: Any) -> None:
     machinery (two attribute reads, no stack formatting)."""
     while frame.f_back is not None and frame.f_code.co_filename in _BATON_FILES:
         frame = frame.f_back
-    state.last_yield = (frame.f_code, frame.f_lineno)
+    state.yield_sites.append((frame.f_code, frame.f_lineno))
+
+
+def plain_switch(stream: str, frame: Any, method: str) -> PlainSwitch:
+    """The note a plain switch onto `stream` leaves: the helper the user called (`method` of
+    the context when they called it directly) and where, from `frame` (its caller) outward."""
+    call = method
+    while frame.f_back is not None and frame.f_code.co_filename in _BATON_FILES:
+        if frame.f_code.co_filename == _HELPERS_FILE:
+            call = f"dbo_{method}"  # through its dbo_* helper (whose code is one for all)
+        frame = frame.f_back
+    return PlainSwitch(stream, call, _frame_site(frame))
 
 
 def as_ubatch_error(ubatch_id: int, error: BaseException, num_ubatches: int) -> UBatchError:

@@ -15,10 +15,9 @@ returns False costs the host a driver call, so a polling loop moves the host clo
 `issue` is the one path of an executed kernel (the dispatch mode in `dbo.sim.intercept` hands
 it over): its accesses parsed, priced, placed or folded into the thread's comm region, checked
 by the race checker, recorded into the graph being captured. `place_op` is the placement
-itself, shared with `comm_region` and graph replay (`dbo.sim.graph`).
-
-Communication regions are placed as `dbo.sim.regions` plans them (one SM-holding op, a send
-and a transfer, or a one-rank group's own ops as a full-grid kernel).
+itself, shared with `comm_region` and graph replay (`dbo.sim.graph`); comm regions are placed
+as `dbo.sim.regions` plans them (one SM-holding op, a send and a transfer, or a one-rank
+group's own ops as a full-grid kernel). The records go to a `dbo.sim.record_log.RecordLog`.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from dbo.sim.intercept import enter_modes
 from dbo.sim.options import check_knobs, profile_with, tensor_device_of
 from dbo.sim.races import MAX_REPORTS, RaceChecker, RaceError, RaceReport, user_stack
 from dbo.sim.ranges import HostRanges, device_scope
+from dbo.sim.record_log import RecordLog
 from dbo.sim.records import (
     COMM,
     COMPUTE,
@@ -127,7 +127,7 @@ class SimDevice(Device):
     def _start_reports(self) -> None:
         """Nothing placed, nothing reported (a new measurement)."""
         self._seq = 0
-        self.timeline: list[OpRecord] = []
+        self._records = RecordLog(self.rank, self._lock, keep=self.record_timeline)
         self.races: list[RaceReport] = []
         # For the reports only (flow arrows, named host ranges); cleared by reset().
         self.event_waits: list[EventWait] = []
@@ -226,6 +226,11 @@ class SimDevice(Device):
         with self._lock:
             return self._clock.frontier_us
 
+    @property
+    def timeline(self) -> list[OpRecord]:
+        """Every record since the last reset, in issue order (`dbo.sim.record_log`)."""
+        return self._records.read()
+
     def mark(self) -> SimMark:
         with self._lock:
             return SimMark(len(self.timeline), self._clock.host_us, self._clock.frontier_us)
@@ -295,8 +300,7 @@ class SimDevice(Device):
 
     def _append(self, record: OpRecord) -> OpRecord:
         self._seq += 1
-        if self.record_timeline:
-            self.timeline.append(record)
+        self._records.append(record)
         return record
 
     def place_op(
@@ -403,14 +407,10 @@ class SimDevice(Device):
             wait = EventWait(self.rank, ubatch, on, event.time_us or 0.0, track.name, self._seq)
             self.event_waits.append(wait)
 
-    def _host_record(self, name: str, kind: str, start: float, end: float, **args: Any) -> None:
-        """A host-side record (a sync, a baton pass, a graph launch), drawn on the host track."""
-        state = self.thread_state()
-        self._append(OpRecord(
-            seq=self._seq, name=name, kind=kind, rank=self.rank, ubatch=state.ubatch,
-            stream="host", issue_us=start, start_us=start, end_us=end,
-            replayed=state.replaying, args=args,
-        ))  # fmt: skip
+    def _host_record(self, name: str, kind: str, start: float, end: float, on: str = "") -> None:
+        """A host-track record (sync, baton pass, graph launch), made when the timeline is read."""
+        self._records.note_host(name, kind, self._seq, self.thread_state(), start, end, on)
+        self._seq += 1
 
     def _host_wait(self, until_us: float, vc: Sequence[int], what: str) -> None:
         """The host blocks until `until_us`; what it waited for is ordered before later

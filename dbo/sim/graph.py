@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dbo.sim.calls import CapturedCall, OpModes, rerun_op
 from dbo.sim.records import Access, OpRecord
 from dbo.sim.state import CommRegion, SimDeviceProtocol
 from dbo.streams import Event, GraphCapture, Stream
@@ -51,7 +52,8 @@ class GraphOp:
     """One captured kernel: the op overload and the very tensors it ran on (`out` is the
     tensor captured as its output, which a replay writes), where it ran and what it cost.
     `reads`/`writes` are its accesses as the race checker parsed them; `trace_args` the
-    record's args (shapes, dtype, cost source, slowdowns) at capture."""
+    record's args (shapes, dtype, cost source, slowdowns) at capture; `modes` the autograd
+    modes it ran under, which a re-execution restores."""
 
     func: Any
     args: tuple
@@ -66,6 +68,7 @@ class GraphOp:
     reads: list[Access]
     writes: list[Access]
     trace_args: dict
+    modes: OpModes
 
 
 @dataclass
@@ -87,12 +90,12 @@ class GraphEventWait:
 @dataclass
 class GraphComm:
     """A captured comm region: the region as it was placed, the event marking its data
-    usable, its ubatch, and the torch ops of its block as (func, args, kwargs, out)."""
+    usable, its ubatch, and the torch calls of its block."""
 
     region: CommRegion
     event: Event
     ubatch: int | None
-    ops: list[tuple[Any, tuple, dict, Any]] = field(default_factory=list)
+    ops: list[CapturedCall] = field(default_factory=list)
 
 
 # What `SimGraph.items` holds, in issue order.
@@ -107,18 +110,6 @@ def _tensor_list(values: Iterable[Any]) -> list[torch.Tensor]:
         elif isinstance(v, (list, tuple)):
             found.extend(w for w in v if isinstance(w, torch.Tensor))
     return found
-
-
-def rerun_op(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """Recompute one op and leave its result in the tensors captured as its output."""
-    new = func(*args, **kwargs)
-    if isinstance(out, torch.Tensor):
-        if new is not out:
-            out.copy_(new)
-    elif isinstance(out, (list, tuple)):
-        for old, fresh in zip(out, new):
-            if isinstance(old, torch.Tensor) and fresh is not old:
-                old.copy_(fresh)
 
 
 class BufferOwners:
@@ -192,6 +183,7 @@ class SimGraph(GraphCapture):
                 list(reads),
                 list(writes),
                 dict(record.args),
+                OpModes.current(),  # this thread's: on_op runs where the op ran
             )  # fmt: skip
         )
 
@@ -232,8 +224,8 @@ class SimGraph(GraphCapture):
                     f"comm::{item.region.kind} (ubatch {item.ubatch}, stream "
                     f"{item.region.stream.name!r})"
                 )
-                for _func, args, kwargs, out in item.ops:
-                    add(_tensor_list((*args, *kwargs.values(), out)), where)
+                for call in item.ops:
+                    add(_tensor_list((*call.args, *call.kwargs.values(), call.out)), where)
         return pointers
 
     # ------------------------------------------------------------------------------ replay
@@ -269,7 +261,7 @@ class SimGraph(GraphCapture):
         try:
             for item in self.items:
                 if isinstance(item, GraphOp):
-                    rerun_op(item.func, item.args, item.kwargs, item.out)
+                    rerun_op(item.func, item.args, item.kwargs, item.out, item.modes)
                     device.place_op(
                         item.name, item.cost_us, stream=item.stream, flops=item.flops,
                         nbytes=item.nbytes, reads=item.reads, writes=item.writes,
@@ -280,8 +272,8 @@ class SimGraph(GraphCapture):
                 elif isinstance(item, GraphEventWait):
                     item.stream.wait_event(item.event)
                 else:
-                    for func, args, kwargs, out in item.ops:
-                        rerun_op(func, args, kwargs, out)
+                    for call in item.ops:
+                        call.rerun()
                     tls.ubatches.append(item.ubatch)
                     try:
                         device.place_comm(item.region, item.event)

@@ -47,6 +47,7 @@ from dbo.sim.footprints import Dims, canonical_footprint, footprint, footprints_
 from dbo.sim.records import Access, OpRecord, OpSite, RaceReport
 from dbo.sim.stacks import format_stack, user_stack
 from dbo.sim.state import Track
+from dbo.switch_notes import last_plain_switch
 
 __all__ = [
     "MAX_REPORTS",
@@ -518,6 +519,7 @@ class RaceChecker:
             is_write=access.is_write,
             stack=format_stack(stack),
             argument=access.argument,
+            switched_at=_switched_at(record.stream),
         )
         report = RaceReport(
             storage=access.storage,
@@ -542,3 +544,10 @@ def _on_death(dead: list, rec: _Storage) -> None:
 
 def _rounded(nbytes: int) -> int:
     return -(-max(nbytes, 1) // ALLOC_ROUND) * ALLOC_ROUND
+
+
+def _switched_at(stream: str) -> str:
+    """The plain switch onto `stream` the issuing thread still stands on (it issues the later
+    access of the race, so its note is the one that matters), or ""."""
+    switch = last_plain_switch()
+    return switch.describe() if switch is not None and switch.stream == stream else ""

@@ -69,6 +69,9 @@ class OpSite:
     is_write: bool
     stack: tuple[str, ...]  # short user stack, innermost last ("file:line:function")
     argument: str = ""  # the op's argument(s) the access went through, or "output"
+    # The plain switch (no wait) that put the issuing thread on `stream`, when it still stood
+    # on one: "dbo_switch_to_comm() at file:line:function" (`dbo.switch_notes`).
+    switched_at: str = ""
 
     def line(self) -> str:
         rw = "writes" if self.is_write else "reads"
@@ -97,16 +100,23 @@ class RaceReport:
             return f"{s.line()} at {s.stack[-1] if s.stack else '?'}"
 
         reuse = " (memory reused after free)" if self.freed_allocation is not None else ""
+        origin = f" (origin: {self.second.switched_at})" if self.second.switched_at else ""
         return (
             f"race on storage {self.storage:#x}{reuse}: {site(self.first)} is not ordered "
-            f"before {site(self.second)}"
+            f"before {site(self.second)}{origin}"
         )
 
     def __str__(self) -> str:
         def stack(frames: tuple[str, ...] | None) -> list[str]:
             return [f"    {f}" for f in frames] if frames else ["    (no user frame)"]
 
-        lines = [f"Race on storage {self.storage:#x}:", f"  {self.second.line()}"]
+        lines = [f"Race on storage {self.storage:#x}:"]
+        if self.second.switched_at:
+            lines.append(
+                f"  Origin: {self.second.switched_at} moved onto stream "
+                f"{self.second.stream!r} without a wait (its *_sync twin waits)."
+            )
+        lines.append(f"  {self.second.line()}")
         lines += stack(self.second.stack)
         lines.append(f"  is not ordered after {self.first.line()}")
         lines += stack(self.first.stack)

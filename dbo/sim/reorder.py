@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from dbo.sim.graph import GraphComm, GraphEventRecord, GraphEventWait, GraphOp, SimGraph, rerun_op
+from dbo.sim.calls import CapturedCall
+from dbo.sim.graph import GraphComm, GraphEventRecord, GraphEventWait, GraphOp, SimGraph
 from dbo.sim.records import Access, RaceReport
 from dbo.sim.regions import region_ops
 
@@ -61,10 +62,13 @@ class ReorderOutcome:
     mismatch: str | None = None  # set by the caller that compares the two values
     max_abs_diff: float | None = None
     skipped: str | None = None  # why the re-execution did not run (then nothing else is set)
+    # Ops the adversarial order fed values they could not take: each raised, or produced
+    # another data-dependent shape than in issue order (the captured shape is kept).
+    faults: list[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
-        return bool(self.changes) or self.mismatch is not None
+        return bool(self.changes) or self.mismatch is not None or bool(self.faults)
 
     def describe(self) -> str:
         if self.skipped is not None:
@@ -82,6 +86,9 @@ class ReorderOutcome:
         lines = [f"{head}: the race changes values"]
         if self.mismatch:
             lines.append(f"  outputs: {self.mismatch}")
+        lines.extend(f"  {fault}" for fault in self.faults[:5])
+        if len(self.faults) > 5:
+            lines.append(f"  ... and {len(self.faults) - 5} more op(s) that failed")
         for change in self.changes[:5]:
             lines.append(
                 f"  memory written by {change.written_by}: {change.bytes_differ} of "
@@ -99,6 +106,7 @@ class ReorderOutcome:
             "mismatch": self.mismatch,
             "max_abs_diff": self.max_abs_diff,
             "skipped": self.skipped,
+            "faults": list(self.faults),
             "storages_changed": [dict(c.__dict__) for c in self.changes],
             "summary": self.describe().splitlines()[0],
         }
@@ -114,9 +122,12 @@ class _Task:
     queue: Any
     ubatch: int | None
     accesses: list[Access]
-    run: Callable[[], None] | None
+    calls: tuple[CapturedCall, ...] = ()  # the torch calls it re-runs (a comm task: its block's)
     deps: set[int] = field(default_factory=set)
-    kernels: tuple[str, ...] = ()  # the torch ops a comm task's region ran
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return tuple(call.func._schema.name for call in self.calls)
 
 
 def _comm_tasks(graph: SimGraph, item: GraphComm, start: int) -> list[_Task]:
@@ -126,13 +137,6 @@ def _comm_tasks(graph: SimGraph, item: GraphComm, start: int) -> list[_Task]:
     region = item.region
     device = graph.device
     placed = region_ops(device.profile, region, device.ht_rdma_share, True, device.ht_nvl_share)
-    ops = list(item.ops)
-    kernels = tuple(func._schema.name for func, *_ in ops)
-
-    def run() -> None:
-        for func, args, kwargs, out in ops:
-            rerun_op(func, args, kwargs, out)
-
     tasks = []
     for k, op in enumerate(placed):
         last = k == len(placed) - 1
@@ -143,8 +147,7 @@ def _comm_tasks(graph: SimGraph, item: GraphComm, start: int) -> list[_Task]:
                 _LINK if op.on_link else region.stream,
                 item.ubatch,
                 [*op.reads, *op.writes],
-                run if last else None,
-                kernels=kernels if last else (),
+                tuple(item.ops) if last else (),
             )  # fmt: skip
         )
         if k:
@@ -162,18 +165,16 @@ def _tasks(graph: SimGraph) -> list[_Task]:
         i = len(tasks)
         if isinstance(item, GraphOp):
             op = item
-            new = [
-                _Task(i, op.name, op.stream, op.ubatch, [*op.reads, *op.writes],
-                      lambda op=op: rerun_op(op.func, op.args, op.kwargs, op.out))
-            ]  # fmt: skip
+            call = CapturedCall(op.func, op.args, op.kwargs, op.out, op.modes)
+            new = [_Task(i, op.name, op.stream, op.ubatch, [*op.reads, *op.writes], (call,))]
         elif isinstance(item, GraphComm):
             new = _comm_tasks(graph, item, i)
             last_record[id(item.event)] = new[-1].index
         elif isinstance(item, GraphEventRecord):
-            new = [_Task(i, "record", item.stream, None, [], None)]
+            new = [_Task(i, "record", item.stream, None, [])]
             last_record[id(item.event)] = i
         elif isinstance(item, GraphEventWait):
-            new = [_Task(i, "wait", item.stream, None, [], None)]
+            new = [_Task(i, "wait", item.stream, None, [])]
             if id(item.event) in last_record:
                 new[0].deps.add(last_record[id(item.event)])
         else:
@@ -282,8 +283,8 @@ def _storages(graph: SimGraph) -> tuple[dict[int, torch.UntypedStorage], dict[in
         if isinstance(item, GraphOp):
             add((*item.args, *item.kwargs.values(), item.out))
         elif isinstance(item, GraphComm):
-            for _func, args, kwargs, out in item.ops:
-                add((*args, *kwargs.values(), out))
+            for call in item.ops:
+                add((*call.args, *call.kwargs.values(), call.out))
     return found, alias
 
 
@@ -322,14 +323,53 @@ def _first_writes(tasks: list[_Task], alias: dict[int, int]) -> tuple[set[int], 
     return {s for s, w in first.items() if w}, writer
 
 
-def _execute(order: list[_Task], start: dict[int, torch.UntypedStorage], storages: dict) -> None:
+def _execute(
+    order: list[_Task],
+    start: dict[int, torch.UntypedStorage],
+    storages: dict,
+    faults: list[str] | None = None,
+) -> None:
+    """Run `order` from the memory `start`. With `faults` (the adversarial order), an op that
+    raises or whose data-dependent output changes shape is noted there and the rest run on:
+    on a GPU a race feeds an op whatever its memory holds. Without, those raise."""
     for key, saved in start.items():
         storages[key].copy_(saved)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         for task in order:
-            if task.run is not None:
-                task.run()
+            for call in task.calls:
+                if faults is None:
+                    call.rerun()
+                else:
+                    _rerun_noting(call, task, faults)
+
+
+def _rerun_noting(call: CapturedCall, task: _Task, faults: list[str]) -> None:
+    name = call.func._schema.name
+    where = name if name == task.name else f"{name} in {task.name}"
+    where += f" (ubatch {task.ubatch}, stream {_stream_name(task.queue)!r})"
+    try:
+        call.rerun(lambda captured, fresh: _fit(captured, fresh, where, faults))
+    except Exception as error:  # noqa: BLE001 - a finding: what the race made the op do
+        faults.append(f"{where} raised {type(error).__name__}: {_first_line(error)}")
+
+
+def _fit(captured: torch.Tensor, fresh: torch.Tensor, where: str, faults: list[str]) -> None:
+    """Keep the captured shape (later ops hold that tensor): the block both shapes share is
+    copied and the rest poisoned, so what the changed shape left out or added shows."""
+    faults.append(
+        f"{where} gave shape {tuple(fresh.shape)} where issue order gave {tuple(captured.shape)}"
+    )
+    poison = torch.full((captured.element_size(),), _POISON, dtype=torch.uint8)
+    captured.fill_(poison.view(captured.dtype)[0])
+    if captured.dim() == fresh.dim() and captured.dtype == fresh.dtype:
+        block = tuple(slice(0, min(a, b)) for a, b in zip(captured.shape, fresh.shape))
+        captured[block].copy_(fresh[block])
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 def run_adversarially(
@@ -337,7 +377,9 @@ def run_adversarially(
 ) -> ReorderOutcome:
     """Capture `step()` on `device` (a SimDevice computing on real tensors) and re-execute it
     in issue order and in the adversarial order from the same memory; `read(value)` (value:
-    what `step` returned) takes what to compare after each. Errors of `step` propagate."""
+    what `step` returned) takes what to compare after each. Errors of `step` propagate; a
+    re-execution in issue order that fails (it should reproduce the capture) comes back as
+    `skipped`, saying why."""
     races_before = len(device.races)
     with device.graph() as graph:
         value = step()
@@ -354,16 +396,25 @@ def run_adversarially(
         start[key] = saved.clone().fill_(_POISON) if key in poisoned else saved
     read = read or (lambda v: None)
     with device.suspended():
-        _execute(tasks, start, storages)
-        issue_value = read(value)
-        issue_bytes = {k: st.clone() for k, st in storages.items() if k in writer}
-        order = _adversarial_order(tasks, _held_back(tasks, first, alias))
-        _execute(order, start, storages)
-        adversarial_value = read(value)
-        changes = _changes(issue_bytes, storages, writer)
-        for key, saved in captured.items():  # the step's memory as the captured run left it
-            storages[key].copy_(saved)
-    return ReorderOutcome(_moved(order), len(races), changes, issue_value, adversarial_value)
+        try:
+            try:
+                _execute(tasks, start, storages)
+            except Exception as error:  # noqa: BLE001 - reported: the order cannot be compared
+                why = f"re-executing it in issue order raised {type(error).__name__}: "
+                return ReorderOutcome(0, len(races), [], skipped=why + _first_line(error))
+            issue_value = read(value)
+            issue_bytes = {k: st.clone() for k, st in storages.items() if k in writer}
+            order = _adversarial_order(tasks, _held_back(tasks, first, alias))
+            faults: list[str] = []
+            _execute(order, start, storages, faults)
+            adversarial_value = read(value)
+            changes = _changes(issue_bytes, storages, writer)
+        finally:
+            for key, saved in captured.items():  # the step's memory as the captured run left it
+                storages[key].copy_(saved)
+    return ReorderOutcome(
+        _moved(order), len(races), changes, issue_value, adversarial_value, faults=faults
+    )
 
 
 def _changes(before: dict, storages: dict, writer: dict[int, str]) -> list[StorageChange]:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from dbo.sim.calls import CapturedCall, OpModes
 from dbo.sim.cost import OpCall, OpCost
 from dbo.sim.ranges import HostRanges
 from dbo.sim.records import Access, OpRecord
@@ -86,7 +87,7 @@ class CommRegion:
     reads: list[Access]
     writes: list[Access]
     fresh: list[int]  # storages the block allocated
-    graph_ops: list[Any]  # (func, args, kwargs, out) of the block while a graph is captured
+    graph_ops: list[CapturedCall]  # the block's torch calls while a graph is captured
     op_bytes: int = 0  # bytes read and written by the block's own torch ops
     op_us: float = 0.0  # the block's own ops, priced as ordinary kernels
     op_fallback_us: float = 0.0  # the part of op_us priced by the roofline
@@ -103,7 +104,8 @@ class CommRegion:
         self.writes.extend(writes)
         self.fresh.extend(fresh)
         if capturing:
-            self.graph_ops.append((call.func, call.args, call.kwargs, call.out))
+            modes = OpModes.current()  # fold runs on the thread that ran the op
+            self.graph_ops.append(CapturedCall(call.func, call.args, call.kwargs, call.out, modes))
 
     def add_op(self, nbytes: int, cost: OpCost, name: str) -> None:
         self.op_bytes += nbytes

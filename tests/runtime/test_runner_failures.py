@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -748,3 +749,20 @@ def test_a_graph_of_a_step_that_succeeded_still_replays(device):
     dbo.run_ubatches(lambda i: dbo.dbo_yield(), [0, 1], device=device, graph=graph)
     graph.replay()
     assert graph.replays == 1
+
+
+def test_a_yield_mismatch_names_the_extra_yield_not_where_it_was_noticed(device):
+    extra: list[int] = []
+
+    def fn(i):
+        dbo.dbo_yield()
+        if i == 1:
+            extra.append(sys._getframe().f_lineno + 1)
+            dbo.dbo_yield()  # the extra one; the ring notices only at the next yield
+        dbo.dbo_yield()
+
+    with pytest.raises(dbo.YieldMismatchError) as info:
+        dbo.run_ubatches(fn, [0, 1], device=device, timeout=20)
+    head = str(info.value).splitlines()[0]
+    origin = f"the extra yield is ubatch 1's yield 2 at test_runner_failures.py:{extra[0]}:fn"
+    assert origin in head and head.index(origin) < head.index("noticed when"), head

@@ -3,10 +3,13 @@ ranges, with the fix spelled as the user writes it."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 import dbo
+import dbo.switch_notes
 from dbo.race_causes import group_races
 from dbo.sim import SimDevice
 from dbo.sim.records import OpSite, RaceReport
@@ -78,3 +81,52 @@ def test_a_free_without_record_stream_on_the_simulator_is_grouped_with_the_same_
     assert cause.reused_after_free and "dbo.record_stream(tensor, stream)" in cause.fix
     assert "dbo.record_stream(tensor, stream)" in str(device.races[0])
     assert dbo.record_stream  # the call the fix names exists under that name
+
+
+def _forward_with_a_plain_switch(lines: list[int]):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        dbo.dbo_yield()
+        lines.append(sys._getframe().f_lineno + 1)
+        dbo.dbo_switch_to_comm()  # the bug: the comm stream does not wait for h
+        with dbo.current_device().comm_region("dispatch", nbytes=h.numel() * 4, ep_size=8):
+            out = h + 1
+        dbo.dbo_switch_to_compute_sync()
+        return out
+
+    return forward
+
+
+@pytest.mark.timeout(30)
+def test_a_missing_wait_names_the_plain_switch_as_its_origin():
+    lines: list[int] = []
+    report = dbo.verify(_forward_with_a_plain_switch(lines), torch.randn(8, 4))
+    (cause,) = group_races(report.races)
+    switch = f"dbo_switch_to_comm() at test_race_causes.py:{lines[0]}:forward"
+    assert cause.origin == switch
+    assert "make dbo_switch_to_comm() there dbo_switch_to_comm_sync()" in cause.fix
+    detail = cause.describe().splitlines()[1]  # the first line after the op pair
+    assert detail.strip().startswith(f"origin:  {switch}")
+
+
+@pytest.mark.timeout(30)
+def test_an_ordered_switch_clears_the_plain_switch_note(device):
+    def fn(ordered: bool):
+        dbo.dbo_switch_to_comm()
+        if ordered:
+            dbo.dbo_switch_to_compute_sync()
+            dbo.dbo_switch_to_comm_sync()
+        return dbo.switch_notes.last_plain_switch()
+
+    plain, cleared = dbo.run_ubatches(fn, [False, True], device=device, timeout=20)
+    assert plain.call == "dbo_switch_to_comm" and plain.stream == "comm"
+    assert cleared is None
+
+
+@pytest.mark.timeout(30)
+def test_a_race_report_in_full_names_the_plain_switch_first():
+    lines: list[int] = []
+    report = dbo.verify(_forward_with_a_plain_switch(lines), torch.randn(8, 4))
+    text = str(report.races[0]).splitlines()
+    assert text[1].startswith(f"  Origin: dbo_switch_to_comm() at test_race_causes.py:{lines[0]}:")
+    assert "origin: dbo_switch_to_comm()" in report.races[0].describe()

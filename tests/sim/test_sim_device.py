@@ -259,3 +259,35 @@ def test_polling_query_advances_the_host_clock_until_done() -> None:
     while not s.query():
         pass
     assert d.host_time_us >= d.streams[-1].free_at_us
+
+
+def test_baton_passes_are_in_the_timeline_at_their_issue_positions() -> None:
+    d = make()
+    x = torch.ones(4)
+    with d.thread_scope(0):
+        x = x + 1
+        d.on_handoff()
+        x = x * 2
+        d.on_handoff()
+    records = d.timeline
+    assert [r.kind for r in records] == ["compute", HANDOFF, "compute", HANDOFF]
+    assert [r.seq for r in records] == sorted(r.seq for r in records)
+    handoff = records[1]
+    assert (handoff.ubatch, handoff.stream, handoff.dur_us) == (0, "host", 10.0)
+    assert records[0].issue_us < handoff.start_us < records[2].issue_us
+
+
+def test_the_timeline_is_one_list_that_later_passes_join() -> None:
+    d = make()
+    held = d.timeline
+    d.on_handoff()
+    d.synchronize()
+    assert d.timeline is held and [r.kind for r in held] == [HANDOFF]
+    d.reset()
+    assert d.timeline == []
+
+
+def test_a_device_without_a_timeline_keeps_no_host_records() -> None:
+    d = SimDevice(ROUND, record_timeline=False)
+    d.on_handoff()
+    assert d.timeline == [] and d.host_time_us == 10.0

@@ -10,6 +10,7 @@ import torch
 
 import dbo
 from dbo.sim import COMM, COMPUTE, GRAPH_LAUNCH, H200, HANDOFF, GraphReplayError, SimDevice
+from dbo.sim.calls import ShapeChangedError
 from workspace import current_workspace_manager, init_workspace_manager, reset_workspace_manager
 
 ROUND = replace(
@@ -281,3 +282,23 @@ def test_replayed_list_op_recomputes_and_is_placed_again() -> None:
     assert [x.tolist() for x in xs] == [[4.0] * 4] * 2
     assert [r.name for r in ops(d.timeline)] == ["aten::_foreach_mul_"]
     assert d.races == []
+
+
+def test_replay_refuses_a_data_dependent_shape_that_changed() -> None:
+    d = SimDevice(ROUND)
+    x = torch.tensor([1.0, -1.0, 2.0])
+    with d.thread_scope(0), d.graph() as g:
+        positive = x[x > 0]  # two rows at capture
+    x.fill_(1.0)  # three positive values now
+    with pytest.raises(ShapeChangedError, match=r"aten::index gave shape \(3,\).*\(2,\)"):
+        g.replay()
+    assert positive.shape == (2,)
+
+
+def test_replay_restores_the_grad_mode_each_op_was_captured_under() -> None:
+    d = SimDevice(ROUND)
+    x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)  # w: a module parameter
+    with d.thread_scope(0), d.graph() as g, torch.no_grad():
+        h = (x @ w).t()  # a view made under no_grad; with grad on, recomputing it is refused
+    g.replay()  # on this thread, where grad mode is on
+    assert torch.equal(h, (x @ w).t()) and not h.requires_grad

@@ -21,6 +21,8 @@ TARGETED = (
     "workspace.allocations.slot",
     "workspace.allocations.storage",
     "baton.dbo_yield",
+    "baton.dbo_yield.sim",
+    "baton.sim_accounting",
     "sim.deepseek_v3_step",
     "scaling.orphaned_bytes",
 )

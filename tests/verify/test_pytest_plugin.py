@@ -125,7 +125,8 @@ def test_dbo_verify_fails_the_users_test_with_the_description(user_run):
     assert "dbo.verify: FAILED" in user_run.stdout
     assert "in 1 cause(s)" in user_run.stdout  # the races grouped by the one missing wait
     assert "missing: stream 'comm' does not wait for stream 'compute'" in user_run.stdout
-    assert "fix:     record an event on stream 'compute'" in user_run.stdout
+    assert "origin:  dbo_switch_to_comm() at test_user_model.py:" in user_run.stdout
+    assert "fix:     make dbo_switch_to_comm() there dbo_switch_to_comm_sync()" in user_run.stdout
     assert "Race on storage" in user_run.stdout  # and the first race in full, with stacks
     assert user_run.returncode == 1
 
