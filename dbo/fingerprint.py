@@ -1,0 +1,395 @@
+"""Collectives fingerprinted across ranks: each rank says what it is about to run, before it runs.
+
+PyTorch's own check (`TORCH_DISTRIBUTED_DEBUG=DETAIL`, which the rank processes of
+`dbo.verify_ranks` set) compares each collective's op, shapes and dtypes across ranks. It
+cannot tell apart two exchanges of the same shape that mean different things: this step's DP
+agreement and the next step's, a padding check and an EP handshake, a user's all_gather and
+the runtime's. So in a run this project starts, every `torch.distributed` collective goes
+through `CollectiveTracker`, which first exchanges a small fingerprint on the same group (the
+collective's op, its *kind*, the step it belongs to, its index among that step's collectives
+of that kind, the ubatch issuing it, its shape where shapes must agree) and compares them on
+every rank. A rank that is one step behind, skipped a collective or issues another one in its
+place is then named on every rank, with each rank's collective, kind, step and the line of
+the user's code that called it, as `CollectiveMismatchError`, before anything is left waiting.
+
+A kind is the innermost `collective_kind(...)` around the call (the runtime names its own:
+"dp-agreement", "dp-padding-check", "ep-handshake", "ep dispatch", ...) or else the op's name.
+Step boundaries (`begin_step`, `finish`) are fingerprinted on the world group too, so a rank
+that returned early pairs its next step's start with a peer's collective and is named.
+
+Each rank also appends every collective's start and end to its own log file (one JSON object
+a line, written at once), so a hung rank's history survives it: `dbo.rank_history` reads the
+logs after a timeout and names the first collective where the ranks diverge.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import json
+import os
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import ContextDecorator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dbo.ubatching import dbo_current_ubatch_id, dbo_enabled
+
+__all__ = [
+    "BOUNDARY_OP",
+    "WRAPPED_OPS",
+    "CollectiveCall",
+    "CollectiveMismatchError",
+    "CollectiveTracker",
+    "collective_kind",
+    "current_tracker",
+    "user_site",
+]
+
+# The torch.distributed collectives a tracker wraps. Point-to-point ops pair by peer, not by
+# group order, and are left alone.
+WRAPPED_OPS = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+)
+# Ops whose input shape must be the same on every rank (all_to_all may split unevenly).
+_SAME_SHAPE_OPS = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor", "broadcast"})
+BOUNDARY_OP = "step boundary"
+
+_KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "dbo_collective_kind", default=None
+)
+_TRACKER: CollectiveTracker | None = None
+_OWN_DIRS = (
+    str(Path(__file__).resolve().parent),  # dbo/
+    str(Path(torch.__file__).resolve().parent),
+    str(Path(threading.__file__).resolve().parent),  # the standard library
+)
+
+
+class collective_kind(ContextDecorator):  # noqa: N801 - used like a function, as contextlib's are
+    """Name what the collectives inside mean, so ranks compare kinds as well as shapes:
+
+        with dbo.collective_kind("moe-allreduce"):
+            dist.all_reduce(hidden)
+
+    or `@dbo.collective_kind("dp-agreement")` on a function. Outside a run of
+    `dbo.verify_ranks` it only sets a context variable (no communication)."""
+
+    def __init__(self, kind: str) -> None:
+        if not isinstance(kind, str) or not kind.strip():
+            raise ValueError(f"collective_kind needs a non-empty name, got {kind!r}")
+        self.kind = kind
+        self._tokens: list[contextvars.Token] = []
+
+    def __enter__(self) -> collective_kind:
+        self._tokens.append(_KIND.set(self.kind))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _KIND.reset(self._tokens.pop())
+
+
+def current_tracker() -> CollectiveTracker | None:
+    """The tracker installed in this process (a rank of `verify_ranks`), or None."""
+    return _TRACKER
+
+
+def user_site(frame: FrameType | None = None, stop: CodeType | None = None) -> str:
+    """`file.py:line:function` of the innermost frame of the user's code (outside dbo/, torch
+    and the standard library) in the stack of `frame` (default: the caller's), looking no
+    further out than a frame running `stop`; "unknown" when none is the user's."""
+    frame = frame or inspect.currentframe()
+    while frame is not None and frame.f_code is not stop:
+        path = str(Path(frame.f_code.co_filename).resolve())
+        if not path.startswith(_OWN_DIRS):
+            return f"{Path(path).name}:{frame.f_lineno}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One rank's collective (or step boundary), as fingerprinted and logged."""
+
+    rank: int
+    group: str
+    seq: int  # this rank's count of fingerprinted calls on the group
+    op: str
+    kind: str
+    step: int
+    step_label: str
+    index: int  # 1 for the step's first collective of this kind on this group
+    ubatch: int  # -1 outside a ubatch
+    shape: tuple[int, ...] | None  # compared only for ops whose shapes must agree
+    site: str
+
+    def describe(self) -> str:
+        if self.op == BOUNDARY_OP:
+            return f"rank {self.rank}: {self.kind}"
+        ubatch = f", ubatch {self.ubatch}" if self.ubatch >= 0 else ""
+        shape = f", shape {list(self.shape)}" if self.shape is not None else ""
+        return (
+            f"rank {self.rank}: {self.op}, kind '{self.kind}', step {self.step} "
+            f"({self.step_label}) #{self.index} of its kind{ubatch}{shape}, at {self.site}"
+        )
+
+    def row(self) -> list[int]:
+        """The fingerprint on the wire: every field the ranks must agree on, as int64."""
+        shape = zlib.crc32(repr(self.shape).encode()) if self.shape is not None else 0
+        return [
+            int(self.op == BOUNDARY_OP),
+            zlib.crc32(self.op.encode()),
+            zlib.crc32(self.kind.encode()),
+            self.step,
+            self.index,
+            self.ubatch,
+            shape,
+        ]
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks were about to run collectives that do not pair. Raised on every rank of the
+    group with the same message; `calls` holds each rank's `CollectiveCall` as a dict."""
+
+    def __init__(self, message: str, calls: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.calls = calls
+
+
+def explain(calls: list[CollectiveCall]) -> str:
+    """Why these calls, one per rank, do not pair: the cause in words, then each rank."""
+    first = calls[0]
+    odd = [c for c in calls if c.row() != first.row()]
+    other = odd[0] if odd else first
+    cause = _cause(first, other)
+    lines = [f"ranks out of step on group {first.group}: {cause}"]
+    lines += [f"  {c.describe()}" for c in calls]
+    return "\n".join(lines)
+
+
+def _cause(a: CollectiveCall, b: CollectiveCall) -> str:
+    if (a.op == BOUNDARY_OP) != (b.op == BOUNDARY_OP):
+        done, busy = (a, b) if a.op == BOUNDARY_OP else (b, a)
+        return (
+            f"rank {done.rank} {done.kind} while rank {busy.rank} still calls {busy.op} "
+            f"('{busy.kind}') in step {busy.step}: rank {done.rank} skipped that collective "
+            f"(an idle rank that returned early, a dummy run missing a layer's collective)"
+        )
+    if a.kind == b.kind and a.op == b.op and a.step != b.step:
+        behind, ahead = (a, b) if a.step < b.step else (b, a)
+        return (
+            f"rank {behind.rank} is in step {behind.step} while rank {ahead.rank} is in step "
+            f"{ahead.step} for the same '{a.kind}': rank {ahead.rank} skipped it in step "
+            f"{behind.step} (a rank with no tokens that skipped the step's {a.kind})"
+        )
+    if (a.op, a.kind, a.step, a.ubatch) == (b.op, b.kind, b.step, b.ubatch) and a.index == b.index:
+        return (
+            f"the same {a.op} ('{a.kind}') with other shapes ({list(a.shape or ())} on rank "
+            f"{a.rank}, {list(b.shape or ())} on rank {b.rank}): a rank sized it from its own "
+            f"token count instead of the agreed one"
+        )
+    if a.kind == b.kind and a.op == b.op and a.index != b.index:
+        return (
+            f"rank {a.rank} is at its #{a.index} '{a.kind}' of step {a.step}, rank {b.rank} at "
+            f"#{b.index}: one of them skipped or repeated one"
+        )
+    if a.ubatch != b.ubatch and (a.op, a.kind) == (b.op, b.kind):
+        return f"ubatch {a.ubatch} on rank {a.rank} pairs with ubatch {b.ubatch} on rank {b.rank}"
+    return (
+        f"rank {a.rank} calls {a.op} ('{a.kind}') where rank {b.rank} calls {b.op} "
+        f"('{b.kind}'): a rank skipped or reordered a collective"
+    )
+
+
+def _shape(op: str, bound: inspect.BoundArguments) -> tuple[int, ...] | None:
+    if op not in _SAME_SHAPE_OPS:
+        return None
+    name = "input_tensor" if op == "all_gather_into_tensor" else "tensor"
+    value = bound.arguments.get(name)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _group_name(group: Any) -> str:
+    if group is None or group is dist.GroupMember.WORLD:
+        return "WORLD"
+    return f"ranks {dist.get_process_group_ranks(group)}"
+
+
+def _exchange_device(group: Any) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class CollectiveTracker:
+    """Fingerprints and logs every collective of this rank (see the module docstring).
+    `install()` routes `torch.distributed`'s collectives through it; one per process."""
+
+    def __init__(self, rank: int, log_path: str | Path) -> None:
+        self.rank = rank
+        self.log_path = Path(log_path)
+        self._fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()
+        self.originals: dict[str, Callable] = {}
+        self.step, self.step_label = 0, "setup"
+        self.seq: dict[str, int] = {}
+        self.index: dict[tuple[str, str], int] = {}
+        self.broken: CollectiveMismatchError | None = None
+        self.pending_async: list[tuple[int, Any]] = []
+
+    # ---------------------------------------------------------------- setup
+
+    def install(self) -> CollectiveTracker:
+        global _TRACKER
+        for op in WRAPPED_OPS:
+            original = getattr(dist, op)
+            self.originals[op] = original
+            setattr(dist, op, self._wrap(op, original))
+        _TRACKER = self
+        return self
+
+    def _wrap(self, op: str, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def tracked(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            return self.run(op, original, bound)
+
+        return tracked
+
+    def log(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"event": event, **fields}, default=str) + "\n"
+        os.write(self._fd, line.encode())  # one write per line: O_APPEND keeps lines whole
+
+    # ---------------------------------------------------------------- collectives
+
+    def run(self, op: str, original: Callable, bound: inspect.BoundArguments) -> Any:
+        group = bound.arguments.get("group")
+        if group is not None and dist.get_rank(group) < 0:
+            return original(*bound.args, **bound.kwargs)  # not a member: nothing runs here
+        call = self._next_call(op, group, _KIND.get() or op, _shape(op, bound))
+        self.log("start", **asdict(call))
+        self.check(call, group)
+        try:
+            result = original(*bound.args, **bound.kwargs)
+        except RuntimeError as error:
+            self.log("failed", seq=call.seq, group=call.group, error=str(error)[:2000])
+            raise
+        if bound.arguments.get("async_op"):
+            with self._lock:
+                self.pending_async = [*self.pending_async[-15:], (call.seq, result)]
+        self.log("end", seq=call.seq, group=call.group)
+        return result
+
+    def _next_call(self, op: str, group: Any, kind: str, shape: Any) -> CollectiveCall:
+        name = _group_name(group)
+        with self._lock:
+            self.seq[name] = self.seq.get(name, 0) + 1
+            key = (name, kind)
+            self.index[key] = self.index.get(key, 0) + 1
+            return CollectiveCall(
+                rank=self.rank,
+                group=name,
+                seq=self.seq[name],
+                op=op,
+                kind=kind,
+                step=self.step,
+                step_label=self.step_label,
+                index=self.index[key],
+                ubatch=dbo_current_ubatch_id() if dbo_enabled() else -1,
+                shape=shape,
+                site=user_site(),
+            )
+
+    def check(self, call: CollectiveCall, group: Any) -> None:
+        """Exchange `call`'s fingerprint on `group` and raise `CollectiveMismatchError` on
+        every rank when they differ (after one more exchange, of each rank's description)."""
+        if self.broken is not None:
+            raise CollectiveMismatchError(
+                f"no collective runs once the ranks are out of step:\n{self.broken}",
+                self.broken.calls,
+            )
+        device = _exchange_device(group)
+        mine = torch.tensor(call.row(), dtype=torch.int64, device=device)
+        world = dist.get_world_size(group)
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        self.originals["all_gather"](rows, mine, group=group)
+        if all(torch.equal(r, rows[0]) for r in rows):
+            return
+        gathered: list[Any] = [None] * world
+        self.originals["all_gather_object"](gathered, asdict(call), group=group)
+        calls = [CollectiveCall(**{**c, "shape": _tuple(c["shape"])}) for c in gathered]
+        self.broken = CollectiveMismatchError(explain(calls), [asdict(c) for c in calls])
+        self.log("mismatch", message=str(self.broken), calls=self.broken.calls)
+        raise self.broken
+
+    # ---------------------------------------------------------------- steps
+
+    def begin_step(self, label: str) -> None:
+        """Start step `step + 1` (`label` says which run it is): a boundary fingerprinted on
+        the world group, so a rank still inside the previous step is named."""
+        with self._lock:
+            self.step += 1
+            self.step_label = label
+            self.index.clear()
+        self._boundary(f"has begun step {self.step} ({label})")
+
+    def finish(self) -> None:
+        """The last boundary: this rank has run every step. Skipped once the group is out of
+        step (its peers have stopped communicating too)."""
+        with self._lock:
+            self.step += 1
+            self.step_label = "finished"
+        if self.broken is None:
+            try:
+                self._boundary("has finished every step")
+            except CollectiveMismatchError:
+                pass  # recorded in self.broken, and already raised on the peers
+
+    def _boundary(self, what: str) -> None:
+        call = self._next_call(BOUNDARY_OP, None, what, None)
+        self.log("boundary", **asdict(call))
+        self.check(call, None)
+        self.log("end", seq=call.seq, group=call.group)
+
+    def pending(self) -> list[int]:
+        """Sequence numbers of async collectives issued and not completed yet."""
+        with self._lock:
+            return [seq for seq, work in self.pending_async if not work.is_completed()]
+
+
+def _tuple(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
+def read_log(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The events of one rank's log, oldest first (a torn last line is skipped)."""
+    text = Path(path).read_text() if Path(path).exists() else ""
+    for line in text.splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue
