@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dbo.checks import as_int
 from dbo.comm_records import EPError, EPPeerFailedError, EPStepMismatchError, EPTimeoutError
+from dbo.fingerprint import collective_kind
 from dbo.ubatching import dbo_current_ubatch_id
 
 __all__ = ["Collectives", "abort_key", "ep_subgroup"]
@@ -149,7 +150,8 @@ class Collectives:
             [num_ubatches, self.step], dtype=torch.int64, device=self.small_device()
         )
         rows = [torch.empty_like(mine) for _ in self.members]
-        work = dist.all_gather(rows, mine, group=self.pg, async_op=True)
+        with collective_kind("ep-handshake"):
+            work = dist.all_gather(rows, mine, group=self.pg, async_op=True)
         self.wait(work, f"step {self.step}'s handshake")
         table = [row.tolist() for row in rows]
         counts = {self.members[r]: v[0] for r, v in enumerate(table)}
@@ -215,14 +217,15 @@ class Collectives:
         # Issued by the ubatch holding the baton and waited for before it yields: this keeps
         # the k-th collective the same on every rank (dbo.comm's docstring, "Ordering").
         try:
-            work = dist.all_to_all_single(
-                output,
-                inp,
-                list(output_splits) if output_splits is not None else None,
-                list(input_splits) if input_splits is not None else None,
-                group=self.pg,
-                async_op=True,
-            )
+            with collective_kind(f"ep {what}"):
+                work = dist.all_to_all_single(
+                    output,
+                    inp,
+                    list(output_splits) if output_splits is not None else None,
+                    list(input_splits) if input_splits is not None else None,
+                    group=self.pg,
+                    async_op=True,
+                )
         except Exception as error:
             self.broken = f"{where} could not be issued: {error}"
             raise EPError(self.broken) from error
@@ -236,7 +239,8 @@ class Collectives:
         rows = [torch.empty_like(mine) for _ in self.members]
         where = f"{what} on rank {self.global_rank}"
         try:
-            work = dist.all_gather(rows, mine, group=self.pg, async_op=True)
+            with collective_kind(f"ep {what}"):
+                work = dist.all_gather(rows, mine, group=self.pg, async_op=True)
         except Exception as error:
             self.broken = f"{where} could not be issued: {error}"
             raise EPError(self.broken) from error

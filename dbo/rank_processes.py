@@ -67,10 +67,11 @@ class RanksRun:
 
 
 def run_ranks(
-    body: Callable[[RankContext], None], world_size: int, timeout: float, workdir: Path
+    body: Callable[[RankContext], int | None], world_size: int, timeout: float, workdir: Path
 ) -> RanksRun:
-    """Fork `world_size` ranks that each join a gloo group and run `body(context)`; wait at
-    most `timeout` seconds, then dump and kill whatever still runs."""
+    """Fork `world_size` ranks that each join a gloo group and run `body(context)` (its
+    return value: the rank's exit code); wait at most `timeout` seconds, then dump and kill
+    whatever still runs."""
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )
@@ -117,7 +118,10 @@ def _wait(procs: list, pipes: list[int], timeout: float, workdir: Path) -> Ranks
         if now >= end:
             why = f"the group did not finish within the {timeout:g} s timeout"
         elif died_at is not None and now - died_at > _PEER_GRACE_S:
-            why = f"rank {dead[0]} died (exit {procs[dead[0]].exitcode}) and its peers did not end"
+            why = (
+                f"rank {dead[0]} ended (exit {procs[dead[0]].exitcode}) and its peers did not "
+                f"end within {_PEER_GRACE_S:g} s"
+            )
         if why:
             hung = [r for r, p in enumerate(procs) if p.is_alive()]
             return RanksRun([], pids, True, why, _dump(hung, pipes, workdir))
@@ -147,7 +151,7 @@ def _dump(ranks: list[int], pipes: list[int], workdir: Path) -> dict[int, dict[s
 
 
 def _child(
-    body: Callable[[RankContext], None],
+    body: Callable[[RankContext], int | None],
     ctx: RankContext,
     port: int,
     timeout: float,
@@ -164,8 +168,7 @@ def _child(
         torch.set_num_threads(1)
         _start_dump_thread(ctx, dump_fd)
         _join_group(ctx, port, timeout)
-        body(ctx)
-        code = 0
+        code = body(ctx) or 0
     except BaseException:  # noqa: BLE001 - a rank reports by its result file and exit code
         traceback.print_exc()
     finally:

@@ -19,6 +19,7 @@ collectives, as vLLM's dummy run does.
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +37,35 @@ from dbo.verification import split_inputs, verify
 from dbo.verify_report import error_text
 
 __all__ = ["RanksReport", "RankVerdict", "VerifyRanksError", "rank_split", "verify_ranks"]
+
+
+# A rank stopped by PyTorch's own collective check exits with this: its peers may be left in
+# the collective it refused, and the launcher ends them after a grace period.
+BACKEND_MISMATCH_EXIT = 3
+_DETAIL_RANK = re.compile(
+    r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+    r"OpType=(\w+), TensorShape=\[([^\]]*)\]"
+)
+
+
+def backend_mismatch(text: str) -> str | None:
+    """PyTorch's DETAIL error ("Detected mismatch between collectives on ranks"), found in a
+    rank's error text, in the tool's words; None when there is none."""
+    if "Detected mismatch between collectives on ranks" not in text:
+        return None
+    ranks = {
+        int(r): f"rank {r}: {op.lower()}, shape [{shape}], its collective #{int(seq) + 1} on "
+        f"the group"
+        for r, seq, op, shape in _DETAIL_RANK.findall(text)
+    }
+    return "\n".join(
+        [
+            "ranks out of step, found by PyTorch's check (TORCH_DISTRIBUTED_DEBUG=DETAIL) on "
+            "a collective that bypassed the tracker (a reference to torch.distributed's "
+            "function taken before the run): a rank skipped or reordered a collective",
+            *(ranks[r] for r in sorted(ranks)),
+        ]
+    )
 
 
 def rank_split(inputs: Any, num_ubatches: int) -> list[Any]:
@@ -143,13 +173,12 @@ class _RankBody:
     def __init__(self, forward: Callable, inputs: Any, split: Callable, options: dict) -> None:
         self.forward, self.inputs, self.split, self.options = forward, inputs, split, options
 
-    def __call__(self, ctx: RankContext) -> None:
+    def __call__(self, ctx: RankContext) -> int:
+        """Run the rank; its exit code: 0, or `BACKEND_MISMATCH_EXIT` when PyTorch's own check
+        stopped it (its peers may wait in that collective: the launcher ends them)."""
         tracker = CollectiveTracker(ctx.rank, ctx.path("log.jsonl")).install()
-        batch = (
-            self.inputs(ctx.rank, ctx.world_size)
-            if callable(self.inputs)
-            else self.inputs[ctx.rank]
-        )
+        inputs = self.inputs
+        batch = inputs(ctx.rank, ctx.world_size) if callable(inputs) else inputs[ctx.rank]
         result: dict[str, Any] = {"tokens": _rows(batch)}
         try:
             report = verify(
@@ -161,11 +190,18 @@ class _RankBody:
             if isinstance(error, CollectiveMismatchError):
                 text = "its serial step stopped: its collectives are out of step (above)"
             result.update(ok=False, text=f"{text}\n{error}", error=text)
-        tracker.finish()
-        result["out_of_step"] = None if tracker.broken is None else str(tracker.broken)
+        detail = backend_mismatch(result["text"])
+        if detail is not None and result.get("error"):
+            result["error"] = (
+                "its step stopped: PyTorch's collective check found the ranks out of step (above)"
+            )
+        if detail is None:
+            tracker.finish()
+        result["out_of_step"] = detail or (None if tracker.broken is None else str(tracker.broken))
         tmp = ctx.path("result.json.tmp")
         tmp.write_text(json.dumps(result, default=str))
         tmp.replace(ctx.path("result.json"))
+        return 0 if detail is None else BACKEND_MISMATCH_EXIT
 
     def _forward(self, tracker: CollectiveTracker) -> Callable[[Any], Any]:
         def forward_in_steps(batch: Any) -> Any:
@@ -210,7 +246,7 @@ def _group_report(
             why = _no_result(run, rank, workdir)
             verdicts.append(RankVerdict(rank, None, False, why, None, why))
     hang = None
-    if run.hung or any(code not in (0, None) for code in run.exit_codes) and out_of_step is None:
+    if run.hung:
         histories = read_histories(workdir, run.exit_codes, run.dumps)
         hang = [run.why_ended or "a rank died", *explain_hang(histories)]
     ok = all(v.ok for v in verdicts) and out_of_step is None and hang is None

@@ -87,11 +87,11 @@ class RanksReport:
             first, *rest = self.out_of_step.splitlines()
             lines.append(f"  collectives      {first}")
             lines += [f"    {line.strip()}" for line in rest]
-        elif self.hang:
+        elif not self.hang:
+            lines.append("  collectives      every rank ran the same collectives, in step")
+        if self.hang:
             lines.append(f"  hang             {self.hang[0]}")
             lines += [f"    {line.strip()}" for line in self.hang[1:]]
-        else:
-            lines.append("  collectives      every rank ran the same collectives, in step")
         for verdict_of in self.ranks:
             lines.append(f"  {verdict_of.headline()}")
             if not verdict_of.ok and verdict_of.report is not None:
