@@ -1,8 +1,8 @@
 """Every entry of the bug corpus, registered: importing this module imports each entry module
 once, in the order `dbo-sim bugs` lists them."""
 
-from scenarios.bugs import dp_ranks, sglang_split, vllm_metadata, vllm_wrapper
+from scenarios.bugs import dp_ranks, dp_steps, sglang_split, vllm_metadata, vllm_wrapper
 from scenarios.bugs.registry import BUGS, Bug, BugResult, Verdict, run_bug
 
 __all__ = ["BUGS", "Bug", "BugResult", "Verdict", "run_bug"]
-ENTRY_MODULES = (vllm_metadata, vllm_wrapper, dp_ranks, sglang_split)
+ENTRY_MODULES = (vllm_metadata, vllm_wrapper, dp_ranks, dp_steps, sglang_split)
