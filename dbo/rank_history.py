@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dbo.fingerprint import CollectiveCall, read_log
+from dbo.fingerprint import BOUNDARY_OP, CollectiveCall, read_log
 
 __all__ = ["RankHistory", "explain_hang", "read_histories"]
 
@@ -107,7 +107,9 @@ def _standing(h: RankHistory) -> str:
     waiting = h.waiting_in()
     threads = (h.dump or {}).get("threads", {})
     fr = _flight_recorder_line(h)
-    if waiting is not None:
+    if waiting is not None and waiting.op == BOUNDARY_OP:
+        text = f"rank {h.rank} {waiting.kind} and waits for its peers to say so too"
+    elif waiting is not None:
         text = f"rank {h.rank} waits in {waiting.op} ('{waiting.kind}', step {waiting.step}) "
         text += f"called at {waiting.site}"
     elif h.dump is None:

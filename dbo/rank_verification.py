@@ -151,13 +151,16 @@ def verify_ranks(
     and reaped, and the report names where the ranks diverged. The other arguments are
     `dbo.verify`'s. Bad arguments raise before any process starts."""
     _check_args(forward, inputs, num_ranks, timeout, device)
+    # Each rank's own step timeout lies past the group's: the launcher ends a hung group
+    # first, with every rank's history; a step ended inside a rank would leave its thread in
+    # a collective that the rank's next one would pair with.
     options = dict(
         num_ubatches=num_ubatches,
         merge=merge,
         warmup=warmup,
         atol=atol,
         rtol=rtol,
-        timeout=timeout,
+        timeout=2 * timeout + 10.0,
     )
     body = _RankBody(forward, inputs, split or rank_split, options)
     with tempfile.TemporaryDirectory(prefix="dbo-verify-ranks-") as folder:
