@@ -190,7 +190,7 @@ class _RankBody:
             result.update(ok=report.ok, text=report.describe(), report=report.to_dict())
         except Exception as error:  # noqa: BLE001 - the serial step failed: the rank's verdict
             text = f"the serial step raised {error_text(error)}"
-            if isinstance(error, CollectiveMismatchError):
+            if _out_of_step(error):
                 text = "its serial step stopped: its collectives are out of step (above)"
             result.update(ok=False, text=f"{text}\n{error}", error=text)
         detail = backend_mismatch(result["text"])
@@ -224,6 +224,16 @@ class _RankBody:
             return self.split(batch, num_ubatches)
 
         return split_in_steps
+
+
+def _out_of_step(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from, is the tracker's mismatch (a runtime
+    layer such as `EPGroup` wraps the errors of its collectives in its own)."""
+    while error is not None:
+        if isinstance(error, CollectiveMismatchError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _group_report(

@@ -15,6 +15,7 @@ from torch.distributed import all_gather as raw_all_gather  # taken before any t
 from torch.distributed import all_reduce as raw_all_reduce
 
 import dbo
+from dbo.comm import EPGroup
 from dbo.split import coordinate_ubatching
 
 HIDDEN = 4
@@ -158,3 +159,31 @@ def test_bad_arguments_are_refused_before_any_rank_starts(kwargs, message) -> No
 def test_the_fixture_fails_the_test_with_the_group_report(dbo_verify_ranks) -> None:
     with pytest.raises(pytest.fail.Exception, match="rank 1 has begun step 2"):
         dbo_verify_ranks(skips_when_idle, batches)
+
+
+_EP_GROUPS: dict[str, EPGroup] = {}
+
+
+def ep_layer(batch: torch.Tensor, *, idle_skips_combine: bool = False) -> torch.Tensor:
+    """One expert-parallel layer over the rank group (dbo.comm.EPGroup): prepare, dispatch,
+    experts, combine; an idle rank dispatches and combines 0 rows."""
+    if "world" not in _EP_GROUPS:  # one per rank process (each forked with an empty dict)
+        _EP_GROUPS["world"] = EPGroup(dist.group.WORLD, num_experts=4)
+    ep = _EP_GROUPS["world"]
+    ids = (torch.arange(batch.shape[0]) % 4).reshape(-1, 1)
+    weights = torch.ones(batch.shape[0], 1, dtype=batch.dtype)
+    plan = ep.prepare(ids, weights, dtype=batch.dtype)
+    sent = ep.dispatch(batch, ids, weights, plan=plan)
+    if idle_skips_combine and batch.shape[0] == 0:
+        return batch
+    return ep.combine(sent.recv_x * 2, sent.handle)
+
+
+@pytest.mark.timeout(60)
+def test_the_runtimes_own_ep_collectives_are_fingerprinted_by_kind() -> None:
+    assert dbo.verify_ranks(ep_layer, batches, num_ranks=2).ok
+    report = dbo.verify_ranks(
+        lambda batch: ep_layer(batch, idle_skips_combine=True), batches, num_ranks=2
+    )
+    assert "rank 0 still calls all_to_all_single ('ep combine')" in (report.out_of_step or "")
+    assert all("out of step" in v.headline() for v in report.ranks)
