@@ -194,20 +194,22 @@ def _cause(a: CollectiveCall, b: CollectiveCall) -> str:
         return (
             f"rank {done.rank} {done.kind} while rank {busy.rank} still calls {busy.op} "
             f"('{busy.kind}') in step {busy.step}: rank {done.rank} skipped that collective "
-            f"(an idle rank that returned early, a dummy run missing a layer's collective)"
+            f"(an idle rank that returned early, a dummy run missing a layer's collective) or "
+            f"rank {busy.rank} issued one too many"
         )
     if a.kind == b.kind and a.op == b.op and a.step != b.step:
         behind, ahead = (a, b) if a.step < b.step else (b, a)
         return (
             f"rank {behind.rank} is in step {behind.step} while rank {ahead.rank} is in step "
             f"{ahead.step} for the same '{a.kind}': rank {ahead.rank} skipped it in step "
-            f"{behind.step} (a rank with no tokens that skipped the step's {a.kind})"
+            f"{behind.step} (typically a rank with no tokens that skipped the step's "
+            f"{a.kind})"
         )
     if (a.op, a.kind, a.step, a.ubatch) == (b.op, b.kind, b.step, b.ubatch) and a.index == b.index:
         return (
             f"the same {a.op} ('{a.kind}') with other shapes ({list(a.shape or ())} on rank "
             f"{a.rank}, {list(b.shape or ())} on rank {b.rank}): a rank sized it from its own "
-            f"token count instead of the agreed one"
+            f"token count instead of the agreed one (a dummy run's padding, its graph size)"
         )
     if a.kind == b.kind and a.op == b.op and a.index != b.index:
         return (

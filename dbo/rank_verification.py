@@ -18,6 +18,7 @@ collectives, as vLLM's dummy run does.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import tempfile
@@ -109,7 +110,16 @@ def _check_args(forward: Any, inputs: Any, num_ranks: Any, timeout: Any, device:
             f"inputs must be inputs(rank, world_size) -> batch, or one batch per rank, got "
             f"{type(inputs).__name__}"
         )
-    if not callable(inputs) and len(inputs) != num_ranks:
+    if callable(inputs):
+        try:
+            inspect.signature(inputs).bind(0, num_ranks)
+        except TypeError:
+            raise TypeError(
+                "inputs must take (rank, world_size) and return that rank's batch"
+            ) from None
+        except ValueError:
+            pass  # a builtin without a signature: called as it is
+    elif len(inputs) != num_ranks:
         raise ValueError(
             f"inputs holds {len(inputs)} batches for num_ranks={num_ranks}; give one per rank"
         )

@@ -147,12 +147,14 @@ def test_each_rank_has_its_own_verdict_in_the_group_report() -> None:
         ({"num_ranks": 3}, "2 batches for num_ranks=3"),  # a list of two batches for three ranks
         ({"timeout": 0}, "timeout"),
         ({"device": "cuda"}, "not supported"),
+        ({"inputs": lambda: None}, "inputs must take"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_rank_starts(kwargs, message) -> None:
     inputs = [batches(0, 2), batches(1, 2)] if kwargs.get("num_ranks") == 3 else batches
+    kwargs = {"inputs": inputs, **kwargs}
     with pytest.raises((TypeError, ValueError), match=message):
-        dbo.verify_ranks(dp_step, inputs, **kwargs)
+        dbo.verify_ranks(dp_step, **kwargs)
 
 
 @pytest.mark.timeout(60)
