@@ -370,6 +370,8 @@ class CollectiveTracker:
                 self._boundary("has finished every step")
             except CollectiveMismatchError:
                 pass  # recorded in self.broken, and already raised on the peers
+            except RuntimeError as error:  # a peer died: the backend's error, in the log
+                self.log("failed", seq=self.seq.get("WORLD", 0), group="WORLD", error=str(error))
 
     def _boundary(self, what: str) -> None:
         call = self._next_call(BOUNDARY_OP, None, what, None)

@@ -269,9 +269,15 @@ def _group_report(
             why = _no_result(run, rank, workdir)
             verdicts.append(RankVerdict(rank, None, False, why, None, why))
     hang = None
-    if run.hung:
+    died = [
+        (rank, code)
+        for rank, code in enumerate(run.exit_codes)
+        if code not in (0, None, BACKEND_MISMATCH_EXIT)
+    ]
+    if run.hung or died:
         histories = read_histories(workdir, run.exit_codes, run.dumps)
-        hang = [run.why_ended or "a rank died", *explain_hang(histories)]
+        why = run.why_ended or f"rank {died[0][0]} exited with {died[0][1]} mid-run"
+        hang = [why, *explain_hang(histories)]
     ok = all(v.ok for v in verdicts) and out_of_step is None and hang is None
     return RanksReport(
         ok,

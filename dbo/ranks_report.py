@@ -90,7 +90,7 @@ class RanksReport:
         elif not self.hang:
             lines.append("  collectives      every rank ran the same collectives, in step")
         if self.hang:
-            lines.append(f"  hang             {self.hang[0]}")
+            lines.append(f"  stopped          {self.hang[0]}")
             lines += [f"    {line.strip()}" for line in self.hang[1:]]
         for verdict_of in self.ranks:
             lines.append(f"  {verdict_of.headline()}")

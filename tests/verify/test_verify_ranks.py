@@ -189,3 +189,19 @@ def test_the_runtimes_own_ep_collectives_are_fingerprinted_by_kind() -> None:
     )
     assert "rank 0 still calls all_to_all_single ('ep combine')" in (report.out_of_step or "")
     assert all("out of step" in v.headline() for v in report.ranks)
+
+
+def rank1_dies(batch: torch.Tensor) -> torch.Tensor:
+    if dist.get_rank() == 1:
+        os._exit(9)  # a hard crash: no exception, no report
+    dist.all_reduce(torch.ones(1))
+    return batch
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_dies_is_named_and_its_peers_history_kept() -> None:
+    report = dbo.verify_ranks(rank1_dies, batches, num_ranks=2)
+    assert report.hang is not None and report.hang[0] == "rank 1 exited with 9 mid-run"
+    assert "rank 1: issued no collective #2" in "\n".join(report.hang)
+    assert report.ranks[1].error.startswith("exited with 9 before reporting")
+    assert report.ranks[0].tokens == 6 and not report.ranks[0].ok
