@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dbo.checks import as_int
 from dbo.fingerprint import CollectiveMismatchError, CollectiveTracker
@@ -130,8 +131,6 @@ def _check_args(forward: Any, inputs: Any, num_ranks: Any, timeout: Any, device:
             f"verify_ranks runs each rank on the simulated device over gloo; device={device!r} "
             f"is not supported yet (NCCL ranks need a GPU each)"
         )
-    import torch.distributed as dist
-
     if dist.is_initialized():
         raise RuntimeError(
             "verify_ranks forks its own rank processes and their group: call it from a process "
@@ -249,48 +248,55 @@ def _out_of_step(error: BaseException | None) -> bool:
 def _group_report(
     run: RanksRun, workdir: Path, num_ranks: int, num_ubatches: int, timeout: float
 ) -> RanksReport:
-    verdicts, out_of_step = [], None
-    for rank in range(num_ranks):
-        path = workdir / f"rank{rank}.result.json"
-        if path.exists():
-            result = json.loads(path.read_text())
-            out_of_step = out_of_step or result.get("out_of_step")
-            verdicts.append(
-                RankVerdict(
-                    rank,
-                    result["tokens"],
-                    result["ok"],
-                    result["text"],
-                    result.get("report"),
-                    result.get("error"),
-                )
-            )
-        else:
-            why = _no_result(run, rank, workdir)
-            verdicts.append(RankVerdict(rank, None, False, why, None, why))
-    hang = None
+    """Every rank's result file (or why it has none), and the group's verdict."""
+    verdicts = [_verdict(run, rank, workdir) for rank in range(num_ranks)]
+    results = [workdir / f"rank{rank}.result.json" for rank in range(num_ranks)]
+    found = [json.loads(p.read_text()).get("out_of_step") for p in results if p.exists()]
+    out_of_step = next((text for text in found if text), None)
+    stopped = _stopped(run, workdir)
+    return RanksReport(
+        ok=all(v.ok for v in verdicts) and out_of_step is None and stopped is None,
+        num_ranks=num_ranks,
+        num_ubatches=num_ubatches,
+        device="sim",
+        backend="gloo",
+        ranks=verdicts,
+        out_of_step=out_of_step,
+        hang=stopped,
+        pids=run.pids,
+        timeout=timeout,
+    )
+
+
+def _verdict(run: RanksRun, rank: int, workdir: Path) -> RankVerdict:
+    path = workdir / f"rank{rank}.result.json"
+    if not path.exists():
+        why = _no_result(run, rank, workdir)
+        return RankVerdict(rank, None, False, why, None, why)
+    result = json.loads(path.read_text())
+    return RankVerdict(
+        rank,
+        result["tokens"],
+        result["ok"],
+        result["text"],
+        result.get("report"),
+        result.get("error"),
+    )
+
+
+def _stopped(run: RanksRun, workdir: Path) -> list[str] | None:
+    """Why the group was ended (a timeout, a rank that died) and every rank's history
+    compared; None when every rank ended by itself."""
     died = [
         (rank, code)
         for rank, code in enumerate(run.exit_codes)
         if code not in (0, None, BACKEND_MISMATCH_EXIT)
     ]
-    if run.hung or died:
-        histories = read_histories(workdir, run.exit_codes, run.dumps)
-        why = run.why_ended or f"rank {died[0][0]} exited with {died[0][1]} mid-run"
-        hang = [why, *explain_hang(histories)]
-    ok = all(v.ok for v in verdicts) and out_of_step is None and hang is None
-    return RanksReport(
-        ok,
-        num_ranks,
-        num_ubatches,
-        "sim",
-        "gloo",
-        verdicts,
-        out_of_step,
-        hang,
-        run.pids,
-        timeout,
-    )
+    if not (run.hung or died):
+        return None
+    histories = read_histories(workdir, run.exit_codes, run.dumps)
+    why = run.why_ended or f"rank {died[0][0]} exited with {died[0][1]} mid-run"
+    return [why, *explain_hang(histories)]
 
 
 def _no_result(run: RanksRun, rank: int, workdir: Path) -> str:
