@@ -17,6 +17,10 @@ A kind is the innermost `collective_kind(...)` around the call (the runtime name
 Step boundaries (`begin_step`, `finish`) are fingerprinted on the world group too, so a rank
 that returned early pairs its next step's start with a peer's collective and is named.
 
+The fingerprint's exchange waits like the collective it precedes: inside `while_waiting(check)`
+(`EPGroup` passes its abort-key and timeout check) a failed or missing peer ends it promptly.
+`dbo.verify_ranks` and the rank processes of `dbo-sim run --ranks` install a tracker.
+
 Each rank also appends every collective's start and end to its own log file (one JSON object
 a line, written at once), so a hung rank's history survives it: `dbo.rank_history` reads the
 logs after a timeout and names the first collective where the ranks diverge.
@@ -30,9 +34,10 @@ import inspect
 import json
 import os
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import ContextDecorator
+from contextlib import AbstractContextManager, ContextDecorator, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import CodeType, FrameType
@@ -41,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dbo.devices import current_device
 from dbo.ubatching import dbo_current_ubatch_id, dbo_enabled
 
 __all__ = [
@@ -52,6 +58,7 @@ __all__ = [
     "collective_kind",
     "current_tracker",
     "user_site",
+    "while_waiting",
 ]
 
 # The torch.distributed collectives a tracker wraps. Point-to-point ops pair by peer, not by
@@ -79,6 +86,10 @@ BOUNDARY_OP = "step boundary"
 _KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "dbo_collective_kind", default=None
 )
+_ON_WAIT: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "dbo_fingerprint_on_wait", default=None
+)
+_POLL_S = 0.001  # the longest sleep between two looks at a waiting exchange
 _TRACKER: CollectiveTracker | None = None
 _OWN_DIRS = (
     str(Path(__file__).resolve().parent),  # dbo/
@@ -108,6 +119,17 @@ class collective_kind(ContextDecorator):  # noqa: N801 - used like a function, a
 
     def __exit__(self, *exc: object) -> None:
         _KIND.reset(self._tokens.pop())
+
+
+@contextmanager
+def while_waiting(check: Callable[[], None]) -> Iterator[None]:
+    """Run `check()` (it raises to stop the wait) while a fingerprint exchange inside waits
+    for the peers: a runtime layer with an abort signal of its own keeps it prompt."""
+    token = _ON_WAIT.set(check)
+    try:
+        yield
+    finally:
+        _ON_WAIT.reset(token)
 
 
 def current_tracker() -> CollectiveTracker | None:
@@ -232,6 +254,13 @@ def _shape(op: str, bound: inspect.BoundArguments) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
+def _bookkeeping() -> AbstractContextManager:
+    """The fingerprint is no part of the step's device work: on a simulated device its
+    tensor ops run unplaced, so that the step's timeline is the same with or without it."""
+    suspended = getattr(current_device(), "suspended", None)
+    return suspended() if suspended is not None else nullcontext()
+
+
 def _group_name(group: Any) -> str:
     if group is None or group is dist.GroupMember.WORLD:
         return "WORLD"
@@ -249,10 +278,11 @@ class CollectiveTracker:
     """Fingerprints and logs every collective of this rank (see the module docstring).
     `install()` routes `torch.distributed`'s collectives through it; one per process."""
 
-    def __init__(self, rank: int, log_path: str | Path) -> None:
+    def __init__(self, rank: int, log_path: str | Path | None) -> None:
         self.rank = rank
-        self.log_path = Path(log_path)
-        self._fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.log_path = None if log_path is None else Path(log_path)
+        path = os.devnull if log_path is None else log_path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
         self.originals: dict[str, Callable] = {}
         self.step, self.step_label = 0, "setup"
@@ -334,19 +364,43 @@ class CollectiveTracker:
                 f"no collective runs once the ranks are out of step:\n{self.broken}",
                 self.broken.calls,
             )
-        device = _exchange_device(group)
-        mine = torch.tensor(call.row(), dtype=torch.int64, device=device)
-        world = dist.get_world_size(group)
-        rows = [torch.empty_like(mine) for _ in range(world)]
-        self.originals["all_gather"](rows, mine, group=group)
-        if all(torch.equal(r, rows[0]) for r in rows):
-            return
-        gathered: list[Any] = [None] * world
-        self.originals["all_gather_object"](gathered, asdict(call), group=group)
+        with _bookkeeping():
+            if self._agree(call, group):
+                return
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            self.originals["all_gather_object"](gathered, asdict(call), group=group)
         calls = [CollectiveCall(**{**c, "shape": _tuple(c["shape"])}) for c in gathered]
         self.broken = CollectiveMismatchError(explain(calls), [asdict(c) for c in calls])
         self.log("mismatch", message=str(self.broken), calls=self.broken.calls)
         raise self.broken
+
+    def _agree(self, call: CollectiveCall, group: Any) -> bool:
+        """Exchange `call`'s fingerprint row on `group`; whether every rank's is the same."""
+        device = _exchange_device(group)
+        mine = torch.tensor(call.row(), dtype=torch.int64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        self._wait(self.originals["all_gather"](rows, mine, group=group, async_op=True), device)
+        return all(torch.equal(r, rows[0]) for r in rows)
+
+    def _wait(self, work: Any, device: torch.device) -> None:
+        """Wait for the fingerprint exchange. Inside `while_waiting(check)` (a runtime layer
+        with its own abort signal, such as `EPGroup`'s store key) `check()` runs while it
+        waits, and once more if the exchange fails, so that a peer's reported failure ends
+        the wait, and explains it, as it would the collective's own."""
+        check = _ON_WAIT.get()
+        if check is None or device.type == "cuda":
+            work.wait()  # NCCL: stream-ordered, bounded by the group's own timeout
+            return
+        delay = 1e-5
+        try:
+            while not work.is_completed():
+                check()
+                time.sleep(delay)
+                delay = min(2 * delay, _POLL_S)
+            work.wait()
+        except RuntimeError:
+            check()
+            raise
 
     # ---------------------------------------------------------------- steps
 
