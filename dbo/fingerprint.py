@@ -262,9 +262,11 @@ def _bookkeeping() -> AbstractContextManager:
 
 
 def _group_name(group: Any) -> str:
+    """The group as the reports name it; unique per group (two groups may hold the same
+    ranks), the same on every member."""
     if group is None or group is dist.GroupMember.WORLD:
         return "WORLD"
-    return f"ranks {dist.get_process_group_ranks(group)}"
+    return f"{group.group_name} (ranks {dist.get_process_group_ranks(group)})"
 
 
 def _exchange_device(group: Any) -> torch.device:
@@ -288,7 +290,10 @@ class CollectiveTracker:
         self.step, self.step_label = 0, "setup"
         self.seq: dict[str, int] = {}
         self.index: dict[tuple[str, str], int] = {}
+        # The first mismatch (what the report names), and each group's: a group whose ranks
+        # fell out of step runs no further collective; the others go on.
         self.broken: CollectiveMismatchError | None = None
+        self.broken_groups: dict[str, CollectiveMismatchError] = {}
         self.pending_async: list[tuple[int, Any]] = []
 
     # ---------------------------------------------------------------- setup
@@ -359,10 +364,12 @@ class CollectiveTracker:
     def check(self, call: CollectiveCall, group: Any) -> None:
         """Exchange `call`'s fingerprint on `group` and raise `CollectiveMismatchError` on
         every rank when they differ (after one more exchange, of each rank's description)."""
-        if self.broken is not None:
+        earlier = self.broken_groups.get(call.group)
+        if earlier is not None:
             raise CollectiveMismatchError(
-                f"no collective runs once the ranks are out of step:\n{self.broken}",
-                self.broken.calls,
+                f"no collective runs on group {call.group} once its ranks are out of step:"
+                f"\n{earlier}",
+                earlier.calls,
             )
         with _bookkeeping():
             if self._agree(call, group):
@@ -370,9 +377,11 @@ class CollectiveTracker:
             gathered: list[Any] = [None] * dist.get_world_size(group)
             self.originals["all_gather_object"](gathered, asdict(call), group=group)
         calls = [CollectiveCall(**{**c, "shape": _tuple(c["shape"])}) for c in gathered]
-        self.broken = CollectiveMismatchError(explain(calls), [asdict(c) for c in calls])
-        self.log("mismatch", message=str(self.broken), calls=self.broken.calls)
-        raise self.broken
+        error = CollectiveMismatchError(explain(calls), [asdict(c) for c in calls])
+        self.broken = self.broken or error
+        self.broken_groups[call.group] = error
+        self.log("mismatch", message=str(error), calls=error.calls)
+        raise error
 
     def _agree(self, call: CollectiveCall, group: Any) -> bool:
         """Exchange `call`'s fingerprint row on `group`; whether every rank's is the same."""
@@ -419,11 +428,11 @@ class CollectiveTracker:
         with self._lock:
             self.step += 1
             self.step_label = "finished"
-        if self.broken is None:
+        if "WORLD" not in self.broken_groups:
             try:
                 self._boundary("has finished every step")
             except CollectiveMismatchError:
-                pass  # recorded in self.broken, and already raised on the peers
+                pass  # recorded in broken_groups, and already raised on the peers
             except RuntimeError as error:  # a peer died: the backend's error, in the log
                 self.log("failed", seq=self.seq.get("WORLD", 0), group="WORLD", error=str(error))
 
