@@ -105,7 +105,8 @@ _ANALYSIS_NAMES = ("analyze_trace", "TraceReport")
 # `dbo.verify_ranks` (module `dbo.rank_verification`) stands on `dbo.verify`, loaded with it;
 # `dbo.collective_kind` (module `dbo.fingerprint`) imports torch.distributed, on first use.
 _RANKS_NAMES = ("verify_ranks", "RanksReport", "VerifyRanksError")
-_FINGERPRINT_NAMES = ("collective_kind", "CollectiveMismatchError")
+_FINGERPRINT_NAMES = ("collective_kind",)
+_COLLECTIVE_CALL_NAMES = ("CollectiveMismatchError",)
 
 
 def __getattr__(name: str):
@@ -125,4 +126,8 @@ def __getattr__(name: str):
         from dbo import fingerprint  # see _FINGERPRINT_NAMES
 
         return getattr(fingerprint, name)
+    if name in _COLLECTIVE_CALL_NAMES:
+        from dbo import collective_calls  # see _FINGERPRINT_NAMES
+
+        return getattr(collective_calls, name)
     raise AttributeError(f"module 'dbo' has no attribute {name!r}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dbo.fingerprint import BOUNDARY_OP, CollectiveCall, read_log
+from dbo.collective_calls import BOUNDARY_OP, CollectiveCall, read_log
 
 __all__ = ["RankHistory", "explain_hang", "read_histories"]
 

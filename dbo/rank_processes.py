@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.fingerprint import current_tracker, user_site
+from dbo.collective_calls import user_site
+from dbo.fingerprint import current_tracker
 
 __all__ = ["RankContext", "RanksRun", "run_ranks"]
 

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from dbo.checks import as_int
-from dbo.fingerprint import CollectiveMismatchError, CollectiveTracker
+from dbo.collective_calls import CollectiveMismatchError
+from dbo.fingerprint import CollectiveTracker
 from dbo.rank_history import explain_hang, read_histories
 from dbo.rank_processes import RankContext, RanksRun, run_ranks
 from dbo.ranks_report import RanksReport, RankVerdict, VerifyRanksError

@@ -1,12 +1,12 @@
-"""`dbo.fingerprint` without processes: the cause each pair of unpaired collectives is
-explained by, `collective_kind`, and the user's call site."""
+"""`dbo.fingerprint` and `dbo.collective_calls` without processes: the cause each pair of
+unpaired collectives is explained by, `collective_kind`, and the user's call site."""
 
 from __future__ import annotations
 
 import pytest
 
 import dbo
-from dbo.fingerprint import BOUNDARY_OP, CollectiveCall, explain, user_site
+from dbo.collective_calls import BOUNDARY_OP, CollectiveCall, explain, user_site
 
 
 def call(rank: int, **fields) -> CollectiveCall:
