@@ -84,6 +84,11 @@ __all__ = [
     "VerifyError",
     "analyze_trace",
     "TraceReport",
+    "verify_ranks",
+    "RanksReport",
+    "VerifyRanksError",
+    "collective_kind",
+    "CollectiveMismatchError",
 ]
 
 
@@ -97,6 +102,12 @@ _VERIFY_NAMES = ("verify", "VerifyReport", "VerifyError")
 # records: loaded on first use so that `import dbo` stays light.
 _ANALYSIS_NAMES = ("analyze_trace", "TraceReport")
 
+# `dbo.verify_ranks` (module `dbo.rank_verification`) stands on `dbo.verify`, loaded with it;
+# `dbo.collective_kind` (module `dbo.fingerprint`) imports torch.distributed, on first use.
+_RANKS_NAMES = ("verify_ranks", "RanksReport", "VerifyRanksError")
+_FINGERPRINT_NAMES = ("collective_kind",)
+_COLLECTIVE_CALL_NAMES = ("CollectiveMismatchError",)
+
 
 def __getattr__(name: str):
     if name in _VERIFY_NAMES:
@@ -107,4 +118,16 @@ def __getattr__(name: str):
         from dbo import analysis  # see _ANALYSIS_NAMES
 
         return getattr(analysis, name)
+    if name in _RANKS_NAMES:
+        from dbo import rank_verification  # see _RANKS_NAMES
+
+        return getattr(rank_verification, name)
+    if name in _FINGERPRINT_NAMES:
+        from dbo import fingerprint  # see _FINGERPRINT_NAMES
+
+        return getattr(fingerprint, name)
+    if name in _COLLECTIVE_CALL_NAMES:
+        from dbo import collective_calls  # see _FINGERPRINT_NAMES
+
+        return getattr(collective_calls, name)
     raise AttributeError(f"module 'dbo' has no attribute {name!r}")

@@ -16,7 +16,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from dbo.checks import as_int
 from dbo.comm_records import EPError, EPPeerFailedError, EPStepMismatchError, EPTimeoutError
+from dbo.fingerprint import collective_kind, while_waiting
 from dbo.ubatching import dbo_current_ubatch_id
 
 __all__ = ["Collectives", "abort_key", "ep_subgroup"]
@@ -149,8 +151,10 @@ class Collectives:
             [num_ubatches, self.step], dtype=torch.int64, device=self.small_device()
         )
         rows = [torch.empty_like(mine) for _ in self.members]
-        work = dist.all_gather(rows, mine, group=self.pg, async_op=True)
-        self.wait(work, f"step {self.step}'s handshake")
+        where = f"step {self.step}'s handshake"
+        with self._issuing("ep-handshake", where):
+            work = dist.all_gather(rows, mine, group=self.pg, async_op=True)
+        self.wait(work, where)
         table = [row.tolist() for row in rows]
         counts = {self.members[r]: v[0] for r, v in enumerate(table)}
         steps = {self.members[r]: v[1] for r, v in enumerate(table)}
@@ -214,7 +218,7 @@ class Collectives:
             )
         # Issued by the ubatch holding the baton and waited for before it yields: this keeps
         # the k-th collective the same on every rank (dbo.comm's docstring, "Ordering").
-        try:
+        with self._issuing(f"ep {what}", where):
             work = dist.all_to_all_single(
                 output,
                 inp,
@@ -223,9 +227,6 @@ class Collectives:
                 group=self.pg,
                 async_op=True,
             )
-        except Exception as error:
-            self.broken = f"{where} could not be issued: {error}"
-            raise EPError(self.broken) from error
         self.wait(work, where)
 
     def all_gather_floats(self, values: Sequence[float], what: str) -> list[list[float]]:
@@ -235,13 +236,41 @@ class Collectives:
         mine = torch.tensor(list(values), dtype=torch.float64, device=self.small_device())
         rows = [torch.empty_like(mine) for _ in self.members]
         where = f"{what} on rank {self.global_rank}"
-        try:
+        with self._issuing(f"ep {what}", where):
             work = dist.all_gather(rows, mine, group=self.pg, async_op=True)
+        self.wait(work, where)
+        return [row.tolist() for row in rows]
+
+    @contextmanager
+    def _issuing(self, kind: str, where: str) -> Iterator[None]:
+        """Issue a collective: named `kind` for the cross-rank fingerprint (`dbo.fingerprint`,
+        in runs that install it), whose wait also watches this group's abort key; an issue
+        that fails marks the group broken and raises EPError (a peer's reported failure as
+        itself)."""
+        try:
+            with collective_kind(kind), while_waiting(self._watch(where)):
+                yield
+        except EPError:
+            raise  # EPPeerFailedError from the abort key: raise_if_aborted marked the group
         except Exception as error:
             self.broken = f"{where} could not be issued: {error}"
             raise EPError(self.broken) from error
-        self.wait(work, where)
-        return [row.tolist() for row in rows]
+
+    def _watch(self, what: str) -> Callable[[], None]:
+        """What a wait for `what` checks while it waits, as `wait` does: the abort key every
+        `abort_poll_s`, and the `timeout_s` bound."""
+        start = time.monotonic()
+        next_abort_check = [start + self.abort_poll_s]
+
+        def check() -> None:
+            now = time.monotonic()
+            if now >= next_abort_check[0]:
+                self.raise_if_aborted(what)
+                next_abort_check[0] = now + self.abort_poll_s
+            if now - start >= self.timeout_s:
+                self._time_out(what)
+
+        return check
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for `work` (a collective's handle), at most `timeout_s`, checking the abort

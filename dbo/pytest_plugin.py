@@ -8,7 +8,9 @@ installed (or load it by hand: `pytest -p dbo.pytest_plugin`). Fixtures:
   indirect parametrization), reset after the test;
 - `dbo_verify`: `dbo.verify` that fails the test with the report's `describe()` (races
   grouped by cause, each with its fix) and the first race in full when the report is not
-  ok, and returns the report when it is.
+  ok, and returns the report when it is;
+- `dbo_verify_ranks`: `dbo.verify_ranks` (the step on N gloo rank processes, every collective
+  checked across them), failing the test with the group report's `describe()` when not ok.
 
     def test_my_model_overlaps_correctly(dbo_verify):
         dbo_verify(MyModel().forward, torch.randn(64, 128))
@@ -24,10 +26,11 @@ import pytest
 
 import workspace
 from dbo.checks import as_int
+from dbo.rank_verification import RanksReport, verify_ranks
 from dbo.sim import SimDevice
 from dbo.verification import VerifyReport, verify
 
-__all__ = ["dbo_verify", "dbo_workspace", "sim_device"]
+__all__ = ["dbo_verify", "dbo_verify_ranks", "dbo_workspace", "sim_device"]
 
 DEFAULT_NUM_UBATCHES = 2
 
@@ -64,6 +67,24 @@ def dbo_verify() -> Callable[..., VerifyReport]:
         return report
 
     return verify_or_fail
+
+
+@pytest.fixture
+def dbo_verify_ranks() -> Callable[..., RanksReport]:
+    """`dbo.verify_ranks`, failing the test with the group report when it is not ok.
+
+    def test_idle_rank_keeps_step(dbo_verify_ranks):
+        dbo_verify_ranks(step, lambda rank, world: batch_for(rank), num_ranks=2)
+    """
+
+    @functools.wraps(verify_ranks)
+    def verify_ranks_or_fail(*args: Any, **kwargs: Any) -> RanksReport:
+        report = verify_ranks(*args, **kwargs)
+        if not report.ok:
+            pytest.fail(report.describe(), pytrace=False)
+        return report
+
+    return verify_ranks_or_fail
 
 
 def _failure(report: VerifyReport) -> str:

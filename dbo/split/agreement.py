@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dbo.fingerprint import collective_kind
 from dbo.split.checks import as_bool, as_count
 from dbo.split.slicing import check_ubatch_thresholds, is_last_ubatch_empty
 
@@ -220,7 +221,8 @@ def _exchange_rows(rank: int, world: int, args: tuple, group: Any) -> list[list[
         row = [0] * _WIRE_FIELDS
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     rows = [torch.empty(_WIRE_FIELDS, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(rows, mine, group=group)
+    with collective_kind("dp-agreement"):
+        dist.all_gather(rows, mine, group=group)
     table = torch.stack(rows).cpu().tolist()  # one device-to-host copy for every row
     if local_error is not None:
         raise local_error
@@ -292,7 +294,9 @@ def check_dp_padding(num_tokens: int, num_tokens_across_dp: Any, group: Any = No
     else:
         device = exchange_device(group)
         rows = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(world)]
-        dist.all_gather(rows, torch.tensor([mine], dtype=torch.int64, device=device), group=group)
+        count = torch.tensor([mine], dtype=torch.int64, device=device)
+        with collective_kind("dp-padding-check"):
+            dist.all_gather(rows, count, group=group)
         ran = [int(r.item()) for r in rows]
     if len(agreed) != len(ran):
         raise UBatchAgreementError(

@@ -3,6 +3,7 @@ once, in the order `dbo-sim bugs` lists them."""
 
 from scenarios.bugs import (
     dp_ranks,
+    dp_steps,
     sglang_split,
     vllm_fallback,
     vllm_graphs,
@@ -18,5 +19,6 @@ ENTRY_MODULES = (
     vllm_graphs,
     vllm_fallback,
     dp_ranks,
+    dp_steps,
     sglang_split,
 )

@@ -1,7 +1,7 @@
-"""Data-parallel bugs, run on a real two-rank gloo group: each entry starts two rank
-processes (this module run as a script) that agree with `coordinate_batch_across_dp`, then
-confirm with `check_dp_padding` the token counts they are about to run, the buggy way and
-the fixed way, and report what each rank saw.
+"""Data-parallel bugs, run on a real two-rank gloo group: each entry forks two rank processes
+(`dbo.rank_processes`) that agree with `coordinate_batch_across_dp`, then confirm with
+`check_dp_padding` the token counts they are about to run, the fixed way and the buggy way
+in one group, and report what each rank saw.
 
 vLLM #26209: a rank in a dummy run skipped DP padding and ran its own token count, so its
 peers' collectives, sized by the agreement, never completed. SGLang #13082: the ubatches'
@@ -12,18 +12,14 @@ batch's), so each ubatch's DP gather was sized for the whole batch.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
-import time
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from dbo.rank_processes import RankContext, run_ranks
 from dbo.split import (
     DBOConfig,
     UBatchAgreementError,
@@ -73,64 +69,35 @@ def _child_global_counts(rank: int, buggy: bool) -> int:
 SCENARIOS = {"dummy-run-padding": _dummy_run_padding, "child-global-counts": _child_global_counts}
 
 
-def _worker(name: str, rank: int, port: int, out: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=DEADLINE_S / 2),
-    )
-    results = {}
-    for variant in ("fixed", "buggy"):  # the buggy one last: an error ends nothing after it
-        try:
-            results[variant] = {"ok": True, "tokens": SCENARIOS[name](rank, variant == "buggy")}
-        except UBatchAgreementError as error:
-            results[variant] = {"ok": False, "error": f"UBatchAgreementError: {error}"}
-    dist.destroy_process_group()
-    Path(out).write_text(json.dumps(results))
+def _rank_body(name: str) -> Callable[[RankContext], None]:
+    """One rank's part: both variants in one group, the buggy one last (an error ends nothing
+    after it), each rank's results written to its file."""
 
+    def body(ctx: RankContext) -> None:
+        results = {}
+        for variant in ("fixed", "buggy"):
+            try:
+                tokens = SCENARIOS[name](ctx.rank, variant == "buggy")
+                results[variant] = {"ok": True, "tokens": tokens}
+            except UBatchAgreementError as error:
+                results[variant] = {"ok": False, "error": f"UBatchAgreementError: {error}"}
+        ctx.path("result.json").write_text(json.dumps(results))
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return body
 
 
 def run_group(name: str) -> list[dict]:
-    """Run scenario `name` on a fresh two-rank gloo group; every rank's results. Kills the
-    ranks past the deadline, so nothing outlives the call."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    repo = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
-    port = _free_port()
+    """Run scenario `name` on a fresh two-rank gloo group; every rank's results. The ranks are
+    ended past the deadline, so nothing outlives the call."""
     with tempfile.TemporaryDirectory() as tmp:
-        outs = [Path(tmp) / f"rank{r}.json" for r in range(WORLD)]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "scenarios.bugs.dp_ranks", name, str(r), str(port), str(o)],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )
-            for r, o in enumerate(outs)
-        ]
-        end = time.monotonic() + DEADLINE_S
-        try:
-            errors = [p.communicate(timeout=max(0.1, end - time.monotonic()))[1] for p in procs]
-        except subprocess.TimeoutExpired:
-            message = f"the DP ranks of {name!r} did not finish in {DEADLINE_S:.0f} s"
-            raise RuntimeError(message) from None
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            tail = errors[failed[0]].decode(errors="replace")[-600:]
-            raise RuntimeError(f"DP rank {failed[0]} of {name!r} exited non-zero: {tail}")
-        return [json.loads(o.read_text()) for o in outs]
+        run = run_ranks(_rank_body(name), WORLD, DEADLINE_S, Path(tmp))
+        failed = [r for r, code in enumerate(run.exit_codes) if code != 0]
+        if run.hung or failed:
+            out = Path(tmp) / f"rank{failed[0] if failed else 0}.out"
+            tail = out.read_text(errors="replace")[-600:] if out.exists() else ""
+            why = run.why_ended or f"DP rank {failed[0]} exited with {run.exit_codes[failed[0]]}"
+            raise RuntimeError(f"the DP ranks of {name!r}: {why}: {tail}")
+        return [json.loads((Path(tmp) / f"rank{r}.result.json").read_text()) for r in range(WORLD)]
 
 
 def _verdicts(name: str) -> tuple[Verdict, Verdict]:
@@ -168,7 +135,3 @@ def dummy_run_padding() -> tuple[Verdict, Verdict]:
 )
 def child_global_counts() -> tuple[Verdict, Verdict]:
     return _verdicts("child-global-counts")
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dbo.fingerprint import CollectiveTracker
 from scenarios.harness import RunOptions
 from scenarios.ranks.records import RankEnv
 
@@ -81,6 +82,9 @@ def init_rank(opts: RunOptions) -> RankEnv:
             cuda_group = dist.new_group(backend="nccl", timeout=timeout)
     except Exception as error:
         raise RankSetupError(_group_never_formed(rank, world, opts, error)) from error
+    # Every collective of the run is fingerprinted across the ranks before it runs: a rank
+    # out of step is named (its collective's kind and call site) instead of pairing wrongly.
+    CollectiveTracker(rank, None).install()
     group = dist.group.WORLD
     return RankEnv(rank, world, local_rank, store, group, group, cuda_group)
 

@@ -2,7 +2,9 @@
 
 MODULE is a dotted module name (found from the current folder, as `python -m` finds it) or a
 path to a .py file; the part after the colon is an attribute path in it. FORWARD is the step
-(`forward(batch) -> output`), FACTORY a callable with no arguments that returns the batch.
+(`forward(batch) -> output`), FACTORY a callable with no arguments that returns the batch;
+with `--ranks N` the step runs on N gloo rank processes (`dbo.verify_ranks`) and FACTORY takes
+`(rank, world_size)` and returns that rank's batch.
 Exit status: 0 when the report is ok, 1 when it is not (or the serial forward raised), 2 on a
 bad command line (one line, `dbo-sim: <why>`), before any work.
 """
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from dbo.errors import UBatchTimeoutError
+from dbo.rank_verification import verify_ranks
 from dbo.sim.trace import WindowSpec
 from dbo.verification import RACE_ORDERS, VerifyReport, verify
 from scenarios.tools.trace_window import window_type
@@ -55,6 +58,16 @@ def _tolerance(text: str) -> float:
     return value
 
 
+def _ranks(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (one rank is plain verify), got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     value = _tolerance(text)
     if value <= 0:
@@ -75,6 +88,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a callable with no arguments that returns the batch",
     )
     p.add_argument("-n", "--ubatches", type=_ubatches, default=2, help="ubatches (default 2)")
+    p.add_argument(
+        "--ranks",
+        type=_ranks,
+        default=None,
+        metavar="N",
+        help="verify on N gloo rank processes, every collective checked across them; FACTORY "
+        "then takes (rank, world_size) and returns that rank's batch",
+    )
     p.add_argument(
         "--device",
         choices=["sim", "cuda"],
@@ -182,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--window narrows the trace and PNG: give --out DIR too")
     if args.out is not None:
         _check_out(args.out)
+    if getattr(args, "ranks", None) is not None:
+        return _run_ranks(args, forward, factory)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(
             "--device cuda needs a CUDA GPU, and none is present here; use --device sim"
@@ -210,6 +233,38 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         _write_artifacts(report, args.out, args.window)
     _print(report, args.json)
+    return 0 if report.ok else 1
+
+
+def _run_ranks(args: argparse.Namespace, forward: Any, factory: Any) -> int:
+    """`--ranks N`: `dbo.verify_ranks`, one report for the group."""
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--out", args.out is not None),
+            ("--device cuda", args.device != "sim"),
+            ("--race-order adversarial", args.race_order != "issue"),
+        )
+        if given
+    ]
+    if unsupported:
+        raise UsageError(f"{unsupported[0]} is not supported with --ranks yet; drop it")
+    try:
+        report = verify_ranks(
+            forward,
+            factory,
+            num_ranks=args.ranks,
+            num_ubatches=args.ubatches,
+            atol=args.atol,
+            rtol=args.rtol,
+            timeout=args.timeout,
+        )
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise UsageError(str(error)) from None
+    if args.json:
+        print(json.dumps(report.to_dict(), allow_nan=False))
+    else:
+        print(report.describe())
     return 0 if report.ok else 1
 
 

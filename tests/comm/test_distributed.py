@@ -128,6 +128,7 @@ def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
     # Made first, while every rank is healthy: the failure checks at the end each break one.
     fail_group = dist.new_group([0, 1])
     hang_group = dist.new_group([0, 1])
+    kind_group = dist.new_group([0, 1])
     # Rank 1 is refused by this group; the EP groups both ranks build later must still agree on
     # their abort keys (a process-wide count once went out of step here).
     only_rank_0 = dist.new_group([0])
@@ -177,6 +178,13 @@ def _worker_two(env: Any, opts: RunOptions) -> dict[str, Any]:
                 timeout_s=30,
             )
 
+    # Two same-shape exchanges that mean different things on each rank: the run's tracker
+    # (dbo.fingerprint, installed when the rank joined) names both kinds on both ranks.
+    def swapped_kinds() -> None:
+        with dbo.collective_kind("dispatch" if rank == 0 else "combine"):
+            dist.all_reduce(torch.ones(2), group=kind_group)
+
+    out["kinds out of step"] = _attempt(swapped_kinds)
     out["raising rank"] = _attempt(failing_step)
     out["after the failure"] = _attempt(lambda: failing_ep.begin_step(1))
 
@@ -422,6 +430,16 @@ def test_a_raising_rank_ends_the_step_on_every_rank_promptly(group_results):
     for results in (r0, r1):
         status, (kind, message, _), _ = results["after the failure"]
         assert status == "error" and kind == "EPError" and "re-create the process group" in message
+
+
+@pytest.mark.timeout(120)
+def test_a_scenario_runs_collectives_are_fingerprinted_across_ranks(group_results):
+    for results in group_results("two", 2):
+        status, (kind, message, _), _ = results["kinds out of step"]
+        assert status == "error" and kind == "CollectiveMismatchError"
+        assert "rank 0 calls all_reduce ('dispatch') where rank 1 calls all_reduce ('combine')" in (
+            message
+        )
 
 
 @pytest.mark.timeout(120)

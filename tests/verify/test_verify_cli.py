@@ -283,3 +283,39 @@ def test_a_serial_run_past_the_timeout_exits_1_saying_where_it_hangs(user_module
     assert code == 1
     assert "did not finish within 0.5 s" in err and "hangs.py" in err
     assert "Traceback" not in err
+
+
+RANKS_MODULE = textwrap.dedent(
+    """
+    import torch
+    import torch.distributed as dist
+
+    def forward(x):
+        out = torch.ones(2)
+        dist.all_reduce(out)
+        return x * out.sum()
+
+    def skips_when_idle(x):
+        return x if x.shape[0] == 0 else forward(x)
+
+    def batches(rank, world_size):
+        return torch.ones(6 if rank == 0 else 0, 4)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_verifies_on_gloo_ranks_and_names_a_skipped_collective(tmp_path, capsys):
+    (tmp_path / "user_ranks.py").write_text(RANKS_MODULE)
+    model = str(tmp_path / "user_ranks.py")
+    ok = run_cli(["verify", f"{model}:forward", "--inputs", f"{model}:batches", "--ranks", "2"])
+    assert ok == 0 and "dbo.verify_ranks: OK (2 ranks over gloo" in capsys.readouterr().out
+    argv = ["verify", f"{model}:skips_when_idle", "--inputs", f"{model}:batches", "--ranks", "2"]
+    assert run_cli(argv) == 1
+    assert "rank 1 has begun step 2 (DBO)" in capsys.readouterr().out
+
+
+def test_ranks_below_two_is_a_bad_command_line(user_module, capsys):
+    argv = ["verify", "user_model:forward", "--inputs", "user_model:make_batch", "--ranks", "1"]
+    assert run_cli(argv) == 2
+    assert "--ranks: must be >= 2" in capsys.readouterr().err
