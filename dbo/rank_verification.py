@@ -11,6 +11,14 @@ tracker, so a rank that skips a collective or a whole step is named on every ran
 `timeout` every rank is asked where it stands, killed and reaped, and the report explains
 the hang from every rank's collective log (`dbo.rank_history`).
 
+With `graphs` (a `dbo.graph_runner.CUDAGraphRunner`, or `graphs(rank, world_size)` that builds
+and captures one in the rank, as each engine process captures its own), each rank first makes
+the DP agreement on the real group (`coordinate_ubatching`: every rank's token count, padded
+to the largest where graphs run), hands the agreed counts to its runner
+(`num_tokens_across_dp`) and then serves its step through it: a rank that replays a graph of
+another size than the one its peers agreed on is named by the runner's DP size check, with
+nothing passed by hand.
+
 The default split cuts as `dbo.verify` does, except that a rank with fewer rows than ubatches
 (the idle rank's dummy batch) gets empty ubatches: it must still run every ubatch's
 collectives, as vLLM's dummy run does.
@@ -32,14 +40,26 @@ import torch.distributed as dist
 from dbo.checks import as_int
 from dbo.collective_calls import CollectiveMismatchError
 from dbo.fingerprint import CollectiveTracker
+from dbo.graph_dispatch import CUDAGraphMode
+from dbo.graph_runner import CUDAGraphRunner, describe_batch
 from dbo.rank_history import explain_hang, read_histories
 from dbo.rank_processes import RankContext, RanksRun, run_ranks
 from dbo.ranks_report import RanksReport, RankVerdict, VerifyRanksError
+from dbo.split import coordinate_ubatching
 from dbo.ubatching import dbo_enabled
 from dbo.verification import split_inputs, verify
 from dbo.verify_report import error_text
 
-__all__ = ["RanksReport", "RankVerdict", "VerifyRanksError", "rank_split", "verify_ranks"]
+__all__ = [
+    "RanksReport",
+    "RankVerdict",
+    "VerifyRanksError",
+    "agree_graph_counts",
+    "rank_split",
+    "verify_ranks",
+]
+
+Graphs = CUDAGraphRunner | Callable[[int, int], CUDAGraphRunner]
 
 
 # A rank stopped by PyTorch's own collective check exits with this: its peers may be left in
@@ -99,7 +119,14 @@ def _cut(inputs: Any, s: slice) -> Any:
     return type(inputs)(v[s] for v in inputs)
 
 
-def _check_args(forward: Any, inputs: Any, num_ranks: Any, timeout: Any, device: Any) -> None:
+def _check_args(
+    forward: Any, inputs: Any, num_ranks: Any, timeout: Any, device: Any, graphs: Any
+) -> None:
+    if graphs is not None and not callable(graphs) and not isinstance(graphs, CUDAGraphRunner):
+        raise TypeError(
+            f"graphs must be a CUDAGraphRunner or graphs(rank, world_size) -> CUDAGraphRunner, "
+            f"got {type(graphs).__name__}"
+        )
     if not callable(forward):
         raise TypeError(
             f"forward must be callable (forward(batch) -> output), got {type(forward).__name__}"
@@ -152,15 +179,19 @@ def verify_ranks(
     atol: float = 0.0,
     rtol: float = 0.0,
     timeout: float = 60.0,
+    graphs: Graphs | None = None,
 ) -> RanksReport:
     """Run `dbo.verify(forward, batch_r)` on each of `num_ranks` gloo rank processes, with
     every collective checked across ranks before it runs, and return one `RanksReport`.
 
     `inputs(rank, world_size) -> batch` (or a sequence of one batch per rank) gives each
     rank its batch. `timeout` bounds the whole group: past it every rank is dumped, killed
-    and reaped, and the report names where the ranks diverged. The other arguments are
-    `dbo.verify`'s. Bad arguments raise before any process starts."""
-    _check_args(forward, inputs, num_ranks, timeout, device)
+    and reaped, and the report names where the ranks diverged. `graphs`: each rank's
+    CUDA graphs (a captured `CUDAGraphRunner`, which each forked rank gets a copy of, or
+    `graphs(rank, world_size)` building one in the rank); each rank serves its step through
+    them, checked against the counts the ranks agree on (`agree_graph_counts`). The other
+    arguments are `dbo.verify`'s. Bad arguments raise before any process starts."""
+    _check_args(forward, inputs, num_ranks, timeout, device, graphs)
     # Each rank's own step timeout lies past the group's: the launcher ends a hung group
     # first, with every rank's history; a step ended inside a rank would leave its thread in
     # a collective that the rank's next one would pair with.
@@ -172,7 +203,7 @@ def verify_ranks(
         rtol=rtol,
         timeout=2 * timeout + 10.0,
     )
-    body = _RankBody(forward, inputs, split or rank_split, options)
+    body = _RankBody(forward, inputs, split or rank_split, options, graphs)
     with tempfile.TemporaryDirectory(prefix="dbo-verify-ranks-") as folder:
         workdir = Path(folder)
         run = run_ranks(body, num_ranks, timeout, workdir)
@@ -183,8 +214,11 @@ class _RankBody:
     """What each rank runs: its batch, `verify` with the tracker's step boundaries, and its
     result written to `rank<r>.result.json`."""
 
-    def __init__(self, forward: Callable, inputs: Any, split: Callable, options: dict) -> None:
+    def __init__(
+        self, forward: Callable, inputs: Any, split: Callable, options: dict, graphs: Any
+    ) -> None:
         self.forward, self.inputs, self.split, self.options = forward, inputs, split, options
+        self.graphs = graphs
 
     def __call__(self, ctx: RankContext) -> int:
         """Run the rank; its exit code: 0, or `BACKEND_MISMATCH_EXIT` when PyTorch's own check
@@ -194,8 +228,13 @@ class _RankBody:
         batch = inputs(ctx.rank, ctx.world_size) if callable(inputs) else inputs[ctx.rank]
         result: dict[str, Any] = {"tokens": _rows(batch)}
         try:
+            runner = self._runner(ctx, batch)
             report = verify(
-                self._forward(tracker), batch, split=self._split(tracker), **self.options
+                self._forward(tracker),
+                batch,
+                split=self._split(tracker),
+                graphs=runner,
+                **self.options,
             )
             result.update(ok=report.ok, text=report.describe(), report=report.to_dict())
         except Exception as error:  # noqa: BLE001 - the serial step failed: the rank's verdict
@@ -216,6 +255,22 @@ class _RankBody:
         tmp.replace(ctx.path("result.json"))
         return 0 if detail is None else BACKEND_MISMATCH_EXIT
 
+    def _runner(self, ctx: RankContext, batch: Any) -> CUDAGraphRunner | None:
+        """This rank's graph runner (built here from a factory), given the DP-agreed counts."""
+        if self.graphs is None:
+            return None
+        graphs = self.graphs
+        runner = graphs if isinstance(graphs, CUDAGraphRunner) else graphs(ctx.rank, ctx.world_size)
+        if not isinstance(runner, CUDAGraphRunner):
+            raise TypeError(
+                f"graphs(rank, world_size) must return a CUDAGraphRunner, got "
+                f"{type(runner).__name__}"
+            )
+        runner.num_tokens_across_dp = agree_graph_counts(
+            runner, batch, self.options["num_ubatches"]
+        )
+        return runner
+
     def _forward(self, tracker: CollectiveTracker) -> Callable[[Any], Any]:
         def forward_in_steps(batch: Any) -> Any:
             if not dbo_enabled():  # a serial step: one forward call is the whole step
@@ -234,6 +289,18 @@ class _RankBody:
             return self.split(batch, num_ubatches)
 
         return split_in_steps
+
+
+def agree_graph_counts(runner: CUDAGraphRunner, batch: Any, num_ubatches: int) -> list[int]:
+    """The DP agreement a graph step starts with, made on the real group (vLLM's
+    `coordinate_batch_across_dp`): every rank's token count, as its batch's attention metadata
+    (or dim 0) gives it; where the runner runs graphs, every rank is padded to the largest,
+    which each replayed graph's size is then checked against."""
+    q = runner.dispatcher.uniform_decode_query_len
+    tokens = describe_batch(batch, uniform_decode_query_len=q).num_tokens
+    graphs_on = runner.dispatcher.cudagraph_mode != CUDAGraphMode.NONE
+    decision = coordinate_ubatching(False, tokens, num_ubatches, cudagraph_mode=int(graphs_on))
+    return list(decision.num_tokens_across_dp)
 
 
 def _out_of_step(error: BaseException | None) -> bool:

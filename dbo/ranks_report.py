@@ -53,6 +53,11 @@ def _why(report: dict[str, Any]) -> str:
         return f"the DBO step failed: {report['error']}"
     if not report.get("outputs_match", True):
         return f"outputs differ: {report.get('mismatch') or 'values'}"
+    replays = [r for r in report.get("graphs") or [] if not r.get("ok", True)]
+    if replays:
+        first = replays[0]
+        found = first.get("problems") or [f"output differs: {first.get('mismatch')}"]
+        return f"its {first.get('step')} through CUDA graphs: {found[0]}"
     return f"{len(_races(report))} race(s)"
 
 

@@ -2,6 +2,7 @@
 once, in the order `dbo-sim bugs` lists them."""
 
 from scenarios.bugs import (
+    dp_graphs,
     dp_ranks,
     dp_steps,
     sglang_split,
@@ -20,5 +21,6 @@ ENTRY_MODULES = (
     vllm_fallback,
     dp_ranks,
     dp_steps,
+    dp_graphs,
     sglang_split,
 )

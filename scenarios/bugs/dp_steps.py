@@ -92,11 +92,17 @@ def verdict(mistake: Mistake) -> Verdict:
     report = dbo.verify_ranks(
         lambda batch: moe_step(batch, mistake), dp_batches, num_ranks=2, timeout=TIMEOUT_S
     )
+    return report_verdict(report, _BY)
+
+
+def report_verdict(report: dbo.RanksReport, by: str) -> Verdict:
+    """A group report as a verdict: caught when not ok, its message the collectives' finding
+    (the ranks out of step, or the hang) and each failed rank's headline."""
     if report.ok:
-        return Verdict(False, _BY, "ok: every rank ran the same collectives and matched")
+        return Verdict(False, by, "ok: every rank ran the same collectives and matched")
     finding = report.out_of_step or "\n".join(report.hang or [])
     ranks = [v.headline() for v in report.ranks if not v.ok]
-    return Verdict(True, _BY, " | ".join([finding.replace("\n", " "), *ranks]))
+    return Verdict(True, by, " | ".join(p for p in [finding.replace("\n", " "), *ranks] if p))
 
 
 @bug(
