@@ -3,6 +3,7 @@ once, in the order `dbo-sim bugs` lists them."""
 
 from scenarios.bugs import (
     dp_graphs,
+    dp_modes,
     dp_ranks,
     dp_steps,
     sglang_split,
@@ -22,5 +23,6 @@ ENTRY_MODULES = (
     dp_ranks,
     dp_steps,
     dp_graphs,
+    dp_modes,
     sglang_split,
 )

@@ -105,6 +105,7 @@ def _agreed(runner: CUDAGraphRunner) -> int:
     "instead of the DP-padded count the ranks agreed (8), so it replays a graph of another "
     "size than its peers and their collectives hang",
     caught_by=_BY,
+    ranks=2,
     evidence="the step runs a graph of 1 tokens, but the ranks agreed on 8 tokens",
 )
 def dummy_run_graph_size(buggy: bool) -> Verdict:
@@ -124,6 +125,7 @@ def dummy_run_graph_size(buggy: bool) -> Verdict:
     "positions.shape[0], which is 3 for a multimodal model's mRoPE positions (3, num_tokens), "
     "so it replays the graph of another size than its peers and the ranks hang",
     caught_by=_BY,
+    ranks=2,
     evidence="the step runs a graph of 4 tokens, but the ranks agreed on 8 tokens",
 )
 def mrope_graph_tokens(buggy: bool) -> Verdict:

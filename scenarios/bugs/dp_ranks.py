@@ -118,6 +118,7 @@ def _verdicts(name: str) -> tuple[Verdict, Verdict]:
     cause="a rank in a dummy run skips DP padding and runs its own token count, so the ranks "
     "disagree and hang in the step's collectives",
     caught_by="the DP agreement over gloo (check_dp_padding)",
+    ranks=2,
     evidence="rank 1 runs 1 (agreed 600)",
 )
 def dummy_run_padding() -> tuple[Verdict, Verdict]:
@@ -131,6 +132,7 @@ def dummy_run_padding() -> tuple[Verdict, Verdict]:
     cause="the ubatches' child batches are built without their own global token counts and "
     "keep the parent batch's, so each ubatch's DP gather is sized for the whole batch",
     caught_by="the DP agreement over gloo (check_dp_padding)",
+    ranks=2,
     evidence="runs 500 (agreed 1000)",
 )
 def child_global_counts() -> tuple[Verdict, Verdict]:

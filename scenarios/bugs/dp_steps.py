@@ -113,6 +113,7 @@ def report_verdict(report: dbo.RanksReport, by: str) -> Verdict:
     "running the dummy forward, so it skips every collective of the step and the busy rank "
     "waits in the EP exchange",
     caught_by=_BY,
+    ranks=2,
     evidence="rank 1 has begun step 2 (DBO) while rank 0 still calls all_gather "
     "('dp-agreement') in step 1: rank 1 skipped that collective",
 )
@@ -127,6 +128,7 @@ def idle_rank_returns_early(buggy: bool) -> Verdict:
     cause="the idle rank's dummy run sizes its batch (and CUDA graph) from its own token count "
     "instead of the DP-agreed one, so its collectives have other shapes than its peers'",
     caught_by=_BY,
+    ranks=2,
     evidence="a rank sized it from its own token count instead of the agreed one",
 )
 def dummy_run_own_count(buggy: bool) -> Verdict:
@@ -140,6 +142,7 @@ def dummy_run_own_count(buggy: bool) -> Verdict:
     cause="a rank that received zero tokens skips the combine's exchange and moves on, so its "
     "next layer's dispatch pairs with its peers' combine: same op, same shape, another meaning",
     caught_by=_BY,
+    ranks=2,
     evidence="rank 0 calls all_gather ('ep combine') where rank 1 calls all_gather ('ep dispatch')",
 )
 def zero_token_rank_skips_combine(buggy: bool) -> Verdict:
@@ -153,6 +156,7 @@ def zero_token_rank_skips_combine(buggy: bool) -> Verdict:
     cause="an idle DP rank's batch falls through to the extend path of the MLP sync and reads "
     "a None field, so the rank raises before the sync's all_gather and every peer waits in it",
     caught_by=_BY,
+    ranks=2,
     evidence="rank 1 has finished every step while rank 0 still calls all_gather ('dp-agreement')",
 )
 def idle_batch_crashes_dp_sync(buggy: bool) -> Verdict:

@@ -38,7 +38,8 @@ Pair = Callable[[], tuple[Verdict, Verdict]]
 class Bug:
     """A registered bug. `ref` is the issue/PR it is rebuilt from (e.g. "vllm#48659"),
     `cause` its one-line cause, `caught_by` the tool expected to catch it, `evidence` the
-    words the catching message must contain."""
+    words the catching message must contain, `ranks` how many rank processes it runs on
+    (1: in-process)."""
 
     name: str
     engine: str
@@ -47,6 +48,7 @@ class Bug:
     caught_by: str
     evidence: str
     run: Pair  # (buggy verdict, fixed verdict)
+    ranks: int = 1
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class BugResult:
             "ref": b.ref,
             "cause": b.cause,
             "caught_by": b.caught_by,
+            "ranks": b.ranks,
             "passed": self.passed,
             "buggy": self.buggy.__dict__,
             "fixed": self.fixed.__dict__,
@@ -86,17 +89,26 @@ class BugResult:
 BUGS: dict[str, Bug] = {}
 
 
-def _register(name: str, fields: dict[str, str], run: Pair) -> None:
+def _register(name: str, fields: dict, run: Pair) -> None:
     if name in BUGS:
         raise ValueError(f"bug {name!r} is registered twice; pick another name")
     BUGS[name] = Bug(name, run=run, **fields)
 
 
 def bug(
-    name: str, *, engine: str, ref: str, cause: str, caught_by: str, evidence: str
+    name: str,
+    *,
+    engine: str,
+    ref: str,
+    cause: str,
+    caught_by: str,
+    evidence: str,
+    ranks: int = 1,
 ) -> Callable[[Check], Check]:
     """Register `check(buggy) -> Verdict` as bug `name` (the buggy variant runs first)."""
-    fields = dict(engine=engine, ref=ref, cause=cause, caught_by=caught_by, evidence=evidence)
+    fields = dict(
+        engine=engine, ref=ref, cause=cause, caught_by=caught_by, evidence=evidence, ranks=ranks
+    )
 
     def register(check: Check) -> Check:
         _register(name, fields, lambda: (check(True), check(False)))
@@ -106,10 +118,19 @@ def bug(
 
 
 def bug_pair(
-    name: str, *, engine: str, ref: str, cause: str, caught_by: str, evidence: str
+    name: str,
+    *,
+    engine: str,
+    ref: str,
+    cause: str,
+    caught_by: str,
+    evidence: str,
+    ranks: int = 1,
 ) -> Callable[[Pair], Pair]:
     """Register `run() -> (buggy verdict, fixed verdict)` as bug `name`."""
-    fields = dict(engine=engine, ref=ref, cause=cause, caught_by=caught_by, evidence=evidence)
+    fields = dict(
+        engine=engine, ref=ref, cause=cause, caught_by=caught_by, evidence=evidence, ranks=ranks
+    )
 
     def register(run: Pair) -> Pair:
         _register(name, fields, run)

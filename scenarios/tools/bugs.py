@@ -59,9 +59,10 @@ def run(args: argparse.Namespace) -> int:
         for b in entries:
             if args.json:
                 fields = dict(bug=b.name, engine=b.engine, ref=b.ref, cause=b.cause)
-                print(json.dumps({**fields, "caught_by": b.caught_by}))
+                print(json.dumps({**fields, "caught_by": b.caught_by, "ranks": b.ranks}))
             else:
-                print(f"{b.name:36s} {b.engine:7s} {b.ref:26s} caught by {b.caught_by}")
+                where = "in-process" if b.ranks == 1 else f"{b.ranks} ranks"
+                print(f"{b.name:36s} {b.engine:7s} {b.ref:26s} {where:10s} caught by {b.caught_by}")
         return 0
     results = []
     for b in entries:
@@ -70,5 +71,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()) if args.json else _row(result), flush=True)
     if not args.json:
         held = sum(r.passed for r in results)
-        print(f"{held} of {len(results)} entries hold")
+        multi = sum(r.bug.ranks > 1 for r in results)
+        print(f"{held} of {len(results)} entries hold ({multi} of them on real ranks)")
     return 0 if all(r.passed for r in results) else 1

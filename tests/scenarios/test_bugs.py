@@ -31,7 +31,22 @@ def test_the_corpus_covers_the_reported_bugs() -> None:
         assert f"vllm#{number}" in refs
     assert "afd-plugin#99" in refs  # an empty ubatch the engine's rules refuse
     assert "vllm-ascend#4393" in refs  # a dummy run's graph size from mRoPE positions
+    assert "sglang#7222" in refs  # the EP dispatch mode resolved from a rank's own batch
+    assert "vllm#50945 (review thread)" in refs  # a dummy run opting out of microbatching
     assert all(b.cause and b.evidence and b.caught_by for b in BUGS.values())
+
+
+def test_at_least_half_the_corpus_runs_on_real_ranks() -> None:
+    multi = [b for b in BUGS.values() if b.ranks > 1]
+    assert len(BUGS) >= 14 and 2 * len(multi) >= len(BUGS)
+
+
+@pytest.mark.parametrize(
+    "name", ["vllm-25906-dummy-run-graph-size", "vllm-ascend-4393-mrope-graph-tokens"]
+)
+def test_the_dp_graph_size_entries_run_on_real_ranks_through_verify_ranks(name: str) -> None:
+    entry = BUGS[name]
+    assert entry.ranks == 2 and entry.caught_by.startswith("dbo.verify_ranks (graphs")
 
 
 def test_a_bug_name_registers_once() -> None:
@@ -56,7 +71,7 @@ def test_cli_lists_every_entry_as_json(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["bugs", "--list", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {r["bug"] for r in rows} == set(BUGS)
-    assert all(r["cause"] and r["ref"] for r in rows)
+    assert all(r["cause"] and r["ref"] and r["ranks"] >= 1 for r in rows)
 
 
 @pytest.mark.timeout(60)
