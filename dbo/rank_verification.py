@@ -227,6 +227,7 @@ class _RankBody:
         inputs = self.inputs
         batch = inputs(ctx.rank, ctx.world_size) if callable(inputs) else inputs[ctx.rank]
         result: dict[str, Any] = {"tokens": _rows(batch)}
+        runner = None
         try:
             runner = self._runner(ctx, batch)
             report = verify(
@@ -239,6 +240,8 @@ class _RankBody:
             result.update(ok=report.ok, text=report.describe(), report=report.to_dict())
         except Exception as error:  # noqa: BLE001 - the serial step failed: the rank's verdict
             text = f"the serial step raised {error_text(error)}"
+            if self.graphs is not None and runner is None:
+                text = f"its CUDA graphs were not ready: {error_text(error)}"
             if _out_of_step(error):
                 text = "its serial step stopped: its collectives are out of step (above)"
             result.update(ok=False, text=f"{text}\n{error}", error=text)

@@ -69,7 +69,7 @@ def graphs_for(
 
     def make(rank: int, world_size: int) -> CUDAGraphRunner:
         runner = CUDAGraphRunner(attention, dispatcher(), device=SimDevice("h200"))
-        if rank != 0:
+        if rank != 0:  # the key reads the counts the ranks agree on, set on its runner
             runner.key = lambda b, n: dummy_run_key(runner, b, n)
         runner.capture_all(lambda key: batch(key.num_tokens))
         return runner

@@ -61,3 +61,15 @@ def test_a_captured_runner_is_copied_into_every_rank() -> None:
 def test_graphs_of_another_type_are_refused_before_any_rank_starts() -> None:
     with pytest.raises(TypeError, match="graphs must be a CUDAGraphRunner"):
         dbo.verify_ranks(step, [rows(8), rows(8)], graphs="full")
+
+
+@pytest.mark.timeout(60)
+def test_a_graphs_factory_that_fails_is_the_ranks_verdict() -> None:
+    def broken(rank: int, world_size: int) -> CUDAGraphRunner:
+        raise RuntimeError("no capture sizes configured")
+
+    report = dbo.verify_ranks(step, [rows(8), rows(8)], graphs=broken)
+    assert not report.ok
+    assert "its CUDA graphs were not ready: RuntimeError: no capture sizes configured" in (
+        report.ranks[0].headline()
+    )
