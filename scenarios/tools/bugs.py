@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps({**fields, "caught_by": b.caught_by, "ranks": b.ranks}))
             else:
                 where = "in-process" if b.ranks == 1 else f"{b.ranks} ranks"
-                print(f"{b.name:36s} {b.engine:7s} {b.ref:26s} {where:10s} caught by {b.caught_by}")
+                head = f"{b.name:48s} {b.engine:11s} {b.ref:26s} {where:10s}"
+                print(f"{head} caught by {b.caught_by}")
         return 0
     results = []
     for b in entries:
