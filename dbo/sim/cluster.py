@@ -20,7 +20,8 @@
   priced per expert copy (a `SimDevice` without `ht_nvl_share`, as the cross-check's rank
   processes, which move rows per expert) is replayed per copy too.
   High-throughput (HT) kernels hold `comm_sms` of the SMs while they run and compute on the
-  same rank progresses at the rest (as the single-rank device stretches it); low-latency (LL)
+  same rank progresses at the rest (as the single-rank device stretches it; compute replayed
+  before the kernel pays what it lost before its stream's next op); low-latency (LL)
   kernels hold none and pay `ll_latency_us`.
 - Everything else keeps its recorded duration; start times follow the program's
   dependencies, so waiting propagates through streams, events and the host.
