@@ -388,31 +388,24 @@ class MoEModel:
         # -- dispatch ------------------------------------------------------------------------
         if mode == "ht":
             self._yield_to_comm()
-            sent = ep.dispatch(
-                x,
-                experts,
-                weights,
-                plan=plan,
-                out=recv,
-                mode="ht",
-                bytes_per_elem=c.dispatch_bytes_per_elem,
-            )
-            dbo.dbo_yield_and_switch_from_comm_to_compute()
         else:
             dbo.dbo_maybe_run_recv_hook()
-            sent = ep.dispatch(
-                x,
-                experts,
-                weights,
-                plan=plan,
-                out=recv,
-                mode="ll",
-                bytes_per_elem=c.dispatch_bytes_per_elem,
-            )
+        sent = ep.dispatch(
+            x,
+            experts,
+            weights,
+            plan=plan,
+            out=recv,
+            mode=mode,
+            bytes_per_elem=c.dispatch_bytes_per_elem,
+        )
+        if mode == "ht":
+            dbo.dbo_yield_and_switch_from_comm_to_compute()
+        else:
             self._receive(sent.event)
 
         # -- experts (a grouped GEMM over the received rows) ---------------------------------
-        self._experts(layer, sent.recv_x, inter, expert_out, sent.recv_expert_ids)
+        self._experts(layer, sent.recv_x, inter, expert_out, sent.recv_expert_ids, mode)
 
         # -- combine -------------------------------------------------------------------------
         out = torch.zeros_like(x)
@@ -455,20 +448,28 @@ class MoEModel:
         inter: torch.Tensor,
         out: torch.Tensor,
         row_expert: torch.Tensor,
+        mode: str = "ll",
     ) -> None:
         c = self.config
         if layer["w1"].dtype != recv.dtype:
-            # FP8 experts (shapes only): DeepEP delivers FP8 rows; one grouped GEMM per
-            # projection over the rank's experts, rows split evenly among them (balanced
-            # routing). Outputs stay FP8-sized (the real ones are BF16 after the down GEMM).
+            # FP8 experts (shapes only): one grouped GEMM per projection over the rank's
+            # experts, rows split evenly among them (balanced routing). DeepEP's normal kernels
+            # deliver rows per token, so SGLang permutes them into the GEMM's expert-contiguous
+            # layout (ep_scatter) and reduces the down GEMM's rows back per token (ep_gather):
+            # two memory-bound passes over every row ("ht"). Low-latency kernels deliver and
+            # combine the expert layout themselves ("ll").
             e = layer["w1"].shape[0]
             a = torch.empty(
                 e, -(-recv.shape[0] // e), c.hidden, device=recv.device, dtype=layer["w1"].dtype
             )
+            if mode == "ht":
+                a.view(-1, c.hidden)[: recv.shape[0]].copy_(recv)
             h = torch.bmm(a, layer["w1"])
-            torch.bmm(
+            y = torch.bmm(
                 torch.nn.functional.silu(h[..., : c.moe_inter]) * h[..., c.moe_inter :], layer["w2"]
             )
+            if mode == "ht":
+                out.copy_(y.view(-1, c.hidden)[: out.shape[0]])
             return
         if recv.device.type != "cpu":
             # Grouped GEMM over the expert-major rows: the group ends come from the sorted row

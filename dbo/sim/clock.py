@@ -13,10 +13,11 @@ the host's clock lazily, at its next launch or record, once per generation.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from dbo.sim.hardware import HardwareProfile
 from dbo.sim.state import Track, VectorClock, join
-from dbo.sim.timeline import SmBusy, Span, Turns, after, hold_sms, place_span
+from dbo.sim.timeline import SmBusy, Span, Turns, after, hold_sms, place_span, taken_from
 
 __all__ = ["DeviceClock"]
 
@@ -37,6 +38,10 @@ class DeviceClock:
         self.host_vc: VectorClock = []
         self.host_gen = 0  # bumped whenever a host sync adds ordering
         self.sm_busy: list[SmBusy] = []  # high-throughput comm kernels holding SMs
+        # Compute that comm SMs can still slow: (start, end, track index), and the SM time
+        # comm kernels placed later took from each track, not yet charged (`taken_from`).
+        self.unheld: list[tuple[float, float, int]] = []
+        self.taken: dict[int, float] = {}
         self.turns = Turns()
 
     def reset(self) -> None:
@@ -80,12 +85,26 @@ class DeviceClock:
             max_share=self.profile.max_comm_sm_share, rates=self.profile.overlap_rates,
             reserved_sms=(self.profile.num_sms, self.gemm_sms) if reserved else None,  # type: ignore[arg-type]
         )  # fmt: skip
+        taken = self.taken.pop(track.index, 0.0)
+        if taken:
+            span = replace(span, taken=taken)
         self.turns = after(self.turns, span, compute=compute, full_grid=full_grid)
         track.free_at = span.end
+        # No later op can start before the host clock: what ended before it slows nothing.
+        self.unheld = [u for u in self.unheld if u[1] > self.host_us]
         if sm_share > 0 and span.end > span.start:
-            # No later op can start before the host clock: older holds slow nothing.
             self.sm_busy = hold_sms(self.sm_busy, span, sm_share, self.host_us)
+            self._take_sms(span, min(sm_share, self.profile.max_comm_sm_share), track)
+        elif compute and not full_grid and not reserved:
+            self.unheld.append((span.start, span.end, track.index))
         return span
+
+    def _take_sms(self, held: Span, share: float, own: Track) -> None:
+        """Compute placed before a comm kernel that runs beside it loses SMs all the same:
+        its stream's next op starts that much later (the records placed stay as they are)."""
+        for index, lost in taken_from(self.unheld, held, share, own.index).items():
+            self.tracks[index].free_at += lost
+            self.taken[index] = self.taken.get(index, 0.0) + lost
 
     def record(self, track: Track) -> tuple[float, VectorClock]:
         """An event recorded on `track` now: (its time, its vector clock)."""

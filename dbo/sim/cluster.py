@@ -20,7 +20,8 @@
   priced per expert copy (a `SimDevice` without `ht_nvl_share`, as the cross-check's rank
   processes, which move rows per expert) is replayed per copy too.
   High-throughput (HT) kernels hold `comm_sms` of the SMs while they run and compute on the
-  same rank progresses at the rest (as the single-rank device stretches it); low-latency (LL)
+  same rank progresses at the rest (as the single-rank device stretches it; compute replayed
+  before the kernel pays what it lost before its stream's next op); low-latency (LL)
   kernels hold none and pay `ll_latency_us`.
 - Everything else keeps its recorded duration; start times follow the program's
   dependencies, so waiting propagates through streams, events and the host.
@@ -286,29 +287,65 @@ def simulate_cluster(
     busy: list[tuple[np.ndarray, np.ndarray]] = []
     collectives: list[CollectiveResult] = []
     sm_share = program.profile.comm_sms / program.profile.num_sms
+    sms = _SmsTaken(program, start, end, sm_share)
     for i in range(n):
         host = _replay_op(program, i, host, start, end)
         k = program.klass[i]
         if k in (HOST, HOST_SYNC):
             continue
-        ready = start[i]
+        ready = start[i] = sms.charged(i)
         if k in (HT_COMM, LL_LINK) and program.collective[i] >= 0 and ranks > 1:
             end[i], result = _collective(program, int(program.collective[i]), links, ready)
             collectives.append(result)
-            if k == HT_COMM:
-                busy = [*busy[-2:], (start[i].copy(), end[i].copy())]
-            continue
-        work = np.full(ranks, float(program.work[i]))
-        layer = int(program.expert_layer[i])
-        if layer >= 0:
-            work = _scaled_work(program, i, factor[min(layer, len(factor) - 1)])
-        if program.stretchable[i] and busy:
-            end[i] = _stretch(ready, work, busy, sm_share)
         else:
-            end[i] = ready + work
+            work = np.full(ranks, float(program.work[i]))
+            layer = int(program.expert_layer[i])
+            if layer >= 0:
+                work = _scaled_work(program, i, factor[min(layer, len(factor) - 1)])
+            if program.stretchable[i] and busy:
+                end[i] = _stretch(ready, work, busy, sm_share)
+            else:
+                end[i] = ready + work
         if k == HT_COMM:
             busy = [*busy[-2:], (start[i].copy(), end[i].copy())]
+        sms.placed(i, host)
     return ClusterResult(program, start, end, collectives, routing, placement, g, factor)
+
+
+class _SmsTaken:
+    """Compute replayed before an HT comm kernel that runs beside it loses SMs all the same:
+    its stream's next op starts that much later (as the single-rank device charges it,
+    `dbo.sim.timeline.taken_from`; the recording's own charge is not replayed, see
+    `cluster_program`)."""
+
+    def __init__(self, program: StreamProgram, start: np.ndarray, end: np.ndarray, share: float):
+        self.program, self.start, self.end = program, start, end
+        self.rate = share / (1.0 - share)
+        self.unheld: list[int] = []  # stretchable ops that a later comm kernel can still slow
+        self.last_on: dict[int, int] = {}  # track -> its latest op
+        self.tail: dict[int, np.ndarray] = {}  # track -> its next op's earliest start
+
+    def charged(self, i: int) -> np.ndarray:
+        """Op i's start, after what its stream lost to comm kernels placed since."""
+        tail = self.tail.pop(int(self.program.track[i]), None)
+        return self.start[i] if tail is None else np.maximum(self.start[i], tail)
+
+    def placed(self, i: int, host: np.ndarray) -> None:
+        p, track = self.program, int(self.program.track[i])
+        self.last_on[track] = i
+        if p.klass[i] == HT_COMM:
+            self.unheld = [j for j in self.unheld if np.any(self.end[j] > host)]
+            lost: dict[int, np.ndarray] = {}
+            for j in self.unheld:
+                t = int(p.track[j])
+                if t != track:
+                    overlap = np.minimum(self.end[j], self.end[i])
+                    overlap = np.clip(overlap - np.maximum(self.start[j], self.start[i]), 0, None)
+                    lost[t] = lost.get(t, 0.0) + overlap * self.rate
+            for t, us in lost.items():
+                self.tail[t] = self.tail.get(t, self.end[self.last_on[t]]) + us
+        elif p.stretchable[i]:
+            self.unheld.append(i)
 
 
 def _replay_op(

@@ -138,12 +138,14 @@ def _dependencies(
     n = len(records)
     deps: list[set[int]] = [set() for _ in range(n)]
     last_on: dict[str, int] = {}
+    before: dict[int, int] = {}  # op -> the op before it on its stream
     by_end: dict[float, list[int]] = {}
     on_track: dict[str, list[int]] = {}
     for i, r in enumerate(records):
         if klass[i] in (OP, HT_COMM, LL_SEND, LL_LINK, LOCAL_COMM):
             if r.stream in last_on:
                 deps[i].add(last_on[r.stream])
+                before[i] = last_on[r.stream]
             last_on[r.stream] = i
             on_track.setdefault(r.stream, []).append(i)
             by_end.setdefault(round(r.end_us, 6), []).append(i)
@@ -164,6 +166,9 @@ def _dependencies(
         adv = records[i + 1].issue_us - r.issue_us if i + 1 < n else 0.0
         floor[i] = max(0.0, min(r.start_us - r.issue_us, adv))
         bound = max([r.issue_us + floor[i]] + [records[d].end_us for d in deps[i]])
+        taken = float((r.args or {}).get("sm_taken_us", 0.0))
+        if taken and i in before:  # SMs a comm kernel took from its stream: the replay's own
+            bound = max(bound, records[before[i]].end_us + taken)
         if r.start_us > bound + _EPS:
             j = _explaining(i, r.start_us, by_end)
             if j is not None:

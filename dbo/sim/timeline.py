@@ -3,8 +3,10 @@ ends, given when it is ready and what else holds the GPU.
 
 SM sharing (an approximation): a high-throughput comm op holds comm_sms / num_sms of the SMs
 for its duration; a compute op placed later whose time span overlaps it progresses at
-1 - share (so a fully overlapped op takes cost / (1 - share)). Ops placed before the comm op
-was issued are not re-timed, and the comm op itself is never slowed by compute. With
+1 - share (so a fully overlapped op takes cost / (1 - share)). Compute placed before the comm
+op was issued (under DBO the other ubatch's work, issued before this ubatch's dispatch) loses
+the same SM time, but its record is kept: what it lost (`taken_from`) is charged to its stream
+as a gap before the stream's next op (`Span.taken`). The comm op itself is never slowed. With
 `dbo_gemm_sms` set (SGLang's two-batch overlap caps its GEMM library at the SMs the comm
 kernels leave), a ubatch's GEMMs instead always run on that many SMs and are never stretched.
 
@@ -31,6 +33,7 @@ __all__ = [
     "place_span",
     "slowdown_args",
     "stretch",
+    "taken_from",
 ]
 
 # A high-throughput comm kernel holding SMs: (start, end, share of the SMs).
@@ -57,6 +60,9 @@ class Span:
     end: float
     cost_us: float
     contention: float
+    # SM time comm kernels placed after this stream's earlier ops took from them, charged
+    # before this op (see `taken_from`).
+    taken: float = 0.0
 
     @property
     def stretched(self) -> float:
@@ -153,6 +159,22 @@ def hold_sms(busy: Sequence[SmBusy], span: Span, share: float, horizon: float) -
     return kept
 
 
+def taken_from(
+    placed: Sequence[tuple[float, float, int]], held: Span, share: float, own: int
+) -> dict[int, float]:
+    """SM time a comm kernel running over `held` and holding `share` of the SMs takes from
+    compute already placed: per track index, what the ops of `placed` ((start, end, track))
+    on other tracks than `own` lose while it runs, as if stretched after the fact."""
+    taken: dict[int, float] = {}
+    if share <= 0 or held.end <= held.start:
+        return taken
+    for start, end, track in placed:
+        overlap = min(end, held.end) - max(start, held.start)
+        if track != own and overlap > 0:
+            taken[track] = taken.get(track, 0.0) + overlap * share / (1.0 - share)
+    return taken
+
+
 def slowdown_args(span: Span, *, compute: bool) -> dict[str, float]:
     """What the trace shows of an op's slowdowns: by comm SMs, and by running beside the
     other kind."""
@@ -161,4 +183,6 @@ def slowdown_args(span: Span, *, compute: bool) -> dict[str, float]:
         args["sm_slowdown_us"] = span.stretched - span.cost_us
     if span.contention > 0:
         args["overlap_slowdown_us"] = span.contention
+    if span.taken > 0:
+        args["sm_taken_us"] = span.taken
     return args

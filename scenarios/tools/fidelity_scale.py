@@ -220,7 +220,7 @@ def scale_rows(
             "S-P",
             SGLANG_BLOG,
             "each rank's own 16K-token batch leaves the busiest rank within a fraction of a "
-            "percent of the mean: the gap is per-rank compute (see the one-rank rows), not "
+            "percent of the mean: the replay's gain is the one-rank gain (see its note), not "
             "stragglers",
         )  # fmt: skip
     ]

@@ -61,9 +61,10 @@ def _sglang_assumptions(profile: HardwareProfile, share: float) -> dict[str, str
             f"{describe_profile(profile)}. SGLang prefill: EP {SGLANG_PREFILL_EP} (4 nodes), "
             "288 experts "
             f"(9 per rank), {SGLANG_PROMPT}-token prompts, eager (no graphs), DeepEP normal "
-            f"kernels on {comm_sms} SMs and, under TBO, GEMMs capped at "
-            f"{profile.num_sms - comm_sms} "
-            f"SMs ({SGLANG_STRATEGY}); RDMA carries one copy per remote node ({share:.3f} of the "
+            f"kernels on {comm_sms} SMs (taken from any compute beside them) and, under TBO, "
+            f"GEMMs capped at {profile.num_sms - comm_sms} SMs ({SGLANG_STRATEGY}); received "
+            "rows permuted into the expert layout and gathered back (ep_scatter, ep_gather); "
+            f"RDMA carries one copy per remote node ({share:.3f} of the "
             f"off-node expert copies, DeepSeek-V3 top-{DSV3_TOPK_GROUPS} of {DSV3_GROUPS} groups)"
         ),
         "D": (
@@ -101,13 +102,10 @@ def _sglang_prefill_rows(
                 gain,
                 "P",
                 SGLANG_BLOG,
-                f"serial comm/compute = {ratio:.2f} and TBO hides {hidden:.0%} of the comm; "
-                "with that "
-                "overlap, +27-35% needs comm/compute ~0.4-0.55, i.e. compute 1.3-1.8x slower "
-                "than this "
-                "DeepGEMM-class roofline (attention kernel efficiency, EP load imbalance, "
-                "elementwise "
-                f"work the model leaves out), or less overlap than the simulated schedule gets",
+                f"serial comm/compute = {ratio:.2f} and TBO hides {hidden:.0%} of the comm: "
+                "what the model leaves out (FP8 quantization passes, EP load imbalance under "
+                "real routing, DeepEP's host sync per dispatch, HBM contention between the "
+                "comm kernels and the GEMMs) would all lower the gain",
             )  # fmt: skip
         )
         if on_point:

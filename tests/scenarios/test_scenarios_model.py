@@ -17,6 +17,7 @@ import dbo
 from dbo.sim import SimDevice
 from dbo.split import split_batch
 from scenarios.model import Batch, MoEModel, preset
+from scenarios.steps import prepare, serial_step
 from workspace import init_workspace_manager, reset_workspace_manager
 
 pytestmark = pytest.mark.timeout(60)
@@ -100,3 +101,30 @@ def test_low_latency_layer_yields_twice_after_recv_hooks_and_stays_on_the_comput
     # comm stream.
     assert {r.stream for r in sends} == {"compute"}
     assert "comm" not in {r.stream for r in device.timeline}
+
+
+def _expert_ops(mode: str) -> collections.Counter:
+    """The ops a DeepSeek-V3 (FP8 experts, shapes only) MoE layer runs between its dispatch
+    and its combine, one serial prefill step."""
+    config = preset("deepseek-v3", ep_size=32, num_layers=2, num_dense_layers=1)
+    model = MoEModel(config.with_(tensor_device="meta"), Batch.prefill(1, 256))
+    device = SimDevice("h100", tensor_device="meta")
+    step = serial_step(model, model.inputs(), device, mode=mode)
+    prepare(device.torch_device, step.num_ubatches, [step])
+    device.synchronize()
+    device.reset()
+    step()
+    device.synchronize()
+    names = [r.name for r in device.timeline]
+    first = max(i for i, n in enumerate(names) if n.startswith("comm::dispatch"))
+    last = max(i for i, n in enumerate(names) if n.startswith("comm::combine"))
+    return collections.Counter(names[first + 1 : last])
+
+
+def test_normal_kernels_rows_are_permuted_into_the_expert_layout_and_gathered_back():
+    # DeepEP's normal kernels deliver rows per token: SGLang scatters them into DeepGEMM's
+    # expert-contiguous layout and gathers the down GEMM's rows back; the low-latency kernels
+    # deliver and combine the expert layout themselves.
+    ht, ll = _expert_ops("ht"), _expert_ops("ll")
+    assert ht["aten::bmm"] == ll["aten::bmm"] == 2
+    assert ht["aten::copy_"] == 2 and ll["aten::copy_"] == 0

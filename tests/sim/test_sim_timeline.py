@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from dbo.sim.timeline import Turns, contention_us, hold_sms, place_span, slowdown_args, stretch
+from dbo.sim.timeline import (
+    Turns,
+    contention_us,
+    hold_sms,
+    place_span,
+    slowdown_args,
+    stretch,
+    taken_from,
+)
 
 RATES = {"compute": 0.5, "full_grid": 0.25}
 
@@ -49,3 +57,14 @@ def test_a_held_sm_share_drops_what_ended_before_the_host_clock() -> None:
         (0.0, 8.0, 0.3),
         (5.0, 9.0, 0.5),
     ]
+
+
+def test_compute_placed_before_a_comm_kernel_loses_the_sms_it_holds_on_other_tracks() -> None:
+    held = _span(2.0, 4.0)  # a comm kernel over [2, 6)
+    placed = [(0.0, 10.0, 0), (5.0, 8.0, 1), (6.0, 9.0, 1), (0.0, 10.0, 2)]
+    # track 0: 4 us beside a half-SM holder, worth 4 us more; track 1: 1 us; track 2 is its own
+    assert taken_from(placed, held, 0.5, own=2) == pytest.approx({0: 4.0, 1: 1.0})
+
+
+def test_a_comm_kernel_holding_no_sms_takes_nothing() -> None:
+    assert taken_from([(0.0, 10.0, 0)], _span(2.0, 4.0), 0.0, own=1) == {}
