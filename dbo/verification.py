@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 import workspace
-from dbo.checks import as_int
+from dbo.checks import as_int, writable_folder
 from dbo.devices import resolve_device, use_device
 from dbo.errors import UBatchTimeoutError, YieldMismatchError
 from dbo.runner import merge_outputs, run_ubatches
@@ -105,8 +105,8 @@ def _check_args(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if artifacts is not None and not isinstance(artifacts, (str, Path)):
         raise TypeError(f"artifacts must be a folder path or None, got {type(artifacts).__name__}")
-    if artifacts is not None and Path(artifacts).exists() and not Path(artifacts).is_dir():
-        raise ValueError(f"artifacts={str(artifacts)!r} is a file; name a folder for the trace")
+    if artifacts is not None:
+        writable_folder("artifacts", artifacts)  # before the forward runs, not after
     if race_order not in RACE_ORDERS:
         raise ValueError(f"race_order must be one of {RACE_ORDERS}, got {race_order!r}")
     if dbo_enabled():
