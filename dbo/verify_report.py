@@ -257,7 +257,7 @@ def _time_lines(report: VerifyReport) -> list[str]:
     if report.comm_us is not None and report.comm_us == 0.0:
         lines.append(
             "  note             no communication: nothing in the step is marked as "
-            "communication (device.comm_region or dbo.EPGroup), so DBO has nothing to overlap "
+            "communication (device.comm_region or dbo.comm.EPGroup), so DBO has nothing to overlap "
             "and only adds baton passes"
         )
     if report.local_comm:
@@ -265,7 +265,7 @@ def _time_lines(report: VerifyReport) -> list[str]:
             "  note             all communication is local (comm_regions with ep_size 1): no "
             "byte leaves the GPU, so it runs as full-grid kernels in turn with compute and "
             "there is little to overlap; give comm_region the EP size (ep_size=8) or use "
-            "dbo.EPGroup"
+            "dbo.comm.EPGroup"
         )
     fraction = report.host_bound_fraction
     if fraction is not None and fraction > HOST_BOUND_FRACTION:
