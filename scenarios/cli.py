@@ -47,7 +47,15 @@ from scenarios.tools.usage import (
     one_line,
 )
 
-__all__ = ["VERBS", "Verb", "build_parser", "main"]
+__all__ = ["GLOSSARY", "VERBS", "Verb", "build_parser", "main"]
+
+# Every verb's --help ends by pointing here: the words its output prints (LL/HT,
+# roofline-priced, full-grid, untraced, padded, cal, ...) are explained once, on one page.
+GLOSSARY = "docs/glossary.md"
+_EPILOG = (
+    f"The terms in the output (LL/HT, roofline-priced, full-grid, untraced, padded, cal) are "
+    f"explained in {GLOSSARY} of the dbo-sim repository."
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,13 +145,17 @@ VERBS: tuple[Verb, ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="dbo-sim", description="Dual Batch Overlap scenarios on a simulated or real GPU"
+        prog="dbo-sim",
+        description="Dual Batch Overlap scenarios on a simulated or real GPU",
+        epilog=_EPILOG,
     )
     version = f"dbo-sim {_version()} (torch {torch.__version__})"
     parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command")
     for verb in VERBS:
-        verb_parser = sub.add_parser(verb.name, help=verb.help, description=verb.description())
+        verb_parser = sub.add_parser(
+            verb.name, help=verb.help, description=verb.description(), epilog=_EPILOG
+        )
         verb.tool.add_arguments(verb_parser)
         verb_parser.set_defaults(func=verb.tool.run)
     return parser
