@@ -116,7 +116,14 @@ def _check_args(
         )
 
 
-def _resolve(device: Any) -> Device:
+def _resolve(device: Any, inputs: Any = None) -> Device:
+    """The device to run on; "sim" with meta inputs (shapes only) is a meta simulated device,
+    whose race checker knows there are no storages, rather than one that would take every
+    meta tensor for memory at one address."""
+    if device == "sim" and any(
+        isinstance(v, torch.Tensor) and v.device.type == "meta" for v in _leaves(inputs)
+    ):
+        device = resolve_device("sim", tensor_device="meta")
     wants_cuda = isinstance(device, str) and (device == "cuda" or device.startswith("cuda:"))
     if wants_cuda and not torch.cuda.is_available():
         raise ValueError(
@@ -331,7 +338,7 @@ def verify(
     # Attention metadata the pieces carry must describe exactly their part of the batch
     # (dbo.split's checker); a wrong split is the cause of whatever the step then does.
     metadata_error = check_split_inputs(inputs, pieces)
-    dev = _resolve(device)
+    dev = _resolve(device, inputs)
     if race_order == "adversarial":
         _check_adversarial(dev, inputs)
     plan = _Plan(forward, inputs, split, num_ubatches, dev, merge or merge_outputs, timeout)
@@ -505,6 +512,7 @@ def _report(
         host_bound_fraction=None if summary is None else summary.host_bound_fraction,
         comm_us=None if summary is None else summary.comm_us,
         local_comm=_all_local(ubatched.records) if ubatched.records else None,
+        shapes_only=device.torch_device.type == "meta",
         records={"serial": serial.records, "ubatched": ubatched.records},
         runs=[
             TraceRun("serial", serial.records, serial.races, serial.waits, serial.ranges),

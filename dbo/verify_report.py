@@ -102,6 +102,7 @@ class VerifyReport:
     host_bound_fraction: float | None = None
     comm_us: float | None = None
     local_comm: bool | None = None  # every comm op stayed on one GPU (ep_size 1)
+    shapes_only: bool = False  # meta tensors: no values to compare, no memory to race on
     race_order: str = "issue"  # "adversarial": the ubatched step re-executed out of issue order
     adversarial: ReorderOutcome | None = None
     trace: str | None = None
@@ -175,6 +176,7 @@ class VerifyReport:
                 "max_abs_diff": self.max_abs_diff,
                 "mismatch": self.mismatch,
                 "input_mutated": self.input_mutated,
+                "shapes_only": self.shapes_only,
                 "races": {run: [r.describe() for r in found] for run, found in self.races.items()},
                 "race_causes": {
                     run: [
@@ -206,6 +208,11 @@ class VerifyReport:
 def _outputs_lines(report: VerifyReport) -> list[str]:
     if report.max_abs_diff is None:
         lines = ["  outputs match    not compared (the ubatched step failed)"]
+    elif report.shapes_only:
+        flag = "yes" if report.outputs_match else "NO"
+        lines = [
+            f"  outputs match    {flag} in structure, dtype and shape (meta tensors: no values)"
+        ]
     else:
         flag = "yes" if report.outputs_match else "NO"
         reordered = report.adversarial is not None and report.adversarial.mismatch is not None
@@ -230,6 +237,8 @@ _SHOWN_CAUSES = 5
 
 
 def _race_lines(report: VerifyReport) -> list[str]:
+    if report.shapes_only:
+        return ["  races            not checked (meta tensors have no memory to race on)"]
     lines = []
     for run, found in report.races.items():
         causes = group_races(found)

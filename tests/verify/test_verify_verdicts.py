@@ -411,6 +411,23 @@ def _resolves(dotted: str) -> bool:
 
 
 @pytest.mark.timeout(30)
+def test_meta_inputs_are_verified_as_shapes_only_with_no_false_races():
+    weight = torch.empty(64, 64, device="meta")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = x @ weight
+        dbo.dbo_yield_and_switch_from_compute_to_comm()
+        with dbo.current_device().comm_region("dispatch", nbytes=h.numel() * 4, ep_size=8):
+            h = h * 2
+        dbo.dbo_switch_to_compute_sync()
+        return h + x
+
+    report = dbo.verify(forward, torch.empty(32, 64, device="meta"))
+    assert report.ok and report.shapes_only, report.describe()
+    assert "no values" in report.describe() and "races            not checked" in report.describe()
+
+
+@pytest.mark.timeout(30)
 def test_the_notes_name_only_dbo_names_that_exist():
     def local(x: torch.Tensor) -> torch.Tensor:
         dbo.dbo_yield_and_switch_from_compute_to_comm()
