@@ -38,7 +38,13 @@ from scenarios.tools.cluster_step import (
     placement_from_spec,
     routing_from_spec,
 )
-from scenarios.tools.plan_output import PhaseAnswer, PlanPoint, report, write_outputs
+from scenarios.tools.plan_output import (
+    PhaseAnswer,
+    PlanPoint,
+    report,
+    setup_line,
+    write_outputs,
+)
 from scenarios.tools.progress import advance, progress_bar
 from scenarios.tools.usage import UsageError, writable_dir
 
@@ -279,6 +285,6 @@ def run(args: argparse.Namespace) -> int:
                 shown[phase] = (answer, results)
     print(report(inputs, answers, all_points, shown, as_json=args.json))
     if args.out is not None:
-        for path in write_outputs(args.out, all_points, shown):
+        for path in write_outputs(args.out, all_points, shown, setup_line(inputs)):
             print(f"wrote {path}")
     return 0
