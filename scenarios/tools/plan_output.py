@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import textwrap
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -202,8 +203,8 @@ def gain_figure(points: list[PlanPoint], answers: list[PhaseAnswer], setup: str 
         ax.set_ylabel("best DBO gain over serial (%)")
         ax.set_title(phase)
         ax.legend(fontsize=7)
-    if setup:
-        fig.suptitle(setup, fontsize=9)
+    if setup:  # wrapped to the figure's width (about 75 characters a panel at this size)
+        fig.suptitle(textwrap.fill(setup, 75 * len(phases)), fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -30,7 +30,7 @@ def panel(fig, phase: str):
 
 def test_the_title_names_the_setup():
     fig = gain_figure(POINTS, ANSWERS, SETUP)
-    assert fig.get_suptitle() == SETUP
+    assert " ".join(fig.get_suptitle().split()) == SETUP
 
 
 def test_the_chosen_threshold_is_marked_on_its_phase():
