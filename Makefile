@@ -1,5 +1,7 @@
 # Two entry points that work on a fresh machine: `make run` (the default scenarios on the
-# simulated device) and `make test`. Both create .venv on first use.
+# simulated device) and `make test`. Both create .venv on first use. `run` and `bench` install
+# only what running needs; the dev extra (pytest, ruff, and HTA with the pandas and jupyterlab
+# it pulls) comes in only for `test` and `lint`.
 PYTHON ?= python3
 VENV ?= .venv
 # The pinned torch is the CPU wheel where one lies on disk (these build machines) and PyPI's
@@ -7,25 +9,34 @@ VENV ?= .venv
 # venv made with --system-site-packages keeps a user's CUDA torch.
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# --no-compile: Python writes the bytecode of what it imports on first use; compiling every
+# module of torch at install time costs time and disk for files most runs never import.
+PIP := $(PY) -m pip install -q --no-compile
 
-.PHONY: run test lint bench install clean
+.PHONY: run test lint bench install install-dev clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)" numpy
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)" numpy
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
 
+install-dev: $(VENV)/.installed-dev
+
 run: install
 	$(PY) -m scenarios run
 
-test: install
+test: install-dev
 	$(PY) -m pytest -q
 
 # The formatter and linter configuration lives in pyproject.toml ([tool.ruff]).
-lint: install
+lint: install-dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 

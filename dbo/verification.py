@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 import workspace
-from dbo.checks import as_int
+from dbo.checks import as_int, writable_folder
 from dbo.devices import resolve_device, use_device
 from dbo.errors import UBatchTimeoutError, YieldMismatchError
 from dbo.graph_runner import CUDAGraphRunner, GraphReplay, describe_batch
@@ -109,8 +109,8 @@ def _check_args(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if artifacts is not None and not isinstance(artifacts, (str, Path)):
         raise TypeError(f"artifacts must be a folder path or None, got {type(artifacts).__name__}")
-    if artifacts is not None and Path(artifacts).exists() and not Path(artifacts).is_dir():
-        raise ValueError(f"artifacts={str(artifacts)!r} is a file; name a folder for the trace")
+    if artifacts is not None:
+        writable_folder("artifacts", artifacts)  # before the forward runs, not after
     if race_order not in RACE_ORDERS:
         raise ValueError(f"race_order must be one of {RACE_ORDERS}, got {race_order!r}")
     if dbo_enabled():
@@ -120,7 +120,14 @@ def _check_args(
         )
 
 
-def _resolve(device: Any) -> Device:
+def _resolve(device: Any, inputs: Any = None) -> Device:
+    """The device to run on; "sim" with meta inputs (shapes only) is a meta simulated device,
+    whose race checker knows there are no storages, rather than one that would take every
+    meta tensor for memory at one address."""
+    if device == "sim" and any(
+        isinstance(v, torch.Tensor) and v.device.type == "meta" for v in _leaves(inputs)
+    ):
+        device = resolve_device("sim", tensor_device="meta")
     wants_cuda = isinstance(device, str) and (device == "cuda" or device.startswith("cuda:"))
     if wants_cuda and not torch.cuda.is_available():
         raise ValueError(
@@ -345,7 +352,7 @@ def verify(
         forward, num_ubatches, split, merge, warmup, atol, rtol, timeout, artifacts, race_order
     )
     split, metadata_error = _split_and_check(inputs, num_ubatches, split, slices, rules)
-    dev = _resolve(device) if graphs is None else check_graphs_device(graphs, device)
+    dev = _resolve(device, inputs) if graphs is None else check_graphs_device(graphs, device)
     if race_order == "adversarial":
         _check_adversarial(dev, inputs)
     plan = _Plan(forward, inputs, split, num_ubatches, dev, merge or merge_outputs, timeout)
@@ -582,6 +589,7 @@ def _report(
         host_bound_fraction=None if summary is None else summary.host_bound_fraction,
         comm_us=None if summary is None else summary.comm_us,
         local_comm=_all_local(ubatched.records) if ubatched.records else None,
+        shapes_only=device.torch_device.type == "meta",
         records={"serial": serial.records, "ubatched": ubatched.records},
         runs=[
             TraceRun("serial", serial.records, serial.races, serial.waits, serial.ranges),

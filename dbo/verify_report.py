@@ -104,6 +104,7 @@ class VerifyReport:
     host_bound_fraction: float | None = None
     comm_us: float | None = None
     local_comm: bool | None = None  # every comm op stayed on one GPU (ep_size 1)
+    shapes_only: bool = False  # meta tensors: no values to compare, no memory to race on
     race_order: str = "issue"  # "adversarial": the ubatched step re-executed out of issue order
     adversarial: ReorderOutcome | None = None
     # The split's attention metadata breaking an invariant (dbo.split's checker): the cause
@@ -184,6 +185,7 @@ class VerifyReport:
                 "max_abs_diff": self.max_abs_diff,
                 "mismatch": self.mismatch,
                 "input_mutated": self.input_mutated,
+                "shapes_only": self.shapes_only,
                 "races": {run: [r.describe() for r in found] for run, found in self.races.items()},
                 "race_causes": {
                     run: [
@@ -230,6 +232,11 @@ class VerifyReport:
 def _outputs_lines(report: VerifyReport) -> list[str]:
     if report.max_abs_diff is None:
         lines = ["  outputs match    not compared (the ubatched step failed)"]
+    elif report.shapes_only:
+        flag = "yes" if report.outputs_match else "NO"
+        lines = [
+            f"  outputs match    {flag} in structure, dtype and shape (meta tensors: no values)"
+        ]
     else:
         flag = "yes" if report.outputs_match else "NO"
         reordered = report.adversarial is not None and report.adversarial.mismatch is not None
@@ -254,6 +261,8 @@ _SHOWN_CAUSES = 5
 
 
 def _race_lines(report: VerifyReport) -> list[str]:
+    if report.shapes_only:
+        return ["  races            not checked (meta tensors have no memory to race on)"]
     lines = []
     for run, found in report.races.items():
         causes = group_races(found)
@@ -281,7 +290,7 @@ def _time_lines(report: VerifyReport) -> list[str]:
     if report.comm_us is not None and report.comm_us == 0.0:
         lines.append(
             "  note             no communication: nothing in the step is marked as "
-            "communication (device.comm_region or dbo.EPGroup), so DBO has nothing to overlap "
+            "communication (device.comm_region or dbo.comm.EPGroup), so DBO has nothing to overlap "
             "and only adds baton passes"
         )
     if report.local_comm:
@@ -289,7 +298,7 @@ def _time_lines(report: VerifyReport) -> list[str]:
             "  note             all communication is local (comm_regions with ep_size 1): no "
             "byte leaves the GPU, so it runs as full-grid kernels in turn with compute and "
             "there is little to overlap; give comm_region the EP size (ep_size=8) or use "
-            "dbo.EPGroup"
+            "dbo.comm.EPGroup"
         )
     fraction = report.host_bound_fraction
     if fraction is not None and fraction > HOST_BOUND_FRACTION:

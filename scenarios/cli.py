@@ -33,7 +33,15 @@ from scenarios.tools.usage import (
     one_line,
 )
 
-__all__ = ["VERBS", "Verb", "build_parser", "main"]
+__all__ = ["GLOSSARY", "VERBS", "Verb", "build_parser", "main"]
+
+# Every verb's --help ends by pointing here: the words its output prints (LL/HT,
+# roofline-priced, full-grid, untraced, padded, cal, ...) are explained once, on one page.
+GLOSSARY = "docs/glossary.md"
+_EPILOG = (
+    f"The terms in the output (LL/HT, roofline-priced, full-grid, untraced, padded, cal) are "
+    f"explained in {GLOSSARY} of the dbo-sim repository."
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,7 +153,9 @@ def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The CLI's parser. Only the tools of `verbs` (None: every verb) are imported and given
     their options; the others are listed by name and help line."""
     parser = _Parser(
-        prog="dbo-sim", description="Dual Batch Overlap scenarios on a simulated or real GPU"
+        prog="dbo-sim",
+        description="Dual Batch Overlap scenarios on a simulated or real GPU",
+        epilog=_EPILOG,
     )
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command")
@@ -153,7 +163,9 @@ def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
         if verbs is not None and verb.name not in verbs:
             sub.add_parser(verb.name, help=verb.help)
             continue
-        verb_parser = sub.add_parser(verb.name, help=verb.help, description=verb.description())
+        verb_parser = sub.add_parser(
+            verb.name, help=verb.help, description=verb.description(), epilog=_EPILOG
+        )
         verb.tool.add_arguments(verb_parser)
         verb_parser.set_defaults(func=verb.tool.run)
     return parser

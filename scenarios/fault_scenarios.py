@@ -18,7 +18,7 @@ from scenarios.harness import (
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.overlap_scenarios import TINY_PREFILL
 from scenarios.ranks.processes import run_local_ranks
-from scenarios.registry import ScenarioResult, scenario
+from scenarios.registry import ScenarioResult, caught_line, scenario
 from scenarios.steps import ubatched_step
 from scenarios.verdicts import fresh_device, registries_empty, with_artifacts
 from workspace import (
@@ -63,10 +63,18 @@ def _missing_wait(opts: RunOptions) -> ScenarioResult:
         negative=True,
         races=len(run.races),
         error=None if caught else "the missing wait was not reported as a race",
+        caught=caught_line(
+            f"{len(caught)} race(s): {caught[0].second.op} on stream "
+            f"{caught[0].second.stream!r} does not wait for {caught[0].first.op}"
+        )
+        if caught
+        else None,
         details={"first_race": caught[0].describe() if caught else None},
     )
     if opts.out_dir is not None:
-        result.trace, result.timeline_png = write_artifacts("missing-wait-race", run, opts)
+        result.trace, result.timeline_png = write_artifacts(
+            "missing-wait-race", run, opts, caught=result.caught
+        )
     return result
 
 
@@ -103,6 +111,7 @@ def _expect_failure(
             f"expected {expected.__name__} within {_PROMPT_S:g} s with empty registries, got {got} "
             f"after {elapsed:.2f} s"
         ),
+        caught=None if caught is None else caught_line(got),
         details={
             "caught": got if caught is not None else None,
             "seconds": round(elapsed, 3),
@@ -199,6 +208,7 @@ def _locked_growth(opts: RunOptions) -> ScenarioResult:
         passed=ok,
         negative=True,
         error=None if ok else f"expected WorkspaceLockedError naming model.py, got {caught!r}",
+        caught=None if caught is None else caught_line(f"{type(caught).__name__}: {message}"),
         details={"caught": message if caught is not None else None},
     )
     return with_artifacts(result, device, opts, caught)

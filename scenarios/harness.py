@@ -36,6 +36,7 @@ __all__ = [
     "measure",
     "compare_serial_dbo",
     "write_artifacts",
+    "artifact_title",
     "failure_point",
 ]
 
@@ -203,10 +204,16 @@ def compare_serial_dbo(
 
 
 def write_artifacts(
-    name: str, run: StepRun, opts: RunOptions, *, failure: BaseException | None = None
+    name: str,
+    run: StepRun,
+    opts: RunOptions,
+    *,
+    failure: BaseException | None = None,
+    caught: str | None = None,
 ) -> tuple[str, str]:
     """`<out_dir>/<stem>.trace.json` and `<stem>.png`, the stem from `opts.artifact_stem`.
-    The PNG marks the run's races, and where a step that failed with `failure` stopped."""
+    The PNG marks the run's races, and where a step that failed with `failure` stopped; its
+    title says what a negative scenario `caught`."""
     if opts.out_dir is None:
         raise ValueError("write_artifacts needs opts.out_dir (None means: write nothing)")
     opts.out_dir.mkdir(parents=True, exist_ok=True)
@@ -215,11 +222,21 @@ def write_artifacts(
         Path(f"{stem}.trace.json"), run.records, races=run.races, metadata={"scenario": name}
     )
     mark = None if failure is None else failure_point(run.records, failure)
-    title = f"{name} (DBO)" + ("" if failure is None else f": stopped by {type(failure).__name__}")
     png = plot_timeline(
-        Path(f"{stem}.png"), run.records, title=title, races=run.races, failure=mark
+        Path(f"{stem}.png"),
+        run.records,
+        title=artifact_title(name, failure, caught),
+        races=run.races,
+        failure=mark,
     )
     return str(trace), str(png)
+
+
+def artifact_title(name: str, failure: BaseException | None, caught: str | None) -> str:
+    """A scenario PNG's title: what a negative scenario caught, else what stopped the step."""
+    if caught is not None:
+        return f"{name} (DBO), fault caught: {caught}"
+    return f"{name} (DBO)" + ("" if failure is None else f": stopped by {type(failure).__name__}")
 
 
 def failure_point(records: Sequence[OpRecord], failure: BaseException) -> tuple[float, str]:

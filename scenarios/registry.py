@@ -27,7 +27,18 @@ __all__ = [
     "scenario",
     "rank_scenario",
     "across_ranks",
+    "caught_line",
 ]
+
+# A caught fault is named in the run table's last cell and in its PNG's title: long enough for
+# the error's type and what it says first, short enough for one line.
+CAUGHT_CHARS = 100
+
+
+def caught_line(text: str) -> str:
+    """What caught a negative scenario's fault, on one line: the first line of `text`, cut."""
+    first = text.strip().splitlines()[0] if text.strip() else text
+    return first if len(first) <= CAUGHT_CHARS else first[: CAUGHT_CHARS - 3] + "..."
 
 
 @dataclass
@@ -41,6 +52,7 @@ class ScenarioResult:
     max_abs_diff: float | None = None
     races: int = 0
     error: str | None = None
+    caught: str | None = None  # a negative scenario: what caught its fault, on one line
     step_us_serial: float | None = None
     step_us_dbo: float | None = None
     speedup: float | None = None

@@ -105,7 +105,7 @@ def with_artifacts(
     if opts.out_dir is not None and records:
         run = StepRun(torch.empty(0), 0.0, None, records, list(getattr(device, "races", [])))
         result.trace, result.timeline_png = write_artifacts(
-            result.scenario, run, opts, failure=failure
+            result.scenario, run, opts, failure=failure, caught=result.caught
         )
     return result
 

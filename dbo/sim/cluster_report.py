@@ -18,7 +18,8 @@ from dbo.sim.cluster import ClusterResult
 from dbo.sim.cluster_program import HOST, HOST_SYNC, OP
 from dbo.sim.plot import plot_timeline
 from dbo.sim.records import OpRecord
-from dbo.sim.trace import write_chrome_trace
+from dbo.sim.trace import Window, write_chrome_trace
+from dbo.sim.window import layer_starts
 
 __all__ = [
     "RankFigures",
@@ -30,7 +31,12 @@ __all__ = [
     "rank_records",
     "write_cluster_trace",
     "plot_cluster",
+    "shown_window",
 ]
+
+# A deep model's whole step (61 layers x 3 ranks) in one figure's width is a smear of slivers:
+# the PNG shows this many steady-state MoE layers and says which; the trace keeps every op.
+SHOWN_LAYERS = 2
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,28 @@ def write_cluster_trace(result: ClusterResult, path: str | Path, **metadata: obj
     return write_chrome_trace(path, rank_records(result, shown), metadata=meta)
 
 
+def shown_window(records: list[OpRecord]) -> tuple[Window | None, str]:
+    """The window the timeline PNG draws and the words that name it: SHOWN_LAYERS MoE layers
+    from the middle of the step (past the start-up, before the drain), counted on the first
+    rank drawn; the whole step when it has too few layers to cut."""
+    first_rank = min((r.rank for r in records), default=0)
+    starts = layer_starts([r for r in records if r.rank == first_rank])
+    if len(starts) <= SHOWN_LAYERS + 1:
+        return None, f"the whole step ({len(starts)} MoE layers)"
+    first = min(len(starts) // 2, len(starts) - SHOWN_LAYERS - 1)
+    stop = first + SHOWN_LAYERS
+    window = Window(starts[first], starts[stop])
+    return window, (
+        f"MoE layers {first}-{stop - 1} of {len(starts)} (the .trace.json holds every layer)"
+    )
+
+
 def plot_cluster(result: ClusterResult, path: str | Path, title: str | None = None) -> Path:
-    """The shown ranks' timelines, one above the other, as a PNG."""
-    return plot_timeline(path, rank_records(result), title=title)
+    """The shown ranks' timelines, one above the other, as a PNG of a few layers
+    (`shown_window`), named in the title."""
+    records = rank_records(result)
+    window, shown = shown_window(records)
+    ranks = sorted({r.rank for r in records})
+    heading = f"ranks {', '.join(map(str, ranks))}: {shown}"
+    heading = f"{title}, {heading}" if title else heading
+    return plot_timeline(path, records, title=heading, window=window)

@@ -10,7 +10,7 @@ from dbo.sim.records import OpRecord, RaceReport
 from dbo.sim.report import merge_traces, plot_timeline, summarize
 from scenarios.harness import RunOptions
 from scenarios.ranks.records import RankOutcome
-from scenarios.registry import SCENARIOS, ScenarioResult
+from scenarios.registry import SCENARIOS, ScenarioResult, caught_line
 
 __all__ = ["merge_outcomes"]
 
@@ -58,6 +58,7 @@ def _merged_result(
         max_abs_diff=max(diffs) if diffs else None,
         races=len(races),
         error="; ".join(errors) or None,
+        caught=next((caught_line(c) for o in present if (c := o.details.get("caught"))), None),
         step_us_serial=serial.step_us if serial else None,
         step_us_dbo=ubatched.step_us if ubatched else None,
         speedup=serial.step_us / ubatched.step_us
@@ -100,6 +101,7 @@ def _write_trace(
         plot_timeline(
             Path(f"{stem}.png"),
             [r for records in traced for r in records],
-            title=f"{name} ({what}, {world} ranks)",
+            title=f"{name} ({what}, {world} ranks)"
+            + (f", fault caught: {result.caught}" if result.caught else ""),
         )
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import textwrap
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,15 @@ from dbo.sim.cluster_report import (
     write_cluster_trace,
 )
 
-__all__ = ["PlanPoint", "PhaseAnswer", "engine_flags", "report", "write_outputs"]
+__all__ = [
+    "PlanPoint",
+    "PhaseAnswer",
+    "engine_flags",
+    "gain_figure",
+    "report",
+    "setup_line",
+    "write_outputs",
+]
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,16 @@ def _shown_result(shown: dict, phase: str) -> ClusterResult | None:
     return results.get(key) or next(iter(results.values()))
 
 
+def setup_line(inputs: Any) -> str:
+    """What was planned for, in one line: model, GPU, kernels, EP group, placement."""
+    c, p = inputs.config, inputs.profile
+    return (
+        f"{c.name} on {p.name} (kernels: {p.kernel_source}), EP {inputs.eps[0]} "
+        f"({-(-inputs.eps[0] // inputs.gpus_per_node)} node(s) of {inputs.gpus_per_node}), "
+        f"placement {inputs.placement}"
+    )
+
+
 def report(inputs: Any, answers: list[PhaseAnswer], points: list[PlanPoint], shown: dict,
            *, as_json: bool = False) -> str:  # fmt: skip
     """The printed answer: per phase the table, the answer, the gating, how skew moves it,
@@ -142,13 +161,7 @@ def report(inputs: Any, answers: list[PhaseAnswer], points: list[PlanPoint], sho
             "flags": engine_flags(main),
         }
         return json.dumps(document, indent=2, allow_nan=False)
-    c, p = inputs.config, inputs.profile
-    kernels = p.kernel_source
-    lines = [
-        f"dbo-sim plan: {c.name} on {p.name} (kernels: {kernels}), EP {inputs.eps[0]} "
-        f"({-(-inputs.eps[0] // inputs.gpus_per_node)} node(s) of {inputs.gpus_per_node}), "
-        f"placement {inputs.placement}"
-    ]
+    lines = [f"dbo-sim plan: {setup_line(inputs)}"]
     for a in main:
         mode = "LL kernels, CUDA graphs" if a.phase == "decode" else "normal kernels, eager"
         lines += ["", f"{a.phase} ({mode}), skew {a.skew}:"]
@@ -169,11 +182,14 @@ def _write_csv(path: Path, points: list[PlanPoint]) -> Path:
     return path
 
 
-def _plot_gains(path: Path, points: list[PlanPoint]) -> Path:
+def gain_figure(points: list[PlanPoint], answers: list[PhaseAnswer], setup: str = "") -> Any:
+    """The best gain against tokens per device, a panel per phase and a curve per (EP, skew),
+    with each answer's threshold marked where DBO starts to pay (or said not to), under a
+    title naming the setup."""
     from matplotlib.figure import Figure
 
     phases = sorted({p.phase for p in points})
-    fig = Figure(figsize=(6.5 * len(phases), 4.2))
+    fig = Figure(figsize=(6.5 * len(phases), 4.6))
     for k, phase in enumerate(phases):
         ax = fig.add_subplot(1, len(phases), k + 1)
         for ep, skew in sorted({(p.ep, p.skew) for p in points if p.phase == phase}):
@@ -184,19 +200,41 @@ def _plot_gains(path: Path, points: list[PlanPoint]) -> Path:
             xs = sorted(best)
             ax.plot(xs, [best[x] for x in xs], marker="o", label=f"EP {ep}, {skew}")
         ax.axhline(0, color="grey", linewidth=0.8)
+        _mark_threshold(ax, next((a for a in answers if a.phase == phase), None))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per device")
         ax.set_ylabel("best DBO gain over serial (%)")
         ax.set_title(phase)
         ax.legend(fontsize=7)
+    if setup:  # wrapped to the figure's width (about 75 characters a panel at this size)
+        fig.suptitle(textwrap.fill(setup, 75 * len(phases)), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
-def write_outputs(out: Path, points: list[PlanPoint], shown: dict) -> list[Path]:
-    """plan.csv, plan.png, and per phase the answer's EP group as trace and timeline PNG."""
-    paths = [_write_csv(out / "plan.csv", points), _plot_gains(out / "plan.png", points)]
+def _mark_threshold(ax: Any, answer: PhaseAnswer | None) -> None:
+    """The chosen threshold as a dashed line, labelled with the flag value; or, where DBO
+    never pays, a note saying so."""
+    if answer is None:
+        return
+    if answer.pays_from is None:
+        note = "DBO does not pay in this range: leave it off"
+        ax.text(0.5, 0.92, note, ha="center", transform=ax.transAxes, fontsize=8, color="C3")
+        return
+    label = (
+        f"threshold {answer.pays_from} tokens, {answer.best_ubatches} ubatches "
+        f"(EP {answer.ep}, {answer.skew})"
+    )
+    ax.axvline(answer.pays_from, color="C3", linestyle="--", linewidth=1.2, label=label)
+
+
+def write_outputs(out: Path, points: list[PlanPoint], shown: dict, setup: str = "") -> list[Path]:
+    """plan.csv, plan.png (`setup` its title), and per phase the answer's EP group as trace
+    and timeline PNG."""
+    answers = [answer for answer, _ in shown.values() if answer is not None]
+    fig = gain_figure(points, answers, setup)
+    fig.savefig(out / "plan.png", dpi=110)
+    paths = [_write_csv(out / "plan.csv", points), out / "plan.png"]
     for phase in sorted(shown):
         result = _shown_result(shown, phase)
         if result is None:

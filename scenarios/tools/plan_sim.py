@@ -42,7 +42,7 @@ from scenarios.tools.cluster_step import (
     routing_from_spec,
 )
 from scenarios.tools.plan_args import PlanArgs
-from scenarios.tools.plan_output import PhaseAnswer, PlanPoint, report, write_outputs
+from scenarios.tools.plan_output import PhaseAnswer, PlanPoint, report, setup_line, write_outputs
 from scenarios.tools.progress import advance, progress_bar
 from scenarios.tools.usage import UsageError, one_line
 
@@ -235,6 +235,6 @@ def run_plan(parsed: PlanArgs) -> int:
                 shown[phase] = (answer, results)
     print(report(inputs, answers, all_points, shown, as_json=parsed.json))
     if parsed.out is not None:
-        for path in write_outputs(parsed.out, all_points, shown):
+        for path in write_outputs(parsed.out, all_points, shown, setup_line(inputs)):
             print(f"wrote {path}", file=sys.stderr if parsed.json else sys.stdout)
     return 0

@@ -14,9 +14,9 @@ __all__ = ["Table", "launch_bound_note"]
 
 _HEADER = (
     "scenario", "verdict", "match", "races", "serial us", "dbo us", "speedup", "overlap",
-    "roofline", "ws peak",
+    "roofline", "ws peak", "caught",
 )  # fmt: skip
-_WIDTHS = (0, len("PASS (fault caught)"), 5, 5, 9, 9, 7, 7, 8, 10)
+_WIDTHS = (0, len("PASS (fault caught)"), 5, 5, 9, 9, 7, 7, 8, 10, len("caught"))
 
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
@@ -59,6 +59,7 @@ class Table:
                 _fmt(r.overlap_fraction, ".0f", 100, "%"),
                 _fmt(r.roofline_fraction, ".0f", 100, "%"),
                 _fmt_bytes(r.workspace_peak_bytes),
+                r.caught or "-",  # last: a long one pushes nothing right
             )
         )
 

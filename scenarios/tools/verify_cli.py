@@ -12,12 +12,10 @@ bad command line (one line, `dbo-sim: <why>`), before any work.
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import importlib.util
 import json
 import math
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -31,7 +29,7 @@ from dbo.rank_verification import verify_ranks
 from dbo.sim.trace import WindowSpec
 from dbo.verification import RACE_ORDERS, VerifyReport, verify
 from scenarios.tools.trace_window import window_type
-from scenarios.tools.usage import UsageError
+from scenarios.tools.usage import UsageError, writable_dir
 
 __all__ = ["DESCRIPTION", "add_arguments", "load_attribute", "run"]
 
@@ -269,20 +267,12 @@ def _run_ranks(args: argparse.Namespace, forward: Any, factory: Any) -> int:
 
 
 def _check_out(out: str) -> None:
-    """--out must be a folder that exists or can be made, and be writable, before any work."""
+    """--out must be a folder that exists or can be made, and be writable, before any work:
+    made and written to, since permission bits do not say it (root under /proc)."""
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise UsageError(f"--out {out!r} is a file, not a folder; name a folder for the artifacts")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UsageError(f"--out {out!r}: cannot make a folder under {str(existing)!r}, a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(
-            f"--out {out!r}: cannot write there ({os.strerror(errno.EACCES).lower()} in "
-            f"{str(existing)!r}); name a folder you can write"
-        )
+    writable_dir(path)
 
 
 def _write_artifacts(report: VerifyReport, out: str, spec: WindowSpec | None) -> None:

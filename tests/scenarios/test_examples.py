@@ -24,6 +24,15 @@ def test_the_example_model_verifies_ok_from_one_call():
 
 
 @pytest.mark.timeout(60)
+def test_the_ep_layer_at_size_gains_from_dbo_on_the_simulated_h200():
+    from examples.ep_moe import forward_at_size, make_batch_at_size
+
+    report = dbo.verify(forward_at_size, make_batch_at_size())
+    assert report.ok, report.describe()
+    assert report.speedup > 1.0, report.describe()  # virtual time: the same on every machine
+
+
+@pytest.mark.timeout(60)
 def test_the_readme_verify_command_passes_on_the_example(capsys):
     argv = ["verify", "examples.my_moe:forward", "--inputs", "examples.my_moe:make_batch"]
     assert main(argv) == 0

@@ -33,6 +33,7 @@ JSON_FIELDS = {
     "max_abs_diff": (float, type(None)),
     "races": int,
     "error": (str, type(None)),
+    "caught": (str, type(None)),
     "step_us_serial": (float, type(None)),
     "step_us_dbo": (float, type(None)),
     "speedup": (float, type(None)),

@@ -11,7 +11,14 @@ import torch
 from dbo.sim import SimDevice
 from dbo.sim.cluster import simulate_cluster
 from dbo.sim.cluster_program import record_program, tile_layers
-from dbo.sim.cluster_report import critical_path, gating_table, rank_figures, rank_records
+from dbo.sim.cluster_report import (
+    critical_path,
+    gating_table,
+    plot_cluster,
+    rank_figures,
+    rank_records,
+    shown_window,
+)
 from dbo.sim.hardware import H800
 from dbo.sim.routing import Routing, balanced, cap_shares, contiguous, zipf
 from scenarios.model import preset
@@ -217,3 +224,19 @@ def test_a_routing_with_a_row_per_rank_of_another_group_is_refused():
     routing = Routing(np.full((4, 8, 256), 1 / 256), "8 ranks' histogram", 8)
     with pytest.raises(ValueError, match="8 source ranks, the group 16"):
         simulate_cluster(program, routing, contiguous(256, 16))
+
+
+def test_the_timeline_png_shows_a_window_of_middle_layers_and_names_it(tmp_path):
+    _, result = _replay(_spec("decode", 16, 2, moe_layers=8))
+    records = rank_records(result)
+    window, shown = shown_window(records)
+    assert window is not None and "MoE layers 4-5 of 8" in shown
+    step = max(r.end_us for r in records) - min(r.start_us for r in records)
+    assert window.end_us - window.start_us < step / 3
+    assert plot_cluster(result, tmp_path / "t.png", title="decode").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_step_of_few_layers_is_drawn_whole():
+    _, result = _replay(_spec("decode", 16, 2, moe_layers=2))
+    window, shown = shown_window(rank_records(result))
+    assert window is None and "whole step" in shown

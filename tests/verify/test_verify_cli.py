@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 
@@ -238,6 +239,17 @@ def test_an_unwritable_out_is_refused_before_any_work(user_module, tmp_path, cap
         capsys,
     )
     assert "--out" in err and "cannot" in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a /proc file system")
+def test_an_out_under_proc_is_refused_before_the_forward_runs(user_module, capsys):
+    # Root passes os.access there, yet nothing can be made: only a real write says so.
+    err = one_line_exit_2(
+        ["user_model:broken_forward", "--inputs", "user_model:make_batch", "--out", "/proc/dbo/x"],
+        capsys,
+    )
+    assert "--out" in err and "cannot" in err  # broken_forward never ran
 
 
 @pytest.mark.timeout(60)

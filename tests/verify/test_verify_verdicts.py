@@ -5,6 +5,9 @@ values, dtypes, containers), and the calls that cannot be verified are refused c
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
+import re
 import threading
 
 import pytest
@@ -368,6 +371,14 @@ def test_artifacts_naming_a_file_is_refused_before_any_work(tmp_path):
     assert not ran
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a /proc file system")
+def test_artifacts_that_cannot_be_created_are_refused_before_any_work():
+    ran: list[bool] = []
+    with pytest.raises(ValueError, match="cannot create or write"):
+        dbo.verify(lambda x: ran.append(True) or x, batch(), artifacts="/proc/dbo/verify")
+    assert not ran
+
+
 @pytest.mark.timeout(30)
 def test_communication_that_never_leaves_the_gpu_is_explained():
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -381,6 +392,54 @@ def test_communication_that_never_leaves_the_gpu_is_explained():
     report = dbo.verify(forward, batch())
     assert report.local_comm and "all communication is local" in report.describe()
     assert not dbo.verify(correct, batch()).local_comm  # ep_size=8: it leaves the GPU
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether `dbo.a.b` names something: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            if not hasattr(value, part):
+                return False
+            value = getattr(value, part)
+        return True
+    return False
+
+
+@pytest.mark.timeout(30)
+def test_meta_inputs_are_verified_as_shapes_only_with_no_false_races():
+    weight = torch.empty(64, 64, device="meta")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = x @ weight
+        dbo.dbo_yield_and_switch_from_compute_to_comm()
+        with dbo.current_device().comm_region("dispatch", nbytes=h.numel() * 4, ep_size=8):
+            h = h * 2
+        dbo.dbo_switch_to_compute_sync()
+        return h + x
+
+    report = dbo.verify(forward, torch.empty(32, 64, device="meta"))
+    assert report.ok and report.shapes_only, report.describe()
+    assert "no values" in report.describe() and "races            not checked" in report.describe()
+
+
+@pytest.mark.timeout(30)
+def test_the_notes_name_only_dbo_names_that_exist():
+    def local(x: torch.Tensor) -> torch.Tensor:
+        dbo.dbo_yield_and_switch_from_compute_to_comm()
+        with dbo.current_device().comm_region("dispatch", nbytes=x.numel() * 8):
+            h = x + 1
+        dbo.dbo_switch_to_compute_sync()
+        return h
+
+    text = dbo.verify(local, batch()).describe() + dbo.verify(lambda x: x * 2, batch()).describe()
+    names = set(re.findall(r"\bdbo(?:\.[A-Za-z_]\w*)+", text))
+    assert names, text
+    assert [name for name in names if not _resolves(name)] == []
 
 
 @dataclasses.dataclass
