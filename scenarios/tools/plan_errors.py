@@ -40,7 +40,7 @@ class ErrorBar:
     calibration: bool  # a constant was read off this row: a fit, not a check
 
     def describe(self) -> str:
-        cal = ", a calibration row" if self.calibration else ""
+        cal = " (calibration row)" if self.calibration else ""
         return f"{self.delta:+.0f}{'%' if self.unit == '%' else ' pp'} on {self.what}{cal}"
 
 

@@ -118,13 +118,16 @@ def _phase_table(points: list[PlanPoint], phase: str, ep: int, skew: str) -> lis
 
 
 def _answer_lines(a: PhaseAnswer, result: ClusterResult | None) -> list[str]:
-    best = f"best {a.best_gain_pct:+.1f}% ({error_text(a)})"
     if a.pays_from is None:
-        lines = [f"  DBO does not pay for {a.phase} in this range ({best})"]
+        lines = [
+            f"  DBO does not pay for {a.phase} in this range (best {a.best_gain_pct:+.1f}%; "
+            f"{error_text(a)})"
+        ]
     else:
         lines = [
             f"  DBO pays for {a.phase} from {a.pays_from} tokens per device with "
-            f"{a.best_ubatches} ubatches ({best} at {a.best_tokens})"
+            f"{a.best_ubatches} ubatches (best {a.best_gain_pct:+.1f}% at {a.best_tokens}; "
+            f"{error_text(a)})"
         ]
     if a.range_note:
         lines.append(f"  {a.range_note}")

@@ -10,8 +10,8 @@ a target and whether it was met.
 The parts: `figures` (the records), `timing` (how a sample is taken), `baselines` (the plain
 per-call workspace, a do-nothing device), `registry` (the one list of benchmarks, `@benchmark`), the
 benchmarks themselves (`workspace`, `baton`, `simulator`, `races`, `cluster`, `scaling`, `plan`),
-and `report` (running them, the table and `bench.json`). A new benchmark is one `@benchmark(...)` function in one of
-those modules; this package imports them in run order.
+and `report` (running them, the table and `bench.json`). A new benchmark is one
+`@benchmark(...)` function in one of those modules; this package imports them in run order.
 """
 
 from __future__ import annotations
