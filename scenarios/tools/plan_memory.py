@@ -24,6 +24,7 @@ which is why a point "fits" below `USABLE_SHARE` of the capacity, not at 100%.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -84,8 +85,10 @@ class MemoryNeed:
         )
 
 
+@functools.lru_cache(maxsize=64)
 def weight_bytes(config: ModelConfig, ep: int, redundant: int = 0) -> float:
-    """One rank's weights: attention and dense layers whole, its routed experts only."""
+    """One rank's weights: attention and dense layers whole, its routed experts only (cached:
+    every token count of an EP size holds the same weights)."""
     c = config.with_(tensor_device="meta", ep_size=ep, num_experts=config.num_experts + redundant)
     make = ModelWeights(c, seed=0)
     total = 0
