@@ -9,7 +9,7 @@ a target and whether it was met.
 
 The parts: `figures` (the records), `timing` (how a sample is taken), `baselines` (the plain
 per-call workspace, a do-nothing device), `registry` (the one list of benchmarks, `@benchmark`), the
-benchmarks themselves (`workspace`, `baton`, `simulator`, `races`, `cluster`, `scaling`, `plan`),
+benchmarks themselves (`workspace`, `baton`, `simulator`, `races`, `cluster`, `plan`, `scaling`),
 and `report` (running them, the table and `bench.json`). A new benchmark is one
 `@benchmark(...)` function in one of those modules; this package imports them in run order.
 """
@@ -24,8 +24,8 @@ from scenarios.tools.bench import baton  # noqa: F401
 from scenarios.tools.bench import simulator  # noqa: F401
 from scenarios.tools.bench import races  # noqa: F401
 from scenarios.tools.bench import cluster  # noqa: F401
-from scenarios.tools.bench import scaling  # noqa: F401
 from scenarios.tools.bench import plan  # noqa: F401
+from scenarios.tools.bench import scaling  # noqa: F401
 
 # isort: on
 from scenarios.tools.bench.baselines import PerCallWorkspace
