@@ -129,7 +129,10 @@ def load_recording(spec: StepSpec) -> StreamProgram | None:
     if not isinstance(program, StreamProgram):
         path.unlink(missing_ok=True)
         return None
-    os.utime(path)  # recently used: pruned last
+    try:
+        os.utime(path)  # recently used: pruned last
+    except OSError:  # pruned by another process meanwhile: the program is read already
+        pass
     return program
 
 
@@ -140,7 +143,7 @@ def store_recording(spec: StepSpec, program: StreamProgram) -> Path | None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{cache_key(spec)}.pkl"
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pkl")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".part")  # not *.pkl
     try:
         with os.fdopen(fd, "wb") as f:
             pickle.dump(program, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -153,8 +156,15 @@ def store_recording(spec: StepSpec, program: StreamProgram) -> Path | None:
 
 
 def _prune(folder: Path) -> None:
-    entries = sorted(folder.glob("*.pkl"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in entries[MAX_ENTRIES:]:
+    """Drop the least recently used entries beyond MAX_ENTRIES (another process may be
+    pruning too: a file gone meanwhile is not an error)."""
+    aged = []
+    for entry in folder.glob("*.pkl"):
+        try:
+            aged.append((entry.stat().st_mtime, entry))
+        except OSError:
+            continue
+    for _, stale in sorted(aged, reverse=True)[MAX_ENTRIES:]:
         stale.unlink(missing_ok=True)
 
 

@@ -1,13 +1,19 @@
 """What `dbo-sim plan` simulates, once `scenarios.tools.plan` has checked the command line.
 
 For each phase (decode: DeepEP low-latency kernels, steps replayed as CUDA graphs; prefill:
-DeepEP normal kernels, eager), each tokens-per-device point and each skew, one rank's step is
-recorded serially and with 2..4 ubatches and replayed for the whole EP group
-(`scenarios.tools.cluster_step`, `dbo.sim.cluster`): the step time is the slowest rank's, so
-imbalance, stragglers, the SMs DeepEP's normal kernels hold and DP padding all count. The
-gain of N ubatches is serial step / N-ubatch step - 1. DBO "pays from" the smallest token
-count from which the best gain stays positive over the rest of the range; that count is
-printed as the engine flags to set.
+DeepEP normal kernels, eager), each EP size, tokens-per-device count and skew, one rank's
+step is recorded serially and with 2..4 ubatches and replayed for the whole EP group
+(`dbo.sim.cluster`): the step time is the slowest rank's, so imbalance, stragglers, the SMs
+DeepEP's normal kernels hold and DP padding all count. The gain of N ubatches is serial step /
+N-ubatch step - 1. DBO "pays from" the smallest token count from which the best gain stays
+positive over the rest of the range, among the points that fit in GPU memory
+(`scenarios.tools.plan_memory`); that count is printed as the engine flags to set. When it
+lies at the range's edge the range grows until it does not (`scenarios.tools.plan_range`),
+and each answer carries the replay's known error near it (`scenarios.tools.plan_errors`).
+
+The steps run as one task per recording, replayed for every skew that shares it, across a
+process pool (`scenarios.tools.plan_pool`), each recording kept on disk for the next run
+(`scenarios.tools.plan_cache`).
 
 Before the first step, the checks that need the model: the preset, the profile, the
 configuration as a whole, the EP sizes against the experts, the histogram against the layers.
@@ -359,7 +365,11 @@ def run_plan(parsed: PlanArgs) -> int:
             points, phase_answers = plan_phase(inputs, parsed, phase, curves, Progress.of(bar))
             all_points += [p for ps in points for p in ps]
             answers += phase_answers
-            shown[phase] = (phase_answers[0], _shown(inputs, parsed, phase_answers[0], curves[0]))
+            main = phase_answers[0]
+            # The answer's group replayed once more: text mode prints its critical path and
+            # gating, --out writes its traces; --json alone needs neither.
+            needed = not parsed.json or parsed.out is not None
+            shown[phase] = (main, _shown(inputs, parsed, main, curves[0]) if needed else {})
     print(report(inputs, answers, all_points, shown, as_json=parsed.json))
     if parsed.out is not None:
         for path in write_outputs(parsed.out, all_points, shown):
