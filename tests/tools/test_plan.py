@@ -20,6 +20,7 @@ from scenarios.tools.plan_output import PhaseAnswer, engine_flags
         (["--skew", "zipf:x"], "--skew 'zipf:x': expected a number"),
         (["--ubatches", "5"], "--ubatches '5'"),
         (["--profile", "h999"], "unknown hardware profile"),
+        (["--workers", "0"], "--workers: must be between 1 and 64"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
