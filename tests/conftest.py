@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -22,3 +23,16 @@ def _no_workspace_between_tests() -> Iterator[None]:
     batch) would otherwise be another test's starting state."""
     yield
     reset_workspace_manager()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _recordings_cached_for_this_session_only(tmp_path_factory) -> Iterator[None]:
+    """`plan` keeps recordings on disk (`scenarios.tools.plan_cache`): the suite keeps them in
+    its own folder, shared by its tests and never the user's ~/.cache."""
+    before = os.environ.get("DBO_SIM_CACHE")
+    os.environ["DBO_SIM_CACHE"] = str(tmp_path_factory.mktemp("dbo-sim-cache"))
+    yield
+    if before is None:
+        os.environ.pop("DBO_SIM_CACHE", None)
+    else:
+        os.environ["DBO_SIM_CACHE"] = before

@@ -71,6 +71,8 @@ class HardwareProfile:
     nvlink_total_gbps: float  # NVLink bandwidth per GPU as datasheets quote it (both directions)
     rdma_gbps: float  # inter-node RDMA bandwidth per GPU, one direction
     gpus_per_node: int = 8  # HGX/DGX boards: EP groups larger than this cross nodes (RDMA)
+    # HBM capacity, GB (1e9 B) as the datasheet quotes it; None: unknown (no memory check).
+    hbm_gb: float | None = None
     # Achieved fraction of the peaks above. A roofline at 100% of peak is an upper bound no
     # real kernel reaches; the factors turn it into a typical large-kernel rate.
     compute_efficiency: float = 0.8  # large bf16 GEMMs reach about this share (the H200 table)
@@ -250,6 +252,7 @@ H200 = HardwareProfile(
     hbm_gbps=4800.0,
     nvlink_total_gbps=900.0,
     rdma_gbps=50.0,  # ConnectX-7 400 Gb/s per GPU = 50 GB/s
+    hbm_gb=141.0,  # HBM3e 141 GB
     kernel_table="h200",
     **_host_costs("h200"),
 )
@@ -268,6 +271,7 @@ H100 = HardwareProfile(
     hbm_gbps=3350.0,
     nvlink_total_gbps=900.0,
     rdma_gbps=50.0,  # ConnectX-7 400 Gb/s
+    hbm_gb=80.0,  # HBM3 80 GB
     kernel_table="h100",
     extra=dict(_DERIVED),
 )
@@ -281,6 +285,7 @@ H800 = HardwareProfile(
     hbm_gbps=3350.0,
     nvlink_total_gbps=400.0,
     rdma_gbps=50.0,  # ConnectX-7 400 Gb/s
+    hbm_gb=80.0,  # HBM3 80 GB, as H100 SXM
     kernel_table="h800",
     extra=dict(_DERIVED),
 )
@@ -294,6 +299,7 @@ B200 = HardwareProfile(
     hbm_gbps=8000.0,
     nvlink_total_gbps=1800.0,
     rdma_gbps=50.0,  # ConnectX-7 400 Gb/s (the same NIC class on HGX B200)
+    hbm_gb=180.0,  # HGX B200: 1,440 GB over 8 GPUs
 )
 
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H200, H100, H800, B200)}

@@ -17,6 +17,7 @@ from scenarios.tools.plan_args import (
     MAX_EP,
     MAX_SEED,
     MAX_TOKENS,
+    MAX_WORKERS,
     MAX_ZIPF,
     parse_args,
 )
@@ -67,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int_in(0, MAX_SEED), default=0, help="seed of skews and the DP spread")
     a("--out", type=Path, help="write plan.csv, plan.png and the answer's trace here")
     a("--json", action="store_true", help="print the answers and points as one JSON document")
+    a(
+        "--workers",
+        type=int_in(1, MAX_WORKERS),
+        help=f"processes recording and replaying steps (default: the local cores, at most "
+        f"{MAX_WORKERS}); recordings are kept in $DBO_SIM_CACHE or ~/.cache/dbo-sim",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_EP",
     "MAX_SEED",
     "MAX_TOKENS",
+    "MAX_WORKERS",
     "MAX_ZIPF",
     "PlanArgs",
     "parse_args",
@@ -48,6 +49,7 @@ MAX_REDUNDANT = 4096  # eplb:N replicas, placed one at a time
 MAX_ITEMS = 32  # values in one comma list
 MAX_POINTS = 512  # steps to replay: phases x EP sizes x skews x token counts
 MAX_SEED = 2**32 - 1
+MAX_WORKERS = 64  # processes for plan's steps (scenarios.tools.plan_pool caps it lower)
 MAX_ZIPF = 10.0  # 1/i^10: all but the top few experts already get nothing
 MAX_ALPHA = 1e6  # Dirichlet(1e6) is balanced to a millionth
 MAX_COUNT = 1e15  # tokens per expert in a histogram; a layer's sum stays exact in a float
@@ -75,6 +77,7 @@ class PlanArgs:
     seed: int
     out: Path | None
     json: bool
+    workers: int | None = None  # processes for the steps (None: the local cores)
 
 
 def _items(text: str, flag: str, what: str) -> list[str]:
@@ -248,6 +251,7 @@ def parse_args(args: argparse.Namespace) -> PlanArgs:
         seed=args.seed,
         out=args.out,
         json=args.json,
+        workers=getattr(args, "workers", None),
     )
     if args.out is not None:
         writable_dir(args.out)

@@ -18,6 +18,7 @@ from dbo.sim.cluster_report import (
     plot_cluster,
     write_cluster_trace,
 )
+from scenarios.tools.plan_errors import ErrorBar
 
 __all__ = [
     "PlanPoint",
@@ -47,6 +48,8 @@ class PlanPoint:
     padded_tokens: int
     padding_share: float
     split: bool  # the DP ranks agreed to split
+    fits: bool = True  # weights, KV cache and DeepEP buffers fit in one GPU's memory
+    memory_gb: float = 0.0  # what one rank holds at this point (scenarios.tools.plan_memory)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class PhaseAnswer:
     best_ubatches: int | None
     best_gain_pct: float
     best_tokens: int | None
+    unfit_tokens: tuple[int, ...] = ()  # counts whose points do not fit: not in the answer
+    range_note: str = ""  # how the token range grew to find the crossover, and why it stopped
+    error_bars: tuple[ErrorBar, ...] = ()  # the replay's misses on the nearest published rows
 
 
 def engine_flags(answers: list[PhaseAnswer]) -> list[str]:
@@ -89,16 +95,23 @@ def _skew_lines(answers: list[PhaseAnswer]) -> list[str]:
         where = f"from {a.pays_from} tokens/device" if a.pays_from else "never in range"
         lines.append(
             f"  EP {a.ep:<4} {a.skew:<22} pays {where}; best {a.best_gain_pct:+.1f}% "
-            f"at {a.best_tokens} tokens"
+            f"at {a.best_tokens} tokens" + (f" ({a.range_note})" if a.range_note else "")
         )
     return lines
+
+
+def error_text(a: PhaseAnswer) -> str:
+    """The replay's known error near the answer, as printed beside its gain."""
+    if not a.error_bars:
+        return "replay error unknown: no stored fidelity run"
+    return "replay off by up to " + "; ".join(b.describe() for b in a.error_bars)
 
 
 def _phase_table(points: list[PlanPoint], phase: str, ep: int, skew: str) -> list[str]:
     rows = [p for p in points if (p.phase, p.ep, p.skew) == (phase, ep, skew)]
     counts = sorted({p.num_ubatches for p in rows if p.num_ubatches > 1})
     head = "  tokens  serial_ms " + " ".join(f"gain_n{n:<2}" for n in counts)
-    head += "  slowest  peer_wait_us  padded"
+    head += "  slowest  peer_wait_us  padded  memory_gb"
     lines = [head]
     for t in sorted({p.tokens for p in rows}):
         at = {p.num_ubatches: p for p in rows if p.tokens == t}
@@ -107,19 +120,32 @@ def _phase_table(points: list[PlanPoint], phase: str, ep: int, skew: str) -> lis
         best = max((at[n] for n in counts if n in at), key=lambda p: p.gain_pct)
         lines.append(
             f"  {t:>6}  {serial.step_us / 1e3:9.2f} {gains}  {best.slowest_rank:>7}  "
-            f"{best.peer_wait_us:12.1f}  {best.padded_tokens:>6}"
+            f"{best.peer_wait_us:12.1f}  {best.padded_tokens:>6}  {serial.memory_gb:9.1f}"
+            + ("  does not fit" if not serial.fits else "")
         )
     return lines
 
 
 def _answer_lines(a: PhaseAnswer, result: ClusterResult | None) -> list[str]:
     if a.pays_from is None:
-        lines = [f"  DBO does not pay for {a.phase} in this range (best {a.best_gain_pct:+.1f}%)"]
+        lines = [
+            f"  DBO does not pay for {a.phase} in this range (best {a.best_gain_pct:+.1f}%; "
+            f"{error_text(a)})"
+        ]
     else:
         lines = [
             f"  DBO pays for {a.phase} from {a.pays_from} tokens per device with "
-            f"{a.best_ubatches} ubatches (best {a.best_gain_pct:+.1f}% at {a.best_tokens})"
+            f"{a.best_ubatches} ubatches (best {a.best_gain_pct:+.1f}% at {a.best_tokens}; "
+            f"{error_text(a)})"
         ]
+    if a.range_note:
+        lines.append(f"  {a.range_note}")
+    if a.unfit_tokens:
+        counts = ", ".join(map(str, a.unfit_tokens))
+        lines.append(
+            f"  does not fit in GPU memory at {counts} tokens per device (weights, KV cache, "
+            "DeepEP buffers): left out of the answer"
+        )
     if result is not None:
         s = path_summary(critical_path(result))
         lines.append(

@@ -1,13 +1,19 @@
 """What `dbo-sim plan` simulates, once `scenarios.tools.plan` has checked the command line.
 
 For each phase (decode: DeepEP low-latency kernels, steps replayed as CUDA graphs; prefill:
-DeepEP normal kernels, eager), each tokens-per-device point and each skew, one rank's step is
-recorded serially and with 2..4 ubatches and replayed for the whole EP group
-(`scenarios.tools.cluster_step`, `dbo.sim.cluster`): the step time is the slowest rank's, so
-imbalance, stragglers, the SMs DeepEP's normal kernels hold and DP padding all count. The
-gain of N ubatches is serial step / N-ubatch step - 1. DBO "pays from" the smallest token
-count from which the best gain stays positive over the rest of the range; that count is
-printed as the engine flags to set.
+DeepEP normal kernels, eager), each EP size, tokens-per-device count and skew, one rank's
+step is recorded serially and with 2..4 ubatches and replayed for the whole EP group
+(`dbo.sim.cluster`): the step time is the slowest rank's, so imbalance, stragglers, the SMs
+DeepEP's normal kernels hold and DP padding all count. The gain of N ubatches is serial step /
+N-ubatch step - 1. DBO "pays from" the smallest token count from which the best gain stays
+positive over the rest of the range, among the points that fit in GPU memory
+(`scenarios.tools.plan_memory`); that count is printed as the engine flags to set. When it
+lies at the range's edge the range grows until it does not (`scenarios.tools.plan_range`),
+and each answer carries the replay's known error near it (`scenarios.tools.plan_errors`).
+
+The steps run as one task per recording, replayed for every skew that shares it, across a
+process pool (`scenarios.tools.plan_pool`), each recording kept on disk for the next run
+(`scenarios.tools.plan_cache`).
 
 Before the first step, the checks that need the model: the preset, the profile, the
 configuration as a whole, the EP sizes against the experts, the histogram against the layers.
@@ -25,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
+from tqdm import tqdm
 
-from dbo.sim.cluster import ClusterResult
 from dbo.sim.hardware import HardwareProfile, profile_from_name
 from dbo.sim.routing import Placement, Routing
 from scenarios.model import ModelConfig
@@ -34,7 +40,6 @@ from scenarios.model_presets import PRESETS, preset, torch_dtypes
 from scenarios.tools.cluster_step import (
     DPAgreement,
     StepSpec,
-    cluster_step,
     dp_agreement,
     moe_layers,
     placement_from_spec,
@@ -42,11 +47,25 @@ from scenarios.tools.cluster_step import (
     routing_from_spec,
 )
 from scenarios.tools.plan_args import PlanArgs
+from scenarios.tools.plan_errors import error_bars
+from scenarios.tools.plan_memory import MemoryNeed, memory_need
 from scenarios.tools.plan_output import PhaseAnswer, PlanPoint, report, setup_line, write_outputs
+from scenarios.tools.plan_pool import GroupStep, StepTask, replay, run_tasks
+from scenarios.tools.plan_range import RangeState, next_tokens, range_note
 from scenarios.tools.progress import advance, progress_bar
 from scenarios.tools.usage import UsageError, one_line
 
-__all__ = ["PlanInputs", "check_inputs", "plan_phase", "run_plan"]
+__all__ = [
+    "Curve",
+    "PlanInputs",
+    "PointSpec",
+    "answer",
+    "check_inputs",
+    "plan_phase",
+    "point_specs",
+    "run_plan",
+    "simulate_points",
+]
 
 
 @dataclass(frozen=True)
@@ -144,95 +163,234 @@ def _dp_tokens(tokens: int, ranks: int, spread: float, seed: int) -> list[int]:
     return [int(t) for t in real]
 
 
-def _point(
-    spec: StepSpec,
-    routing: Routing,
-    placement: Placement,
-    skew: str,
-    serial_us: float,
-    dp: DPAgreement,
-) -> tuple[PlanPoint, ClusterResult]:
+@dataclass(frozen=True)
+class Progress:
+    """The bar's two moves: more steps to run (a range that grew), one step done."""
+
+    add: Callable[[int], None]
+    done: Callable[[str], None]
+
+    @staticmethod
+    def of(bar: tqdm) -> Progress:
+        def add(n: int) -> None:
+            bar.total = (bar.total or 0) + n
+            bar.refresh()
+
+        return Progress(add, advance(bar))
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One EP size and skew of a phase: the group every token count is replayed for."""
+
+    ep: int
+    skew: str
+    routing: Routing
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class PointSpec:
+    """One step of a token count: serial (n = 1) or n ubatches as the DP ranks agree."""
+
+    num_ubatches: int
+    spec: StepSpec
+    dp: DPAgreement
+
+
+def _curves(inputs: PlanInputs, parsed: PlanArgs) -> list[Curve]:
+    curves = []
+    for ep, skew in itertools.product(inputs.eps, inputs.skews):
+        config = inputs.config.with_(ep_size=ep)
+        routing = routing_from_spec(skew, config, seed=parsed.seed, histogram=parsed.histogram)
+        placement = placement_from_spec(
+            inputs.placement if inputs.redundant else "contiguous", config, routing
+        )
+        curves.append(Curve(ep, skew, routing, placement))
+    return curves
+
+
+def point_specs(
+    inputs: PlanInputs, parsed: PlanArgs, phase: str, ep: int, tokens: int
+) -> list[PointSpec]:
+    """The serial step and each ubatch count's at `tokens` per device (a step the DP ranks
+    agreed not to split runs serially)."""
+    config = inputs.config.with_(ep_size=ep)
+    record_config = config.with_(num_experts=config.num_experts + inputs.redundant)
+    real = _dp_tokens(tokens, ep if parsed.dp is None else parsed.dp, parsed.dp_spread, parsed.seed)
+    base = StepSpec(record_config, phase, tokens, None, inputs.profile, parsed.gpus_per_node)
+    out = [PointSpec(1, base, dp_agreement(real, 2))]
+    for n in inputs.ubatches:
+        dp = dp_agreement(real, n)
+        spec = replace(base, tokens=dp.padded_tokens, num_ubatches=n if dp.split else None)
+        out.append(PointSpec(n, spec, dp))
+    return out
+
+
+def _plan_point(
+    curve: Curve, p: PointSpec, step: GroupStep, serial_us: float, memory: MemoryNeed
+) -> PlanPoint:
     """One replayed step; a step the DP ranks agreed not to split gains nothing."""
-    result = cluster_step(spec, routing, placement)
-    step = result.step_us
-    slow = int(np.argmax(step))
-    n = spec.num_ubatches or 1
-    gain = (serial_us / float(step[slow]) - 1.0) * 100.0 if spec.num_ubatches else 0.0
-    point = PlanPoint(
-        spec.phase, spec.config.ep_size, skew, spec.tokens, n, float(step[slow]), gain, slow,
-        float(result.peer_wait_us[slow]), float(result.exposed_comm_us[slow]),
-        dp.padded_tokens, dp.padding_share, dp.split,
-    )  # fmt: skip
-    return point, result
+    split = p.spec.num_ubatches is not None
+    gain = (serial_us / step.step_us - 1.0) * 100.0 if split and p.num_ubatches > 1 else 0.0
+    return PlanPoint(
+        p.spec.phase,
+        curve.ep,
+        curve.skew,
+        p.dp.real_tokens[0],
+        p.num_ubatches,
+        step.step_us,
+        gain,
+        step.slowest_rank,
+        step.peer_wait_us,
+        step.exposed_comm_us,
+        p.dp.padded_tokens,
+        p.dp.padding_share,
+        p.dp.split,
+        memory.fits,
+        round(memory.total_gb, 2),
+    )
+
+
+def simulate_points(
+    inputs: PlanInputs,
+    parsed: PlanArgs,
+    phase: str,
+    wanted: dict[int, list[int]],
+    curves: list[Curve],
+    progress: Progress | None = None,
+) -> dict[tuple[int, int], list[PlanPoint]]:
+    """The points of every (curve index, token count) in `wanted`: one task per recording,
+    replayed for each curve that needs it, across the process pool."""
+    users: dict[StepSpec, list[int]] = {}
+    specs = {}
+    for i, counts in wanted.items():
+        for t in counts:
+            specs[(i, t)] = point_specs(inputs, parsed, phase, curves[i].ep, t)
+            for p in specs[(i, t)]:
+                if i not in users.setdefault(p.spec, []):
+                    users[p.spec].append(i)
+    tasks = [
+        StepTask(s, tuple((curves[i].routing, curves[i].placement) for i in u))
+        for s, u in users.items()
+    ]
+    if progress is not None:
+        progress.add(len(tasks))
+    steps = run_tasks(tasks, parsed.workers, progress.done if progress else None)
+    step_of = {(t.spec, i): g for t, gs in zip(tasks, steps) for i, g in zip(users[t.spec], gs)}
+    points = {}
+    for (i, t), ps in specs.items():
+        memory = memory_need(
+            inputs.config,
+            inputs.profile,
+            phase,
+            curves[i].ep,
+            t,
+            redundant=inputs.redundant,
+            context=ps[0].spec.context,
+        )
+        serial_us = step_of[(ps[0].spec, i)].step_us
+        points[(i, t)] = [
+            _plan_point(curves[i], p, step_of[(p.spec, i)], serial_us, memory) for p in ps
+        ]
+    return points
+
+
+def answer(phase: str, ep: int, skew: str, points: list[PlanPoint]) -> PhaseAnswer:
+    """Where DBO pays, over the points that fit in memory: the smallest count from which the
+    best gain stays positive, its ubatch count, and the best gain."""
+    best: dict[int, PlanPoint] = {}
+    for p in points:
+        if p.num_ubatches > 1 and p.fits:
+            if p.tokens not in best or p.gain_pct > best[p.tokens].gain_pct:
+                best[p.tokens] = p
+    tokens = sorted(best)
+    pays_from = next(
+        (t for i, t in enumerate(tokens) if all(best[u].gain_pct > 0 for u in tokens[i:])), None
+    )
+    top = max(best.values(), key=lambda p: p.gain_pct, default=None)
+    at = best.get(pays_from) if pays_from is not None else None
+    unfit = sorted({p.tokens for p in points if not p.fits})
+    return PhaseAnswer(
+        phase,
+        ep,
+        skew,
+        pays_from,
+        at.num_ubatches if at else None,
+        top.gain_pct if top else 0.0,
+        top.tokens if top else None,
+        unfit_tokens=tuple(unfit),
+    )
+
+
+def _range_state(given: list[int], points: list[PlanPoint], a: PhaseAnswer) -> RangeState:
+    simulated = sorted({p.tokens for p in points})
+    last_fits = all(p.fits for p in points if p.tokens == simulated[-1])
+    return RangeState(tuple(given), tuple(simulated), a.pays_from, last_fits)
 
 
 def plan_phase(
     inputs: PlanInputs,
-    phase: str,
-    ep: int,
-    skew: str,
     parsed: PlanArgs,
-    on_point: Callable[[str], None] | None = None,
-) -> tuple[list[PlanPoint], PhaseAnswer, dict[tuple[int, int], ClusterResult]]:
-    """Every token count and ubatch count of one phase, EP size and skew: the points, the
-    answer, and the replayed group at the answer's point. `on_point(what)` hears each token
-    count as it finishes."""
-    config = inputs.config.with_(ep_size=ep)
-    record_config = config.with_(num_experts=config.num_experts + inputs.redundant)
-    routing = routing_from_spec(skew, config, seed=parsed.seed, histogram=parsed.histogram)
-    placement = placement_from_spec(
-        inputs.placement if inputs.redundant else "contiguous", config, routing
-    )
-    dp_ranks = ep if parsed.dp is None else parsed.dp
-    points, results = [], {}
-    for tokens in inputs.tokens[phase]:
-        real = _dp_tokens(tokens, dp_ranks, parsed.dp_spread, parsed.seed)
-        base = StepSpec(record_config, phase, tokens, None, inputs.profile, parsed.gpus_per_node)
-        serial, _ = _point(base, routing, placement, skew, 0.0, dp_agreement(real, 2))
-        points.append(serial)
-        for n in inputs.ubatches:
-            dp = dp_agreement(real, n)
-            spec = replace(base, tokens=dp.padded_tokens, num_ubatches=n if dp.split else None)
-            point, result = _point(spec, routing, placement, skew, serial.step_us, dp)
-            points.append(replace(point, num_ubatches=n))
-            results[(tokens, n)] = result
-        if on_point is not None:
-            on_point(f"{phase} EP {ep} {skew} {tokens} tokens")
-    return points, _answer(phase, ep, skew, points), results
+    phase: str,
+    curves: list[Curve],
+    progress: Progress | None = None,
+) -> tuple[list[list[PlanPoint]], list[PhaseAnswer]]:
+    """Every curve's points and answer for one phase. The given token counts first; then,
+    while a curve's crossover lies at its range's edge, the next halving or doubling
+    (`scenarios.tools.plan_range`), all curves' new counts in one round."""
+    given = inputs.tokens[phase]
+    got: dict[int, dict[int, list[PlanPoint]]] = {i: {} for i in range(len(curves))}
+    wanted = {i: list(given) for i in range(len(curves))}
+    while wanted:
+        for (i, t), points in simulate_points(
+            inputs, parsed, phase, wanted, curves, progress
+        ).items():
+            got[i][t] = points
+        wanted = {}
+        for i, c in enumerate(curves):
+            points = [p for t in sorted(got[i]) for p in got[i][t]]
+            state = _range_state(given, points, answer(phase, c.ep, c.skew, points))
+            more = next_tokens(state)
+            if more is not None and more not in got[i]:
+                wanted[i] = [more]
+    all_points, answers = [], []
+    for i, c in enumerate(curves):
+        points = [p for t in sorted(got[i]) for p in got[i][t]]
+        a = answer(phase, c.ep, c.skew, points)
+        note = range_note(_range_state(given, points, a))
+        answers.append(replace(a, range_note=note, error_bars=tuple(error_bars(phase, c.ep))))
+        all_points.append(points)
+    return all_points, answers
 
 
-def _answer(phase: str, ep: int, skew: str, points: list[PlanPoint]) -> PhaseAnswer:
-    best: dict[int, PlanPoint] = {}
-    for p in points:
-        if p.num_ubatches > 1 and (p.tokens not in best or p.gain_pct > best[p.tokens].gain_pct):
-            best[p.tokens] = p
-    tokens = sorted(best)
-    pays_from = None
-    for i, t in enumerate(tokens):
-        if all(best[u].gain_pct > 0 for u in tokens[i:]):
-            pays_from = t
-            break
-    top = max(best.values(), key=lambda p: p.gain_pct, default=None)
-    at = best.get(pays_from) if pays_from is not None else None
-    return PhaseAnswer(
-        phase, ep, skew, pays_from, at.num_ubatches if at else None,
-        top.gain_pct if top else 0.0, top.tokens if top else None,
-    )  # fmt: skip
+def _shown(inputs: PlanInputs, parsed: PlanArgs, a: PhaseAnswer, curve: Curve):
+    """The group replayed at the answer's point, for its critical path, gating and traces."""
+    tokens = a.pays_from or a.best_tokens
+    if tokens is None:
+        return {}
+    n = a.best_ubatches or inputs.ubatches[0]
+    ps = {p.num_ubatches: p for p in point_specs(inputs, parsed, a.phase, a.ep, tokens)}
+    p = ps.get(n) or ps[1]
+    return {(tokens, n): replay(p.spec, curve.routing, curve.placement)}
 
 
 def run_plan(parsed: PlanArgs) -> int:
     """Simulate every point and print the answer; with --json one JSON document on stdout
     and every other line (progress, the files written) on stderr."""
     inputs = check_inputs(parsed)
+    curves = _curves(inputs, parsed)
     all_points, answers, shown = [], [], {}
-    total = sum(len(inputs.tokens[p]) for p in inputs.phases) * len(inputs.eps) * len(inputs.skews)
-    with progress_bar(total, "plan", quiet=parsed.json, unit="point") as bar:
-        for phase, ep, skew in itertools.product(inputs.phases, inputs.eps, inputs.skews):
-            points, answer, results = plan_phase(inputs, phase, ep, skew, parsed, advance(bar))
-            all_points += points
-            answers.append(answer)
-            if ep == inputs.eps[0] and skew == inputs.skews[0]:
-                shown[phase] = (answer, results)
+    with progress_bar(None, "plan", quiet=parsed.json, unit="step") as bar:
+        for phase in inputs.phases:
+            points, phase_answers = plan_phase(inputs, parsed, phase, curves, Progress.of(bar))
+            all_points += [p for ps in points for p in ps]
+            answers += phase_answers
+            main = phase_answers[0]
+            # The answer's group replayed once more: text mode prints its critical path and
+            # gating, --out writes its traces; --json alone needs neither.
+            needed = not parsed.json or parsed.out is not None
+            shown[phase] = (main, _shown(inputs, parsed, main, curves[0]) if needed else {})
     print(report(inputs, answers, all_points, shown, as_json=parsed.json))
     if parsed.out is not None:
         for path in write_outputs(parsed.out, all_points, shown, setup_line(inputs)):

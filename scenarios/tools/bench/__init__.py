@@ -9,9 +9,9 @@ a target and whether it was met.
 
 The parts: `figures` (the records), `timing` (how a sample is taken), `baselines` (the plain
 per-call workspace, a do-nothing device), `registry` (the one list of benchmarks, `@benchmark`), the
-benchmarks themselves (`workspace`, `baton`, `simulator`, `races`, `scaling`), and `report` (running
-them, the table and `bench.json`). A new benchmark is one `@benchmark(...)` function in one of
-those modules; this package imports them in run order.
+benchmarks themselves (`workspace`, `baton`, `simulator`, `races`, `cluster`, `plan`, `scaling`),
+and `report` (running them, the table and `bench.json`). A new benchmark is one
+`@benchmark(...)` function in one of those modules; this package imports them in run order.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from scenarios.tools.bench import baton  # noqa: F401
 from scenarios.tools.bench import simulator  # noqa: F401
 from scenarios.tools.bench import races  # noqa: F401
 from scenarios.tools.bench import cluster  # noqa: F401
+from scenarios.tools.bench import plan  # noqa: F401
 from scenarios.tools.bench import scaling  # noqa: F401
 
 # isort: on

@@ -1,0 +1,118 @@
+"""`plan`'s steps run across the machine's cores: each task records (or loads) one rank's step
+and replays it for every EP group that needs it.
+
+One job: run `StepTask`s in worker processes and hand back what the answer needs of each
+replay (`GroupStep`), in task order. A task is one recording (`StepSpec`), so the skews that
+share it cost one recording; a worker stores it on disk (`scenarios.tools.plan_cache`) for
+the next run and for the parent, which replays the answer's point once more for its traces.
+
+Workers are forked (the parent has torch and the model loaded already; a spawned worker would
+pay that import again), at most `MAX_WORKERS` and never more than the tasks. One core, one
+task or `workers=1`: the tasks run in this process. Ctrl-C: workers ignore SIGINT, the parent
+terminates them and re-raises, so nothing is left running.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dbo.sim.cluster import ClusterResult, simulate_cluster
+from dbo.sim.routing import Placement, Routing
+from scenarios.tools.cluster_step import StepSpec
+from scenarios.tools.plan_cache import recording
+
+__all__ = ["MAX_WORKERS", "GroupStep", "StepTask", "local_cores", "replay", "run_tasks"]
+
+MAX_WORKERS = 8  # the default's cap: recordings are CPU-bound, big hosts need not all cores
+
+
+@dataclass(frozen=True)
+class StepTask:
+    """One recording and the EP groups (routing and placement) to replay it for."""
+
+    spec: StepSpec
+    groups: tuple[tuple[Routing, Placement], ...]
+
+    @property
+    def what(self) -> str:
+        s = self.spec
+        n = f"{s.num_ubatches} ubatches" if s.num_ubatches else "serial"
+        return f"{s.phase} EP {s.config.ep_size} {s.tokens} tokens {n}"
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """What the answer keeps of one group replay: the slowest rank and what held it."""
+
+    step_us: float
+    slowest_rank: int
+    peer_wait_us: float
+    exposed_comm_us: float
+
+    @staticmethod
+    def of(result: ClusterResult) -> GroupStep:
+        slow = int(np.argmax(result.step_us))
+        return GroupStep(
+            float(result.step_us[slow]),
+            slow,
+            float(result.peer_wait_us[slow]),
+            float(result.exposed_comm_us[slow]),
+        )
+
+
+def local_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def replay(spec: StepSpec, routing: Routing, placement: Placement) -> ClusterResult:
+    """`spec`'s step on every rank of its group, from the (cached) recording."""
+    return simulate_cluster(recording(spec), routing, placement, gpus_per_node=spec.gpus_per_node)
+
+
+def run_task(task: StepTask) -> list[GroupStep]:
+    return [GroupStep.of(replay(task.spec, r, p)) for r, p in task.groups]
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def run_tasks(
+    tasks: Sequence[StepTask],
+    workers: int | None = None,
+    on_done: Callable[[str], None] | None = None,
+) -> list[list[GroupStep]]:
+    """Every task's group steps, in task order; `workers` processes (default: local cores,
+    at most MAX_WORKERS); `on_done(what)` after each task."""
+    count = min(workers or min(local_cores(), MAX_WORKERS), len(tasks))
+    if count <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        out = []
+        for task in tasks:
+            out.append(run_task(task))
+            if on_done is not None:
+                on_done(task.what)
+        return out
+    pool = multiprocessing.get_context("fork").Pool(count, initializer=_ignore_sigint)
+    try:
+        out = []
+        for task, steps in zip(tasks, pool.imap(run_task, tasks)):
+            out.append(steps)
+            if on_done is not None:
+                on_done(task.what)
+        pool.close()
+    except BaseException:  # Ctrl-C or a failed task: no worker outlives the call
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+    return out
