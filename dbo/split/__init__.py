@@ -58,7 +58,7 @@ from dbo.split.metadata import (
 from dbo.split.records import DBOConfig, UBatchSlice, UBatchSlices, UBatchThresholds
 from dbo.split.slicing import (
     check_ubatch_thresholds,
-    create_ubatch_slices,
+    cut_ubatch_slices,
     is_last_ubatch_empty,
     maybe_create_ubatch_slices,
     should_ubatch,
@@ -84,7 +84,7 @@ __all__ = [
     "check_ubatch_thresholds",
     "coordinate_batch_across_dp",
     "coordinate_ubatching",
-    "create_ubatch_slices",
+    "cut_ubatch_slices",
     "decide_ubatching",
     "find_metadata_violation",
     "is_last_ubatch_empty",
