@@ -27,7 +27,13 @@ Deliberate differences from vLLM (each safer, none on a path vLLM's own runner t
 - in the later part of a cut request `num_computed_tokens_cpu` counts the earlier part too,
   so `seq_lens - query lens == num_computed_tokens` holds for every request of every slice
   (vLLM kept the whole request's count there until its #56031);
-- bad input raises ValueError/TypeError naming the argument, never a bare assert;
+- bad input raises ValueError/TypeError naming the argument, never a bare assert; every
+  slice vLLM's `split_attn_metadata` asserts against (empty, padding only, first token
+  outside its first request, no `seq_lens_cpu_upper_bound`) is refused with vLLM's reason
+  first, and so is every slice it would turn into negative metadata without a word (a last
+  request starting after the slice's tokens, real tokens past its last request);
+- `split_attn_metadata` also takes vLLM's own `CommonAttentionMetadata` and `UBatchSlice`s
+  and returns vLLM's records, `is_prefilling` kept (vLLM 0.33's split drops it);
 - `DBOConfig` refuses a token threshold below its ubatch count;
 - the agreement also compares ubatch counts across ranks (UBatchAgreementError naming each)
   and flags a rank's bad arguments in the exchange, so its peers raise instead of hanging.

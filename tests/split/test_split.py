@@ -308,10 +308,16 @@ def test_an_empty_last_ubatch_is_refused_naming_the_rule() -> None:
         split_attn_metadata(plain, meta)
 
 
-def test_a_dummy_run_keeps_the_batchs_max_query_len() -> None:
+def test_a_dummy_run_of_empty_queries_is_refused_as_vllm_refuses_it() -> None:
+    meta = CommonAttentionMetadata.make([0, 0], [0, 0], num_tokens_padded=4)
+    with pytest.raises(ValueError, match="Token slice start outside of first request"):
+        split_attn_metadata([UBatchSlice(slice(0, 2), slice(0, 4))], meta)
+
+
+def test_a_dummy_run_allowed_empty_keeps_the_batchs_max_query_len() -> None:
     meta = CommonAttentionMetadata.make([0, 0], [0, 0], num_tokens_padded=4)
     meta = CommonAttentionMetadata(**{**meta.__dict__, "max_query_len": 7})
-    (part,) = split_attn_metadata([UBatchSlice(slice(0, 2), slice(0, 4))], meta)
+    (part,) = split_attn_metadata([UBatchSlice(slice(0, 2), slice(0, 4))], meta, allow_empty=True)
     assert part.max_query_len == 7
 
 
