@@ -65,6 +65,7 @@ from dbo.split.records import DBOConfig, UBatchSlice, UBatchSlices, UBatchThresh
 from dbo.split.slicing import (
     check_ubatch_thresholds,
     cut_ubatch_slices,
+    get_num_ubatches,
     is_last_ubatch_empty,
     maybe_create_ubatch_slices,
     should_ubatch,
@@ -93,6 +94,7 @@ __all__ = [
     "cut_ubatch_slices",
     "decide_ubatching",
     "find_metadata_violation",
+    "get_num_ubatches",
     "is_last_ubatch_empty",
     "maybe_create_ubatch_slices",
     "should_ubatch",

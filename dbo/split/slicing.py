@@ -33,6 +33,7 @@ from dbo.split.records import UBatchSlice, UBatchSlices, UBatchThresholds
 __all__ = [
     "check_ubatch_thresholds",
     "cut_ubatch_slices",
+    "get_num_ubatches",
     "is_last_ubatch_empty",
     "maybe_create_ubatch_slices",
     "should_ubatch",
@@ -123,6 +124,13 @@ def should_ubatch(
     big_enough = check_ubatch_thresholds(thresholds, num_tokens, decode)
     empty = is_last_ubatch_empty(num_tokens, padded, n)
     return big_enough and not empty
+
+
+def get_num_ubatches(parallel_config: Any) -> int:
+    """How many ubatches a step is cut into: `num_ubatches` with ubatching on, else 1 (vLLM
+    0.33's, reading the same two fields of a `DBOConfig` or vLLM's `ParallelConfig`)."""
+    use = as_bool("use_ubatching", parallel_config.use_ubatching)
+    return as_num_ubatches(parallel_config.num_ubatches) if use else 1
 
 
 def _request_range(cu: list[int], start: int, end: int) -> slice:
