@@ -113,3 +113,53 @@ def test_computed_tokens_are_derived_as_vllm_derives_them():
     )
     theirs = _theirs(meta)
     assert torch.equal(meta.compute_num_computed_tokens(), theirs.compute_num_computed_tokens())
+
+
+def _negative(part) -> bool:
+    qsl = part.query_start_loc_cpu
+    return bool((qsl[1:] < qsl[:-1]).any() or (part.seq_lens < 0).any() or part.max_query_len < 0)
+
+
+def test_on_random_slices_dbo_sim_gives_vllms_metadata_or_refuses_what_vllm_gets_wrong():
+    import random
+
+    rng = random.Random(31)
+    compared = 0
+    for case in range(300):
+        query = [rng.choice([0, 1, 3, 6]) for _ in range(rng.randint(1, 5))]
+        query[0] = query[0] or 1
+        meta = CommonAttentionMetadata.make(
+            query,
+            [q + rng.randint(0, 5) for q in query],
+            num_tokens_padded=sum(query) + rng.choice([0, 4]),
+        )
+        r0, t0 = rng.randint(0, meta.num_reqs - 1), rng.randint(0, meta.num_actual_tokens - 1)
+        s = vllm_utils.UBatchSlice(
+            slice(r0, rng.randint(r0 + 1, meta.num_reqs)),
+            slice(t0, rng.randint(t0 + 1, meta.num_actual_tokens)),
+        )
+        try:
+            (reference,) = vllm_utils.split_attn_metadata([s], _theirs(meta))
+        except AssertionError:
+            with pytest.raises(ValueError):
+                split_attn_metadata([s], _theirs(meta))
+            continue
+        if _negative(reference):
+            with pytest.raises(ValueError):
+                split_attn_metadata([s], _theirs(meta))
+            continue
+        if min(s.token_slice.stop, sum(query)) > int(
+            meta.query_start_loc_cpu[s.request_slice.stop]
+        ):
+            # vLLM leaves real tokens of the slice in no request's query: refused here
+            with pytest.raises(ValueError, match="belong to requests after its last one"):
+                split_attn_metadata([s], _theirs(meta))
+            continue
+        (ours,) = split_attn_metadata([s], _theirs(meta))
+        compared += 1
+        for name in ("query_start_loc_cpu", "seq_lens", "slot_mapping", "block_table_tensor"):
+            assert torch.equal(getattr(ours, name), getattr(reference, name)), (
+                f"case {case}: {name}"
+            )
+        assert (ours.num_reqs, ours.max_query_len) == (reference.num_reqs, reference.max_query_len)
+    assert compared > 30  # many slices are compared field by field, not refused
