@@ -74,6 +74,7 @@ def run_ubatches(
     comm_stream: Stream | None = None,
     schedule: str = "default",
     graph: Any = None,
+    token_offsets: Sequence[int] | None = None,
 ) -> list[Any]:
     """Run `fn(ubatch_inputs[i])` in ubatch i's thread and return the outputs in ubatch order.
 
@@ -83,7 +84,8 @@ def run_ubatches(
     `math.inf`: none); past it, `UBatchTimeoutError` with every thread's stack. `graph`: a
     capture from `device.graph()`, entered after every thread is ready (so threads create
     their handles before capture, as vLLM does) and exited after they finish; if the step
-    fails, its `replay()` raises instead of replaying the partial step.
+    fails, its `replay()` raises instead of replaying the partial step. `token_offsets`: each
+    ubatch's first row in the parent batch (`dbo_current_ubatch_token_offset()`).
 
     One step at a time per process: a call made while another step runs (from another
     thread, or from inside a ubatch) raises RuntimeError at once. If the launcher itself
@@ -102,7 +104,7 @@ def run_ubatches(
     contexts = None if forward_contexts is None else _indexed("forward_contexts", forward_contexts)
     request = _StepRequest(
         fn, inputs, resolve_device(device), seconds, contexts, compute_stream, comm_stream,
-        schedule, graph,
+        schedule, graph, token_offsets,
     )  # fmt: skip
     # Non-blocking: the holder may be this very thread's caller (fn calling run_ubatches),
     # which would deadlock a blocking acquire.
@@ -195,6 +197,7 @@ class _StepRequest:
     comm_stream: Stream | None
     schedule: str
     graph: Any
+    token_offsets: Sequence[int] | None
 
 
 class _Launch:
@@ -214,6 +217,7 @@ class _Launch:
         self.contexts = make_ubatch_contexts(
             num, self.compute_stream, self.comm_stream,
             contexts if contexts is not None else [None] * num, self.barrier, request.schedule,
+            request.token_offsets,
         )  # fmt: skip
         self.step = self.contexts[0].step
         self.outputs: list[Any] = [None] * num

@@ -63,6 +63,7 @@ class UBatchContext:
         gpu_compute_done_event: Event,
         gpu_comm_done_event: Event,
         schedule: str = "default",
+        token_offset: int = 0,
     ) -> None:
         self.id = id
         self.step = step
@@ -76,6 +77,9 @@ class UBatchContext:
         self.gpu_compute_done_event = gpu_compute_done_event
         self.gpu_comm_done_event = gpu_comm_done_event
         self.schedule = schedule
+        # Where this ubatch's rows start in the parent batch (vLLM 0.33): code that indexes
+        # batch-wide buffers (a router's per-token table, a KV slot map) adds it to its rows.
+        self.token_offset = token_offset
         self.current_stream = compute_stream
         self.recv_hook: Callable[[], Any] | None = None
         self.state = step.states[id]  # this ubatch's progress, shared with its step
@@ -290,10 +294,13 @@ def make_ubatch_contexts(
     forward_contexts: Sequence[Any],
     ready_barrier: threading.Barrier,
     schedule: str = "default",
+    token_offsets: Sequence[int] | None = None,
 ) -> list[UBatchContext]:
-    """Build the ring of N contexts (vLLM's signature). The launcher then calls
+    """Build the ring of N contexts (vLLM 0.33's signature). The launcher then calls
     `contexts[0].step.release_first()` (or `contexts[0].cpu_wait_event.set()`) after the
-    barrier to let ubatch 0 run."""
+    barrier to let ubatch 0 run. `token_offsets[i]`: the row where ubatch i starts in the
+    parent batch (`dbo_current_ubatch_token_offset()`); None or empty: 0 for every ubatch,
+    as in vLLM."""
     num_micro_batches = as_int("num_micro_batches", num_micro_batches)
     if num_micro_batches < 2:
         raise ValueError(
@@ -313,6 +320,7 @@ def make_ubatch_contexts(
             f"ready_barrier must have num_micro_batches + 1 = {num_micro_batches + 1} parties "
             f"(the ubatch threads and the launcher), got {ready_barrier.parties}"
         )
+    offsets = _token_offsets(token_offsets, num_micro_batches)
     registry.claim_slots(num_micro_batches)
     step = UBatchStep(num_micro_batches, ready_barrier)
     step.contexts = [
@@ -327,7 +335,21 @@ def make_ubatch_contexts(
             gpu_compute_done_event=device.Event(),
             gpu_comm_done_event=device.Event(),
             schedule=schedule,
+            token_offset=offsets[i],
         )
         for i in range(num_micro_batches)
     ]
     return list(step.contexts)
+
+
+def _token_offsets(token_offsets: Sequence[int] | None, num_micro_batches: int) -> list[int]:
+    """One non-negative row offset per ubatch. vLLM reads `token_offsets[i]` unchecked (a short
+    list fails in the ubatch's thread, mid-step); here a wrong length fails before any starts."""
+    if not token_offsets:
+        return [0] * num_micro_batches
+    if len(token_offsets) != num_micro_batches:
+        raise ValueError(
+            f"token_offsets has {len(token_offsets)} entries, expected one per ubatch "
+            f"({num_micro_batches})"
+        )
+    return [as_int(f"token_offsets[{i}]", v) for i, v in enumerate(token_offsets)]

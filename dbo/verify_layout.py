@@ -29,7 +29,7 @@ import torch
 from dbo.split import (
     CommonAttentionMetadata,
     UBatchSlice,
-    create_ubatch_slices,
+    cut_ubatch_slices,
     split_attn_metadata,
 )
 
@@ -167,7 +167,7 @@ def resolve_layout(
         return list(slices)
     if counts is None:  # no requests to speak of: one row per token
         return [UBatchSlice(slice(a, b), slice(a, b)) for a, b in bounds]
-    laid = create_ubatch_slices(counts, [a for a, _ in bounds[1:]])
+    laid = cut_ubatch_slices(counts, [a for a, _ in bounds[1:]])
     last = laid[-1]
     return [
         *laid[:-1],

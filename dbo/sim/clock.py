@@ -25,9 +25,8 @@ __all__ = ["DeviceClock"]
 class DeviceClock:
     """Host time, timelines and GPU occupancy of one device (see the module docstring)."""
 
-    def __init__(self, profile: HardwareProfile, gemm_sms: int | None = None) -> None:
+    def __init__(self, profile: HardwareProfile) -> None:
         self.profile = profile
-        self.gemm_sms = gemm_sms  # SMs a ubatch's GEMMs run on (None: all, shared with comm)
         self.tracks: list[Track] = []
         self.generation = 0  # bumped by every reset: events recorded before count as unrecorded
         self.start()
@@ -74,16 +73,16 @@ class DeviceClock:
 
     def place(
         self, track: Track, cost_us: float, *, compute: bool, full_grid: bool,
-        reserved: bool, not_before: float, sm_share: float,
+        reserved_sms: int | None, not_before: float, sm_share: float,
     ) -> Span:  # fmt: skip
         """Place an op launched now on `track` and let it hold what it holds: its track until
-        it ends, its turn, and `sm_share` of the SMs. `reserved`: a ubatch's GEMM on its own
-        `gemm_sms` SMs."""
+        it ends, its turn, and `sm_share` of the SMs. `reserved_sms`: a ubatch's GEMM on that
+        many SMs of its own (None: on all of them, shared with comm kernels)."""
         span = place_span(
             max(self.host_us, track.free_at, not_before), cost_us, compute=compute,
             full_grid=full_grid, turns=self.turns, busy=self.sm_busy,
             max_share=self.profile.max_comm_sm_share, rates=self.profile.overlap_rates,
-            reserved_sms=(self.profile.num_sms, self.gemm_sms) if reserved else None,  # type: ignore[arg-type]
+            reserved_sms=None if reserved_sms is None else (self.profile.num_sms, reserved_sms),
         )  # fmt: skip
         taken = self.taken.pop(track.index, 0.0)
         if taken:

@@ -53,6 +53,7 @@ from dbo.sim.records import (
     OpRecord,
 )
 from dbo.sim.regions import open_region, region_ops
+from dbo.sim.sm_control import SmControlHooks
 from dbo.sim.state import CommRegion, ThreadState, Track, join
 from dbo.sim.timeline import slowdown_args
 from dbo.streams import CommHandle, Device, Event, Stream
@@ -70,7 +71,7 @@ def _trace_args(call: OpCall, priced: OpCost) -> dict[str, Any]:
     return {"shapes": shapes, "dtype": str(call.dtype).replace("torch.", ""), "cost": priced.source}
 
 
-class SimDevice(Device):
+class SimDevice(SmControlHooks, Device):
     """A virtual-time GPU on which ops run eagerly (for their values) and are placed on a
     timeline (for their time)."""
 
@@ -118,7 +119,7 @@ class SimDevice(Device):
         # RLock: event and stream calls nest inside placement paths of the same thread.
         self._lock = threading.RLock()
         self._tls = threading.local()  # holds each thread's ThreadState
-        self._clock = DeviceClock(self.profile, self.dbo_gemm_sms)
+        self._clock = DeviceClock(self.profile)
         self._streams: dict[str, SimStream] = {}
         self._start_reports()
         self._default = self.Stream("default")
@@ -330,7 +331,7 @@ class SimDevice(Device):
             epoch = self._clock.tick(track)
             span = self._clock.place(
                 track, cost_us, compute=compute, full_grid=full_grid, not_before=not_before,
-                reserved=self._reserved_sms(name, compute, ubatch), sm_share=sm_share,
+                reserved_sms=self._reserved_sms(name, compute, ubatch), sm_share=sm_share,
             )  # fmt: skip
             args = {} if args is None else args
             args.update(slowdown_args(span, compute=compute))
@@ -363,11 +364,10 @@ class SimDevice(Device):
             end, wait, gate = couple_to_peers(self.profile, mode, ready, peers, self.ht_rdma_share)
         return end - ready, dict(op.args, peer_wait_us=wait, gated_by=gate)
 
-    def _reserved_sms(self, name: str, compute: bool, ubatch: int | None) -> bool:
-        """A ubatch's GEMM under `dbo_gemm_sms` runs on its reserved SMs: slower, but
-        untouched by comm kernels."""
+    def _reserved_sms(self, name: str, compute: bool, ubatch: int | None) -> int | None:
+        """The SMs a ubatch's GEMM runs on under `dbo_gemm_sms` (None: all, with comm)."""
         reserving = self.dbo_gemm_sms is not None and ubatch is not None
-        return compute and reserving and name in RESERVED_SM_OPS
+        return self.dbo_gemm_sms if compute and reserving and name in RESERVED_SM_OPS else None
 
     # ------------------------------------------------------------------------ events, syncs
 

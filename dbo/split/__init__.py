@@ -15,8 +15,9 @@ or to match other DP ranks) to `num_tokens_padded` tokens and `num_reqs_padded` 
 The jobs, one module each: `dbo.split.slicing` (where and whether to cut),
 `dbo.split.metadata` (`CommonAttentionMetadata` and `split_attn_metadata`),
 `dbo.split.agreement` (`coordinate_batch_across_dp`), `dbo.split.checker`
-(`check_ubatch_metadata`); `dbo.split.records` holds the small records they share. Every
-public name is importable from `dbo.split`.
+(`check_ubatch_metadata`), `dbo.split.v2` (model runner V2's `create_ubatch_slices`,
+`slice_model_inputs`, `merge_ubatch_outputs`); `dbo.split.records` holds the small records
+they share. Every public name is importable from `dbo.split`.
 
 Deliberate differences from vLLM (each safer, none on a path vLLM's own runner takes):
 - `is_last_ubatch_empty` is also True when the split point is 0 (fewer padded tokens than
@@ -27,7 +28,13 @@ Deliberate differences from vLLM (each safer, none on a path vLLM's own runner t
 - in the later part of a cut request `num_computed_tokens_cpu` counts the earlier part too,
   so `seq_lens - query lens == num_computed_tokens` holds for every request of every slice
   (vLLM kept the whole request's count there until its #56031);
-- bad input raises ValueError/TypeError naming the argument, never a bare assert;
+- bad input raises ValueError/TypeError naming the argument, never a bare assert; every
+  slice vLLM's `split_attn_metadata` asserts against (empty, padding only, first token
+  outside its first request, no `seq_lens_cpu_upper_bound`) is refused with vLLM's reason
+  first, and so is every slice it would turn into negative metadata without a word (a last
+  request starting after the slice's tokens, real tokens past its last request);
+- `split_attn_metadata` also takes vLLM's own `CommonAttentionMetadata` and `UBatchSlice`s
+  and returns vLLM's records, `is_prefilling` kept (vLLM 0.33's split drops it);
 - `DBOConfig` refuses a token threshold below its ubatch count;
 - the agreement also compares ubatch counts across ranks (UBatchAgreementError naming each)
   and flags a rank's bad arguments in the exchange, so its peers raise instead of hanging.
@@ -58,15 +65,26 @@ from dbo.split.metadata import (
 from dbo.split.records import DBOConfig, UBatchSlice, UBatchSlices, UBatchThresholds
 from dbo.split.slicing import (
     check_ubatch_thresholds,
-    create_ubatch_slices,
+    cut_ubatch_slices,
+    get_num_ubatches,
     is_last_ubatch_empty,
     maybe_create_ubatch_slices,
     should_ubatch,
     split_batch,
     ubatch_cut_points,
 )
+from dbo.split.v2 import (
+    IntermediateTensors,
+    create_ubatch_slices,
+    merge_ubatch_outputs,
+    slice_model_inputs,
+)
 
 __all__ = [
+    "IntermediateTensors",
+    "create_ubatch_slices",
+    "merge_ubatch_outputs",
+    "slice_model_inputs",
     "PAD_SLOT_ID",
     "CommonAttentionMetadata",
     "DBOConfig",
@@ -84,9 +102,10 @@ __all__ = [
     "check_ubatch_thresholds",
     "coordinate_batch_across_dp",
     "coordinate_ubatching",
-    "create_ubatch_slices",
+    "cut_ubatch_slices",
     "decide_ubatching",
     "find_metadata_violation",
+    "get_num_ubatches",
     "is_last_ubatch_empty",
     "maybe_create_ubatch_slices",
     "should_ubatch",

@@ -11,7 +11,7 @@ starting at the cut, full `seq_lens`, and the earlier part counted as computed).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -32,22 +32,26 @@ PAD_SLOT_ID = -1  # vLLM's slot for a padding token: written nowhere in the KV c
 # eq=False: tensor fields make field-wise == ambiguous, so records compare by identity.
 @dataclass(frozen=True, eq=False)
 class CommonAttentionMetadata:
-    """The attention metadata a ubatch split has to slice (a subset of vLLM's record).
+    """The attention metadata a ubatch split has to slice (a subset of vLLM 0.33's record,
+    same field names; `dbo.split.split_attn_metadata` also takes vLLM's own record).
 
     Per request row (`num_reqs` of them, padding requests included, as in vLLM):
     `query_start_loc` (+1 entry, on the device) and `query_start_loc_cpu`, `seq_lens`,
-    `num_computed_tokens_cpu`, `block_table_tensor` rows. Per token: `slot_mapping` (padding
-    tokens `PAD_SLOT_ID`). `num_actual_tokens` is the token count the batch runs (padding
-    included). Optional, as in vLLM (None when the model runner does not fill them):
-    `positions` (per token, each token's position in its sequence), `is_prefilling` (per
-    request, still in its prompt) and model runner V2's `seq_lens_cpu_upper_bound` (per
-    request, a host-side bound on `seq_lens` that needs no device sync).
+    `block_table_tensor` rows. Per token: `slot_mapping` (padding tokens `PAD_SLOT_ID`).
+    `num_actual_tokens` is the token count the batch runs (padding included). Optional, as in
+    vLLM (None when the model runner does not fill them): `positions` (per token, each token's
+    position in its sequence), `is_prefilling` (per request, still in its prompt) and
+    `seq_lens_cpu_upper_bound` (per request, a host-side bound on `seq_lens` that needs no
+    device sync; a split needs it, as vLLM's does).
+
+    `num_computed_tokens_cpu` is no field of vLLM 0.33's record (it derives
+    `compute_num_computed_tokens()`, seq_lens - query lens); here it may be omitted and is
+    then derived the same way, on the host. Given, it is what the split checker compares.
     """
 
     query_start_loc: torch.Tensor
     query_start_loc_cpu: torch.Tensor
     seq_lens: torch.Tensor
-    num_computed_tokens_cpu: torch.Tensor
     block_table_tensor: torch.Tensor
     slot_mapping: torch.Tensor
     num_reqs: int
@@ -57,6 +61,22 @@ class CommonAttentionMetadata:
     positions: torch.Tensor | None = None
     is_prefilling: torch.Tensor | None = None
     seq_lens_cpu_upper_bound: torch.Tensor | None = None
+    num_computed_tokens_cpu: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_computed_tokens_cpu is None:
+            # frozen: the derived default is set once, here, as vLLM caches its own
+            object.__setattr__(self, "num_computed_tokens_cpu", self._derived_computed())
+
+    def _derived_computed(self) -> torch.Tensor:
+        qsl = self.query_start_loc_cpu
+        return self.seq_lens.cpu() - (qsl[1:] - qsl[:-1])
+
+    def compute_num_computed_tokens(self) -> torch.Tensor:
+        """vLLM 0.33's accessor: computed tokens per request, on the device of `seq_lens`."""
+        computed = self.num_computed_tokens_cpu
+        assert computed is not None  # set by __post_init__
+        return computed.to(self.seq_lens.device)
 
     @classmethod
     def make(
@@ -182,6 +202,9 @@ def slice_query_start_locs(query_start_loc: torch.Tensor, request_slice: slice) 
 
 
 def _check_slice_against(ubatch_slice: Any, meta: CommonAttentionMetadata, cu: list[int]) -> None:
+    """Refuse, before any work, every slice vLLM's `_make_metadata_with_slice` asserts against
+    (with its reason first) and every one it would turn into negative or inconsistent
+    metadata without a word."""
     if not isinstance(ubatch_slice, UBatchSlice):
         raise TypeError(f"expected a UBatchSlice, got {type(ubatch_slice).__name__}")
     reqs, toks = ubatch_slice.request_slice, ubatch_slice.token_slice
@@ -192,7 +215,7 @@ def _check_slice_against(ubatch_slice: Any, meta: CommonAttentionMetadata, cu: l
         )
     if ubatch_slice.is_empty():
         raise ValueError(
-            f"ubatch slice {ubatch_slice} is empty: a ubatch needs real tokens (check "
+            f"Ubatch slice {ubatch_slice} is empty: a ubatch needs real tokens (check "
             f"is_last_ubatch_empty before splitting)"
         )
     if not 0 <= reqs.start < reqs.stop <= len(cu) - 1:
@@ -203,14 +226,56 @@ def _check_slice_against(ubatch_slice: Any, meta: CommonAttentionMetadata, cu: l
         raise ValueError(
             f"token_slice {toks} is outside the metadata's {meta.slot_mapping.shape[0]} tokens"
         )
-    # A first token past the real ones is padding (a dummy run, a padded tail): no request
-    # holds it. A real first token must lie in the slice's first request.
-    if toks.start < cu[-1] and not cu[reqs.start] <= toks.start < cu[reqs.start + 1]:
+    if meta.seq_lens_cpu_upper_bound is None:
         raise ValueError(
-            f"ubatch slice {ubatch_slice} does not match the metadata: its first token "
-            f"{toks.start} is not in its first request (tokens [{cu[reqs.start]}, "
-            f"{cu[reqs.start + 1]}))"
+            "seq_lens_cpu_upper_bound is None: splitting needs the host-side bound on seq_lens "
+            "(vLLM's split asserts it too); fill it as CommonAttentionMetadata.make does"
         )
+    _check_requests_hold_the_tokens(ubatch_slice, cu)
+    _check_seq_lens_cover_queries(ubatch_slice, meta, cu)
+
+
+def _check_requests_hold_the_tokens(ubatch_slice: UBatchSlice, cu: list[int]) -> None:
+    reqs, toks = ubatch_slice.request_slice, ubatch_slice.token_slice
+    # vLLM's assert: a slice made only of padding (its first token past the real ones) has no
+    # request to hold that token; the V2 rules that run such a ubatch pass allow_empty.
+    if not cu[reqs.start] <= toks.start < cu[reqs.start + 1]:
+        why = (
+            "it holds only padding (refused as in vLLM; pass allow_empty=True where the "
+            "engine runs such a ubatch)"
+            if toks.start >= cu[-1]
+            else "the slice does not match the metadata"
+        )
+        raise ValueError(
+            f"Token slice start outside of first request: ubatch slice {ubatch_slice} starts "
+            f"at token {toks.start}, but its first request {reqs.start} holds tokens "
+            f"[{cu[reqs.start]}, {cu[reqs.start + 1]}): {why}"
+        )
+    last = reqs.stop - 1
+    if cu[last] > toks.stop:  # vLLM would give it a negative query length
+        raise ValueError(
+            f"ubatch slice {ubatch_slice} does not match the metadata: its last request {last} "
+            f"starts at token {cu[last]}, after the slice's tokens end ({toks.stop})"
+        )
+    real_end = min(toks.stop, cu[-1])
+    if real_end > cu[reqs.stop]:  # real tokens no request of the slice holds
+        raise ValueError(
+            f"ubatch slice {ubatch_slice} does not match the metadata: its tokens "
+            f"[{cu[reqs.stop]}, {real_end}) belong to requests after its last one ({last})"
+        )
+
+
+def _check_seq_lens_cover_queries(
+    ubatch_slice: UBatchSlice, meta: CommonAttentionMetadata, cu: list[int]
+) -> None:
+    reqs = ubatch_slice.request_slice
+    seq_lens = [int(v) for v in meta.seq_lens[reqs].tolist()]
+    for r, seq_len in zip(range(reqs.start, reqs.stop), seq_lens):
+        if seq_len < cu[r + 1] - cu[r]:
+            raise ValueError(
+                f"metadata's seq_lens[{r}] ({seq_len}) is below request {r}'s query length "
+                f"({cu[r + 1] - cu[r]}): a split would give it negative computed tokens"
+            )
 
 
 def _optional(field: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
@@ -245,8 +310,9 @@ def _make_metadata_with_slice(
         seq_lens[-1] -= tail_cut
         if upper is not None:
             upper[-1] -= tail_cut
-    query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
-    max_query_len = int(query_lens.max()) if query_lens.numel() else 0
+    # >= 1: the checks above put the first token inside the first request (vLLM's fallback
+    # for a dummy run of empty queries is unreachable behind the same assert)
+    max_query_len = int((qsl_cpu[1:] - qsl_cpu[:-1]).max())
     return CommonAttentionMetadata(
         query_start_loc=qsl,
         query_start_loc_cpu=qsl_cpu,
@@ -256,8 +322,7 @@ def _make_metadata_with_slice(
         slot_mapping=attn_metadata.slot_mapping[toks],
         num_reqs=ubatch_slice.num_requests,
         num_actual_tokens=ubatch_slice.num_tokens,
-        # 0 only for a dummy run (every query empty): keep the batch's, as vLLM does
-        max_query_len=max_query_len or attn_metadata.max_query_len,
+        max_query_len=max_query_len,
         # floored by the whole batch's, as vLLM does: kernels picked for a captured graph
         # by max_seq_len must stay the captured ones
         max_seq_len=max(int(seq_lens.max()) if seq_lens.numel() else 0, attn_metadata.max_seq_len),
@@ -312,15 +377,57 @@ def split_attn_metadata(
     """One metadata per slice (the input is not modified). Raises ValueError for a slice
     that does not match the metadata, and for a slice with no real tokens unless
     `allow_empty` (engines whose split rules run such a ubatch: vLLM's V2 runner, SGLang),
-    which gives it a record with no request rows."""
-    if not isinstance(common_attn_metadata, CommonAttentionMetadata):
-        raise TypeError(
-            f"common_attn_metadata must be a CommonAttentionMetadata, got "
-            f"{type(common_attn_metadata).__name__}"
-        )
-    return [
-        _empty_slice_metadata(s, common_attn_metadata)
-        if allow_empty and _holds_no_real_token(s, common_attn_metadata)
-        else _make_metadata_with_slice(s, common_attn_metadata)
+    which gives it a record with no request rows.
+
+    Also takes vLLM's own `CommonAttentionMetadata` and `UBatchSlice`s, and then returns
+    vLLM's records, with the fields vLLM's split fills (and `is_prefilling`, which vLLM 0.33's
+    drops); its other optional fields are left unset, as vLLM's split leaves them."""
+    meta = _as_our_metadata(common_attn_metadata)
+    parts = [
+        _empty_slice_metadata(s, meta)
+        if allow_empty and _holds_no_real_token(s, meta)
+        else _make_metadata_with_slice(_as_our_slice(s), meta)
         for s in ubatch_slices
     ]
+    if meta is common_attn_metadata:
+        return parts
+    return [_as_their_metadata(p, type(common_attn_metadata)) for p in parts]
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's records in and out: the same field names, so a split reads and fills them by name.
+
+_OUR_FIELDS = tuple(f.name for f in fields(CommonAttentionMetadata))
+_REQUIRED_FIELDS = tuple(f.name for f in fields(CommonAttentionMetadata) if f.default is MISSING)
+
+
+def _as_our_metadata(meta: Any) -> CommonAttentionMetadata:
+    if isinstance(meta, CommonAttentionMetadata):
+        return meta
+    theirs = {f.name for f in fields(meta)} if is_dataclass(meta) else set()
+    missing = [name for name in _REQUIRED_FIELDS if name not in theirs]
+    if missing:
+        raise TypeError(
+            f"common_attn_metadata must be a CommonAttentionMetadata (dbo.split's or vLLM's), "
+            f"got {type(meta).__module__}.{type(meta).__name__} without {', '.join(missing)}"
+        )
+    return CommonAttentionMetadata(
+        **{name: getattr(meta, name) for name in _OUR_FIELDS if name in theirs}
+    )
+
+
+def _as_their_metadata(part: CommonAttentionMetadata, cls: type) -> Any:
+    theirs = {f.name for f in fields(cls)}
+    return cls(**{name: getattr(part, name) for name in _OUR_FIELDS if name in theirs})
+
+
+def _as_our_slice(ubatch_slice: Any) -> Any:
+    """vLLM's `UBatchSlice` (a plain dataclass of the same two slices) as ours; anything
+    else is left for the checks to refuse."""
+    if isinstance(ubatch_slice, UBatchSlice):
+        return ubatch_slice
+    reqs = getattr(ubatch_slice, "request_slice", None)
+    toks = getattr(ubatch_slice, "token_slice", None)
+    if isinstance(reqs, slice) and isinstance(toks, slice):
+        return UBatchSlice(reqs, toks)
+    return ubatch_slice

@@ -1,5 +1,7 @@
 """Where to cut a step into ubatches, and whether to (vLLM's `maybe_create_ubatch_slices`,
-`create_ubatch_slices`, `check_ubatch_thresholds`, `is_last_ubatch_empty`).
+`check_ubatch_thresholds`, `is_last_ubatch_empty`; `cut_ubatch_slices` is the cut at given
+points that vLLM 0.33 does inline, named so it does not collide with V2's
+`create_ubatch_slices(input_batch, num_ubatches)` in `dbo.split.v2`).
 
 The split point is q = num_tokens_padded // N and cut k falls at k * q. A ubatch holds the
 requests whose tokens overlap its range: it starts at the request holding its first token and
@@ -30,7 +32,8 @@ from dbo.split.records import UBatchSlice, UBatchSlices, UBatchThresholds
 
 __all__ = [
     "check_ubatch_thresholds",
-    "create_ubatch_slices",
+    "cut_ubatch_slices",
+    "get_num_ubatches",
     "is_last_ubatch_empty",
     "maybe_create_ubatch_slices",
     "should_ubatch",
@@ -123,6 +126,13 @@ def should_ubatch(
     return big_enough and not empty
 
 
+def get_num_ubatches(parallel_config: Any) -> int:
+    """How many ubatches a step is cut into: `num_ubatches` with ubatching on, else 1 (vLLM
+    0.33's, reading the same two fields of a `DBOConfig` or vLLM's `ParallelConfig`)."""
+    use = as_bool("use_ubatching", parallel_config.use_ubatching)
+    return as_num_ubatches(parallel_config.num_ubatches) if use else 1
+
+
 def _request_range(cu: list[int], start: int, end: int) -> slice:
     """vLLM's rule: from the request holding token `start` (skipping zero-token requests
     sitting at it) to the first request starting at or after `end`; positions past the real
@@ -132,14 +142,14 @@ def _request_range(cu: list[int], start: int, end: int) -> slice:
     return slice(bisect.bisect_right(cu, start) - 1, bisect.bisect_left(cu, end))
 
 
-def create_ubatch_slices(
+def cut_ubatch_slices(
     num_scheduled_tokens: Sequence[int] | np.ndarray | torch.Tensor,
     token_split_points: Sequence[int],
 ) -> UBatchSlices:
     """One slice per ubatch, cut at `token_split_points` (ascending); the last slice ends at
     the real token count (or is empty if its cut lies past it).
 
-        >>> [s.token_slice for s in create_ubatch_slices([5, 4, 1], [3, 6])]
+        >>> [s.token_slice for s in cut_ubatch_slices([5, 4, 1], [3, 6])]
         [slice(0, 3, None), slice(3, 6, None), slice(6, 10, None)]
     """
     counts = as_num_scheduled_tokens(num_scheduled_tokens)
@@ -213,7 +223,7 @@ def maybe_create_ubatch_slices(
     points = _split_points(split_point, padded, n)
     if points and points[-1] > padded:
         raise ValueError(f"split points {points} run past num_tokens_padded ({padded})")
-    slices = create_ubatch_slices(counts, points)
+    slices = cut_ubatch_slices(counts, points)
     return slices, _pad_out_ubatch_slices(slices, padded, reqs_padded)
 
 

@@ -38,7 +38,7 @@ from dbo.split import (
     check_ubatch_thresholds,
     coordinate_batch_across_dp,
     coordinate_ubatching,
-    create_ubatch_slices,
+    cut_ubatch_slices,
     decide_ubatching,
     is_last_ubatch_empty,
     maybe_create_ubatch_slices,
@@ -153,8 +153,8 @@ def test_the_padded_last_slice_runs_to_the_padded_counts() -> None:
     assert sum(s.num_tokens for s in padded) == 17
 
 
-def test_create_ubatch_slices_takes_vllms_split_points() -> None:
-    slices = create_ubatch_slices(np.array([5, 4, 1], dtype=np.int32), [3, 6])
+def test_cut_ubatch_slices_takes_vllms_split_points() -> None:
+    slices = cut_ubatch_slices(np.array([5, 4, 1], dtype=np.int32), [3, 6])
     assert _token_slices(slices) == [(0, 3), (3, 6), (6, 10)]
     assert _request_slices(slices) == [(0, 1), (0, 2), (1, 3)]
 
@@ -308,10 +308,16 @@ def test_an_empty_last_ubatch_is_refused_naming_the_rule() -> None:
         split_attn_metadata(plain, meta)
 
 
-def test_a_dummy_run_keeps_the_batchs_max_query_len() -> None:
+def test_a_dummy_run_of_empty_queries_is_refused_as_vllm_refuses_it() -> None:
+    meta = CommonAttentionMetadata.make([0, 0], [0, 0], num_tokens_padded=4)
+    with pytest.raises(ValueError, match="Token slice start outside of first request"):
+        split_attn_metadata([UBatchSlice(slice(0, 2), slice(0, 4))], meta)
+
+
+def test_a_dummy_run_allowed_empty_keeps_the_batchs_max_query_len() -> None:
     meta = CommonAttentionMetadata.make([0, 0], [0, 0], num_tokens_padded=4)
     meta = CommonAttentionMetadata(**{**meta.__dict__, "max_query_len": 7})
-    (part,) = split_attn_metadata([UBatchSlice(slice(0, 2), slice(0, 4))], meta)
+    (part,) = split_attn_metadata([UBatchSlice(slice(0, 2), slice(0, 4))], meta, allow_empty=True)
     assert part.max_query_len == 7
 
 
@@ -450,13 +456,13 @@ BAD_INPUTS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),
     (
         "negative count",
-        lambda: create_ubatch_slices([4, -1], [2]),
+        lambda: cut_ubatch_slices([4, -1], [2]),
         ValueError,
         r"num_scheduled_tokens\[1\]",
     ),
     (
         "points decreasing",
-        lambda: create_ubatch_slices([4, 4], [5, 3]),
+        lambda: cut_ubatch_slices([4, 4], [5, 3]),
         ValueError,
         "non-decreasing",
     ),
