@@ -94,7 +94,7 @@ class DeviceClock:
         if sm_share > 0 and span.end > span.start:
             self.sm_busy = hold_sms(self.sm_busy, span, sm_share, self.host_us)
             self._take_sms(span, min(sm_share, self.profile.max_comm_sm_share), track)
-        elif compute and not full_grid and not reserved:
+        elif compute and not full_grid and reserved_sms is None:
             self.unheld.append((span.start, span.end, track.index))
         return span
 
