@@ -137,7 +137,7 @@ class SimDispatchMode(TorchDispatchMode):
         # process. Nothing here runs under torch.compile, so the guard has nothing to guard.
         return False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         info = _INFO.get(func) or op_info(func)
         kind = info.kind
@@ -204,7 +204,7 @@ class HostReadMode(TorchFunctionMode):
         super().__init__()
         self.device = device
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         _carry_profiler_range(self.device, func, args)
         what = _HOST_FUNCS.get(func)

@@ -46,7 +46,7 @@ import torch
 from dbo.sim.footprints import Dims, canonical_footprint, footprint, footprints_meet
 from dbo.sim.records import Access, OpRecord, OpSite, RaceReport
 from dbo.sim.stacks import format_stack, user_stack
-from dbo.sim.state import Track
+from dbo.sim.tracks import Track
 
 __all__ = [
     "MAX_REPORTS",

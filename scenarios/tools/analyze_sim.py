@@ -22,6 +22,7 @@ import torch
 from dbo.analysis import StepReport, TraceReport
 from dbo.analysis.kernels import class_of_sim_op
 from dbo.sim import PROFILES, SimDevice
+from dbo.sim.options import SimOptions
 from dbo.sim.records import COMM, COMPUTE, OpRecord
 from dbo.sim.summary import summarize
 from scenarios.model import ModelConfig, MoEModel
@@ -109,7 +110,7 @@ def simulate(case: CheckCase, profile: str, num_ubatches: int | None) -> list[Op
     """One eager step of the case on a fresh simulated device (meta tensors), after a warm-up
     and the workspace lock, as the traces were taken; its records."""
     config = case.config.with_(tensor_device="meta")
-    device = SimDevice(profile, tensor_device="meta")
+    device = SimDevice(SimOptions(profile, tensor_device="meta"))
     model = MoEModel(config, case.batch)
     x = model.inputs()
     if num_ubatches is None:

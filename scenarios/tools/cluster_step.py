@@ -24,6 +24,7 @@ from dbo.sim.cluster import ClusterResult, simulate_cluster
 from dbo.sim.cluster_program import StreamProgram, record_program, tile_layers
 from dbo.sim.cost import node_dedup_share
 from dbo.sim.hardware import HardwareProfile
+from dbo.sim.options import EngineKnobs, SimOptions
 from dbo.sim.routing import (
     Placement,
     Routing,
@@ -123,21 +124,16 @@ def moe_layers(config: ModelConfig) -> int:
     return config.num_layers - config.num_dense_layers
 
 
-def _device_options(spec: StepSpec) -> dict:
+def _engine_knobs(spec: StepSpec) -> EngineKnobs:
     """SGLang's HT prefill: GEMMs capped at the SMs DeepEP leaves under two-batch overlap,
     and RDMA carrying one copy per remote node."""
     p, c = spec.profile, spec.config
     if spec.mode != "ht":
-        return {}
+        return EngineKnobs()
     groups, topk_groups = ROUTING_GROUPS.get(c.name, (1, 1))
-    options = {
-        "ht_rdma_share": node_dedup_share(
-            c.top_k, c.ep_size, spec.gpus_per_node, groups, topk_groups
-        )
-    }
-    if spec.num_ubatches:
-        options["dbo_gemm_sms"] = p.num_sms - p.comm_sms
-    return options
+    share = node_dedup_share(c.top_k, c.ep_size, spec.gpus_per_node, groups, topk_groups)
+    gemm_sms = p.num_sms - p.comm_sms if spec.num_ubatches else None
+    return EngineKnobs(dbo_gemm_sms=gemm_sms, ht_rdma_share=share)
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,7 +145,7 @@ def record_step(spec: StepSpec) -> StreamProgram:
     if full > RECORDED_MOE_LAYERS:
         config = config.with_(num_layers=config.num_dense_layers + RECORDED_MOE_LAYERS)
     profile = replace(spec.profile, gpus_per_node=spec.gpus_per_node)
-    device = SimDevice(profile, tensor_device="meta", **_device_options(spec))
+    device = SimDevice(SimOptions(profile, tensor_device="meta", engine=_engine_knobs(spec)))
     model = MoEModel(config, spec.batch())
     x = model.inputs()
     if spec.num_ubatches is None:

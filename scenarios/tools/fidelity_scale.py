@@ -22,6 +22,7 @@ from dbo.sim.cluster import simulate_cluster
 from dbo.sim.cluster_program import record_program
 from dbo.sim.cost import node_dedup_share
 from dbo.sim.hardware import H800, HardwareProfile
+from dbo.sim.options import EngineKnobs, SimOptions
 from dbo.sim.routing import balanced, contiguous, eplb, sampled
 from scenarios.tools.cluster_step import StepSpec, moe_layers, record_step
 from scenarios.tools.fidelity_kernels import DEEPEP_BYTES
@@ -78,7 +79,7 @@ def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, 
 def deepep_ll_cluster_us(kind: str, ep: int, profile: HardwareProfile = H800) -> float:
     """DeepEP's low-latency benchmark on the virtual group: one dispatch and one combine of
     128 random-routed tokens per rank; the mean over ranks of the kernel's time."""
-    device = SimDevice(profile, tensor_device="meta")
+    device = SimDevice(SimOptions(profile, tensor_device="meta"))
     sent = {
         k: int(DEEPEP_LL_TOKENS * DEEPEP_TOPK * DEEPEP_BYTES[k] * (ep - 1) / ep)
         for k in ("dispatch", "combine")
@@ -108,7 +109,9 @@ def deepep_normal_cluster_gbps(kind: str, ep: int, profile: HardwareProfile = H8
         if nodes > 1
         else 1.0
     )
-    device = SimDevice(profile, tensor_device="meta", ht_rdma_share=share)
+    device = SimDevice(
+        SimOptions(profile, tensor_device="meta", engine=EngineKnobs(ht_rdma_share=share))
+    )
     sent = int(DEEPEP_NORMAL_TOKENS * DEEPEP_TOPK * DEEPEP_BYTES[kind] * (ep - 1) / ep)
 
     def step() -> None:

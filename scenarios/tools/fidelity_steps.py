@@ -11,6 +11,7 @@ from typing import Any
 
 from dbo.sim.cost import node_dedup_share
 from dbo.sim.hardware import HardwareProfile
+from dbo.sim.options import EngineKnobs
 from scenarios.model import Batch, ModelConfig
 from scenarios.tools.fidelity_rows import (
     DSV3_GROUPS,
@@ -79,12 +80,12 @@ def _sglang_prefill_rows(
     quick: bool, share: float, extra: dict[str, Any], on_point: Callable[[str], None] | None
 ) -> list[FidelityRow]:
     profile, rows = STEP_PROFILE, []
-    prefill_opts = {"dbo_gemm_sms": profile.num_sms - profile.comm_sms, "ht_rdma_share": share}
+    engine = EngineKnobs(dbo_gemm_sms=profile.num_sms - profile.comm_sms, ht_rdma_share=share)
     prefill = deepseek_config(SGLANG_PREFILL_EP, quick)
     for tokens in SGLANG_PREFILL_TOKENS:
         batch = Batch.prefill(tokens // SGLANG_PROMPT, SGLANG_PROMPT)
         gain, serial, ubatched = step_gain(
-            prefill, batch, "ht", profile=profile, graph=False, **prefill_opts
+            prefill, batch, "ht", profile=profile, graph=False, engine=engine
         )
         ratio = serial.comm_us / max(serial.compute_us, 1e-9)
         hidden = 1 - ubatched.exposed_comm_us / max(ubatched.comm_us, 1e-9)

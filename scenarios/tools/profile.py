@@ -53,6 +53,7 @@ import torch
 from dbo.analysis.calibration import host_costs_from_traces, overlap_rates_from_traces
 from dbo.sim import SimDevice
 from dbo.sim.cost import OpCall, add_op_observer, op_family, remove_op_observer
+from dbo.sim.options import SimOptions
 from scenarios.model import PRESETS, Batch, ModelConfig, MoEModel
 from scenarios.steps import prepare, serial_step, ubatched_step
 from scenarios.tools import gpu_check
@@ -101,7 +102,7 @@ def record_calls(
     """Every op one step of `config` issues, as the simulator's interceptor prices them (meta
     tensors; serial when `num_ubatches` is None, else DBO)."""
     config = config.with_(tensor_device="meta")
-    device = SimDevice("h200", tensor_device="meta")
+    device = SimDevice(SimOptions("h200", tensor_device="meta"))
     calls: list[OpCall] = []
     model = MoEModel(config, batch)
     x = model.inputs()

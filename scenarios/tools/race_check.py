@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dbo
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.streams import CudaDevice, Device
 from scenarios.tools.usage import UsageError
 
@@ -289,7 +290,7 @@ PROGRAMS: tuple[Program, ...] = (
 
 
 def run_sim(program: Program) -> Verdict:
-    device = SimDevice("h200", tensor_device="cpu")
+    device = SimDevice(SimOptions("h200", tensor_device="cpu"))
     try:
         program.body(device)
     except Exception as exc:  # noqa: BLE001 -- a program that breaks is a row, not the end

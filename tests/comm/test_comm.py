@@ -27,6 +27,7 @@ from dbo.comm import (
 )
 from dbo.comm_collectives import Collectives
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.split import split_batch
 from scenarios.harness import run_step
 from scenarios.model import Batch, MoEModel, preset
@@ -154,7 +155,11 @@ def test_shape_only_model_still_dispatches_in_process():
     config = preset("deepseek-v3", num_layers=4)
     model = MoEModel(config, Batch.decode(64, 128))
     run = run_step(
-        model, model.inputs(), device=SimDevice(tensor_device="meta"), num_ubatches=2, mode="ll"
+        model,
+        model.inputs(),
+        device=SimDevice(SimOptions(tensor_device="meta")),
+        num_ubatches=2,
+        mode="ll",
     )
     assert run.output.is_meta and any(r.name == "comm::dispatch" for r in run.records)
 

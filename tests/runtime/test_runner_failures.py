@@ -17,6 +17,7 @@ import pytest
 import dbo
 from dbo import runner, ubatching
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.streams import GraphCapture
 
 pytestmark = pytest.mark.timeout(30)
@@ -339,7 +340,7 @@ def test_a_graph_exit_failure_after_the_ubatches_finished_is_raised_as_is(device
 def test_concurrent_launchers_each_get_a_whole_step_or_a_clear_refusal():
     # Two threads launching at once used to slip both past make_ubatch_contexts' check and
     # take over each other's slots: wrong outputs, mismatches, timeouts.
-    device = SimDevice(check_races=False)
+    device = SimDevice(SimOptions(check_races=False))
 
     def fn(i):
         for _ in range(3):
@@ -491,7 +492,7 @@ def test_a_thread_reaching_a_step_that_timed_out_cannot_register_into_the_next()
             with super().thread_scope(ubatch_id):
                 yield
 
-    device = SlowStart(check_races=False)
+    device = SlowStart(SimOptions(check_races=False))
     with pytest.raises(dbo.UBatchTimeoutError, match="at the ready barrier"):
         dbo.run_ubatches(lambda i: dbo.dbo_yield(), [0, 1], device=device, timeout=0.3)
 

@@ -35,6 +35,7 @@ import dbo
 from dbo import runner, ubatching
 from dbo.errors import StepAborted
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 
 STEPS = int(os.environ.get("DBO_FUZZ_STEPS", "200"))
 SEED = int(os.environ.get("DBO_FUZZ_SEED", "20261130"))
@@ -252,7 +253,7 @@ def _worker_threads() -> list[threading.Thread]:
 
 @pytest.mark.timeout(max(60, STEPS))
 def test_random_faults_always_end_the_step_with_one_clear_error():
-    device = SimDevice(check_races=False)
+    device = SimDevice(SimOptions(check_races=False))
     outcomes: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
     for n in range(STEPS):

@@ -13,6 +13,7 @@ from dbo.sim.cluster import simulate_cluster
 from dbo.sim.cluster_program import record_program, tile_layers
 from dbo.sim.cluster_report import critical_path, gating_table, rank_figures, rank_records
 from dbo.sim.hardware import H800
+from dbo.sim.options import EngineKnobs, SimOptions
 from dbo.sim.routing import Routing, balanced, contiguous, zipf
 from scenarios.model import preset
 from scenarios.tools.cluster_step import StepSpec, dp_agreement, record_step
@@ -48,15 +49,16 @@ def test_balanced_replay_agrees_with_the_one_rank_simulation_at_full_depth(phase
     spec = _spec(phase, 32, 2, moe_layers=8)
     _, result = _replay(spec)
     mode = "ll" if phase == "decode" else "ht"
-    options = {} if phase == "decode" else {"dbo_gemm_sms": H800.num_sms - H800.comm_sms}
     from dbo.sim.cost import node_dedup_share
     from scenarios.tools.cluster_step import ROUTING_GROUPS  # the recording's RDMA share
 
+    engine = EngineKnobs()
     if phase == "prefill":
-        options["ht_rdma_share"] = node_dedup_share(8, 32, 8, *ROUTING_GROUPS["deepseek-v3"])
+        share = node_dedup_share(8, 32, 8, *ROUTING_GROUPS["deepseek-v3"])
+        engine = EngineKnobs(dbo_gemm_sms=H800.num_sms - H800.comm_sms, ht_rdma_share=share)
     one_rank = simulate_step(
         spec.config, spec.batch(), mode, profile=H800, num_ubatches=2,
-        graph=phase == "decode", **options,
+        graph=phase == "decode", engine=engine,
     )  # fmt: skip
     assert result.step_us.max() == pytest.approx(one_rank.step_us, rel=0.02)
 
@@ -126,7 +128,7 @@ def test_a_multi_node_dispatch_is_slower_than_one_node_with_the_same_bytes():
 
 def _comm_beside_a_gemm(mode: str):
     """A dispatch on one stream, then a GEMM on another that runs while it does."""
-    device = SimDevice(H800, tensor_device="meta")
+    device = SimDevice(SimOptions(H800, tensor_device="meta"))
     comm, compute = device.Stream("comm"), device.Stream("compute")
     a = torch.empty(4096, 7168, device="meta", dtype=torch.bfloat16)
     w = torch.empty(7168, 7168, device="meta", dtype=torch.bfloat16)

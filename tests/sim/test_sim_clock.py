@@ -11,6 +11,7 @@ import torch
 
 from dbo.sim import B200, H200, SimDevice
 from dbo.sim.cost import GEMM_OPS, ROOFLINE, OpCost, register_op_cost, unregister_op_cost
+from dbo.sim.options import SimOptions
 from dbo.sim.report import summarize
 from dbo.sim.tables import KernelRow, KernelTable, interp_loglog, load_table
 from scenarios.model import Batch
@@ -91,7 +92,7 @@ def _mm(device: SimDevice, dtype: torch.dtype, m: int = 512) -> None:
 
 
 def test_covered_ops_are_priced_by_the_table_and_others_by_the_roofline() -> None:
-    d = SimDevice("h200", tensor_device="meta")
+    d = SimDevice(SimOptions("h200", tensor_device="meta"))
     _mm(d, torch.bfloat16)
     _mm(d, torch.float32)  # the table holds bf16 GEMMs only
     table_op, roof_op = d.timeline
@@ -103,7 +104,7 @@ def test_covered_ops_are_priced_by_the_table_and_others_by_the_roofline() -> Non
 
 
 def test_the_summary_reports_the_share_of_device_time_the_fallback_priced() -> None:
-    d = SimDevice("h200", tensor_device="meta")
+    d = SimDevice(SimOptions("h200", tensor_device="meta"))
     _mm(d, torch.bfloat16)
     _mm(d, torch.float32)
     table_op, roof_op = d.timeline
@@ -114,7 +115,7 @@ def test_the_summary_reports_the_share_of_device_time_the_fallback_priced() -> N
 
 def test_an_uncalibrated_profile_prices_every_op_by_the_roofline() -> None:
     assert H200.calibrated and not B200.calibrated
-    d = SimDevice("b200", tensor_device="meta")
+    d = SimDevice(SimOptions("b200", tensor_device="meta"))
     _mm(d, torch.bfloat16)
     assert summarize(d.timeline).fallback_fraction == 1.0
 
@@ -126,8 +127,8 @@ def test_a_registered_cost_wins_for_its_profile_then_for_every_profile() -> None
 
     try:
         h100, h200 = (
-            SimDevice("h100", tensor_device="meta"),
-            SimDevice("h200", tensor_device="meta"),
+            SimDevice(SimOptions("h100", tensor_device="meta")),
+            SimDevice(SimOptions("h200", tensor_device="meta")),
         )
         _mm(h100, torch.bfloat16)
         _mm(h200, torch.bfloat16)
@@ -148,7 +149,7 @@ def test_a_registered_cost_wins_for_its_profile_then_for_every_profile() -> None
     finally:
         unregister_op_cost("aten::mm", profile="h100")
         unregister_op_cost("aten::mm")
-    d = SimDevice("h200", tensor_device="meta")
+    d = SimDevice(SimOptions("h200", tensor_device="meta"))
     _mm(d, torch.bfloat16)
     assert d.timeline[0].args["cost"] == "table:mm"  # the built-in entry is back in charge
 
@@ -166,7 +167,7 @@ def test_one_list_of_gemm_ops_is_shared_by_the_device_and_the_reports() -> None:
 def test_eager_host_cost_depends_on_the_op_kind() -> None:
     p = H200
     assert p.eager_host_us("gemm") > p.eager_host_us("elementwise") == p.launch_us
-    d = SimDevice("h200", tensor_device="meta")
+    d = SimDevice(SimOptions("h200", tensor_device="meta"))
     x = torch.empty(8, 8, dtype=torch.bfloat16, device="meta")
     with d.thread_scope(None):
         x + x
@@ -227,7 +228,7 @@ def test_a_profile_replaced_with_another_launch_cost_rescales_every_kind() -> No
 
 
 def _add_times(profile: str = "h200") -> list[tuple[str, float]]:
-    d = SimDevice(profile, tensor_device="meta")
+    d = SimDevice(SimOptions(profile, tensor_device="meta"))
     a = torch.ones(4, device="meta")
     with d.thread_scope(None):
         a + a  # aten::add.Tensor

@@ -10,6 +10,7 @@ import torch
 
 import dbo
 from dbo.sim import COMM, COMPUTE, GRAPH_LAUNCH, H200, HANDOFF, GraphReplayError, SimDevice
+from dbo.sim.options import SimOptions
 from workspace import current_workspace_manager, init_workspace_manager, reset_workspace_manager
 
 ROUND = replace(
@@ -42,7 +43,7 @@ def capture_step(d: SimDevice, x: torch.Tensor, w: torch.Tensor):
 
 
 def test_replay_recomputes_values_in_captured_tensors() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     x, w = torch.randn(4, 4), torch.randn(4, 4)
     g, out, h = capture_step(d, x, w)
     assert torch.allclose(out, (x @ w).relu() + 1)
@@ -55,7 +56,7 @@ def test_replay_recomputes_values_in_captured_tensors() -> None:
 
 
 def test_replay_has_no_launch_cost_and_keeps_dependencies() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     x, w = torch.randn(4, 4), torch.randn(4, 4)
     g, _, _ = capture_step(d, x, w)
     captured = ops(d.timeline)
@@ -85,7 +86,7 @@ def test_replay_has_no_launch_cost_and_keeps_dependencies() -> None:
 
 @pytest.mark.timeout(30)
 def test_capture_from_several_threads_in_issue_order() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     streams = [d.Stream("s0"), d.Stream("s1")]
     bufs = [torch.zeros(8), torch.zeros(8)]
     go = threading.Event()
@@ -139,7 +140,7 @@ class FakeWorkspace:
 
 
 def test_replay_refuses_a_replaced_workspace_slot() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     ws = FakeWorkspace(1024)
     d.add_buffer_owner(ws)
     x = torch.randn(16)
@@ -159,7 +160,7 @@ def test_replay_refuses_a_replaced_workspace_slot() -> None:
 
 
 def test_graph_misuse_is_refused() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     with d.graph() as g:
         with pytest.raises(RuntimeError, match="already"):
             with d.graph():
@@ -174,7 +175,7 @@ def test_graph_misuse_is_refused() -> None:
 
 
 def test_graph_on_meta_tensors() -> None:
-    d = SimDevice(ROUND, tensor_device="meta")
+    d = SimDevice(SimOptions(ROUND, tensor_device="meta"))
     a = torch.empty(1024, 1024, device="meta", dtype=torch.bfloat16)
     with d.thread_scope(0):
         with d.graph() as g:
@@ -208,7 +209,7 @@ def two_slot_workspace():
 def test_ubatched_step_captured_through_run_ubatches_replays_with_one_launch_and_no_handoffs(
     two_slot_workspace,
 ) -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     w = torch.randn(4, 4)
     xs, outs = [torch.randn(4, 4) for _ in range(2)], [torch.empty(4, 4) for _ in range(2)]
     fn = _two_ubatch_step(xs, w, outs)
@@ -244,7 +245,7 @@ def test_ubatched_step_captured_through_run_ubatches_replays_with_one_launch_and
 
 @pytest.mark.timeout(30)
 def test_replay_after_workspace_growth_names_the_replaced_slot(two_slot_workspace) -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     d.add_buffer_owner(two_slot_workspace)
     w = torch.randn(4, 4)
     xs, outs = [torch.randn(4, 4) for _ in range(2)], [torch.empty(4, 4) for _ in range(2)]
@@ -259,7 +260,7 @@ def test_replay_after_workspace_growth_names_the_replaced_slot(two_slot_workspac
 
 
 def test_one_device_captures_one_graph_at_a_time() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     with d.graph():
         with pytest.raises(RuntimeError, match="already being captured"):
             with d.graph():
@@ -270,7 +271,7 @@ def test_one_device_captures_one_graph_at_a_time() -> None:
 
 
 def test_replayed_list_op_recomputes_and_is_placed_again() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     xs = [torch.ones(4), torch.ones(4)]
     with d.thread_scope(0):
         with d.graph() as g:

@@ -11,6 +11,7 @@ import torch
 
 from dbo.sim import H800, SimDevice
 from dbo.sim.cost import aliased_input_bytes, flop_formula, node_dedup_share
+from dbo.sim.options import SimOptions
 from scenarios.catalog import TINY_DECODE, TINY_PREFILL
 from scenarios.cli import build_parser
 from scenarios.cli import main as cli_main
@@ -74,7 +75,7 @@ def test_node_dedup_share_for_deepseek_routing() -> None:
 
 
 def test_comm_region_of_one_rank_is_its_own_ops_priced_like_any_op() -> None:
-    d = SimDevice("h200")
+    d = SimDevice(SimOptions("h200"))
     x = torch.ones(1000, 250)  # 1e6 bytes
     with d.thread_scope(0):
         plain = x.clone()
@@ -281,7 +282,7 @@ def test_a_launch_bound_eager_step_is_host_bound_and_its_replay_is_not() -> None
     assert eager.host_bound_fraction > 0.5 and eager.host_us == pytest.approx(eager.step_us)
     assert (
         replayed.host_bound_fraction < 0.1
-        and replayed.host_us == SimDevice("h200").profile.graph_launch_us
+        and replayed.host_us == SimDevice(SimOptions("h200")).profile.graph_launch_us
     )
     assert replayed.step_us < eager.step_us / 2
     assert replayed.num_ops == eager.num_ops  # the same kernels, without their launches
@@ -334,7 +335,7 @@ def test_gpu_check_measurement_sequence_runs_on_the_simulated_device(mode: str) 
     step on a side stream and of the ubatched step through run_ubatches, replays."""
     batch = TINY_PREFILL if mode == "ht" else TINY_DECODE
     case = gpu_check.CheckCase(mode, preset("tiny"), batch, mode)
-    d = SimDevice("h200")
+    d = SimDevice(SimOptions("h200"))
     timings = gpu_check.measure_case(
         case, reps=2, warmup=1, device=d, timer=gpu_check.virtual_timer(d)
     )
@@ -360,7 +361,9 @@ def test_gpu_check_reports_the_simulated_host_time_and_says_when_it_stays_ahead(
     )
     timings = json.loads(out.read_text())["cases"][0]["timings"]
     for variant in ("serial-graph", "dbo-graph"):  # a replay costs the host one graph launch
-        assert timings[variant]["sim_host_us"] == SimDevice("h200").profile.graph_launch_us
+        assert (
+            timings[variant]["sim_host_us"] == SimDevice(SimOptions("h200")).profile.graph_launch_us
+        )
     serial, ubatched = timings["serial-eager"], timings["dbo-eager"]
     # the serial step's host issues faster than the device runs: eager pays little over a
     # replay (the first ops' issue, exposed once in a one-layer step)

@@ -12,6 +12,7 @@ import torch
 
 from dbo.sim import SimDevice
 from dbo.sim.cost import OpCall, add_op_observer, remove_op_observer
+from dbo.sim.options import SimOptions
 from dbo.sim.tables import load_table
 from scenarios.cli import main as cli_main
 from scenarios.model import Batch
@@ -27,7 +28,7 @@ CONFIG = gpu_check.cases(1)[0].config.with_(
 def sim_timer(call: OpCall) -> float:
     """The virtual time of one call on a fresh simulated H200 (inputs materialized on the CPU)."""
     args, kwargs = profile.materialize(call, "cpu")
-    device = SimDevice("h200", tensor_device="meta")
+    device = SimDevice(SimOptions("h200", tensor_device="meta"))
     meta_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
     with device.thread_scope(None):
         call.func(
@@ -94,7 +95,7 @@ def test_a_written_table_loads_and_prices_the_profiled_shapes(
     assert table.estimate("mm", m=mm["m"], n=mm["n"], k=mm["k"]) == pytest.approx(
         mm["us"], rel=1e-3
     )
-    device = SimDevice(profile_from_table(str(path)), tensor_device="meta")
+    device = SimDevice(SimOptions(profile_from_table(str(path)), tensor_device="meta"))
     a = torch.empty(mm["m"], mm["k"], dtype=torch.bfloat16, device="meta")
     b = torch.empty(mm["k"], mm["n"], dtype=torch.bfloat16, device="meta")
     with device.thread_scope(None):
@@ -272,7 +273,7 @@ def test_bad_model_options_are_refused_before_any_work(argv, says, tmp_path, cap
 
 def test_a_models_own_ops_observed_on_the_simulator_profile_into_rows() -> None:
     # The module docstring's recipe for a model that is not a ModelConfig.
-    device = SimDevice("h200", tensor_device="meta")
+    device = SimDevice(SimOptions("h200", tensor_device="meta"))
     x = torch.empty(64, 128, dtype=torch.bfloat16, device="meta")
     w = torch.empty(128, 256, dtype=torch.bfloat16, device="meta")
     calls: list[OpCall] = []

@@ -12,6 +12,7 @@ from typing import Any
 
 import dbo
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.streams import Device
 from dbo.ubatching import dbo_current_ubatch_id, dbo_yield
 from scenarios.tools.bench.baselines import NullDevice
@@ -237,7 +238,7 @@ def _baton_on_simulator(plan: Plan) -> Figure:
     k = plan.handoffs
     samples = interleave(
         {
-            "sim": _dbo_pingpong(SimDevice(check_races=False), k, None),
+            "sim": _dbo_pingpong(SimDevice(SimOptions(check_races=False)), k, None),
             "lock": _ring_pingpong(_LockRing, k, None),
         },
         plan.handoff_reps,
