@@ -324,9 +324,12 @@ class EPGroup:
         recv = torch.empty_like(send)
         peers = self._peers([send.element_size()] * w, "dispatch count exchange")
         with current_device().comm_region(
-            "dispatch_counts", nbytes=2 * w * send.element_size(), mode=mode, ep_size=w,
+            "dispatch_counts",
+            nbytes=2 * w * send.element_size(),
+            mode=mode,
+            ep_size=w,
             peers=peers,
-        ) as exchanged:  # fmt: skip
+        ) as exchanged:
             collectives.all_to_all(recv, send, None, None, "dispatch count exchange")
         # The host sizes the receive buffer from these counts, so it waits for them.
         exchanged.event.synchronize()

@@ -18,7 +18,7 @@ from typing import Any
 from dbo.analysis.reader import read_trace
 from dbo.analysis.sidebyside import RoleOverlap, side_by_side
 from dbo.analysis.timeline import build_timeline, slim_event
-from dbo.sim.cost import host_family
+from dbo.sim.families import host_family
 
 __all__ = ["host_costs_from_traces", "overlap_rates_from_traces"]
 

@@ -18,10 +18,11 @@ checked `SimOptions` record a device is built from), handles (`SimStream`, `SimE
 device's virtual time), timeline (placement arithmetic, pure), regions (what a comm region is
 placed as, pure), state (the shared records: `PlannedOp`, `CommRegion`, `ThreadState`,
 `SimDeviceProtocol`),
-intercept (op classification and the two torch modes), graph (capture and replay), races
-(happens-before over byte ranges) with footprints and stacks, ranges (named host ranges),
-hardware (profiles), cost (roofline and comm time, pure functions), records (the contract
-with the reports), summary / trace / window / plot / report (the reports).
+intercept (op classification and the two torch modes), graph (capture and replay), log (what a
+device reports), races (happens-before over byte ranges) with race_memory, footprints and
+stacks, ranges (named host ranges), hardware (profiles), cost (roofline and comm time, pure
+functions) with families (which op is which), records (the contract with the reports),
+summary / trace / trace_read / window / plot / report (the reports).
 """
 
 from dbo.sim.cost import comm_time_us, compute_time_us

@@ -35,7 +35,8 @@ import torch
 
 from dbo.sim.alltoall import couple_to_peers
 from dbo.sim.clock import DeviceClock
-from dbo.sim.cost import GEMM_OPS, OpCall, OpCost, host_family, price_op
+from dbo.sim.cost import OpCall, OpCost, price_op
+from dbo.sim.families import GEMM_OPS, host_family
 from dbo.sim.graph import BufferOwners, SimGraph
 from dbo.sim.handles import SimEvent, SimMark, SimStream
 from dbo.sim.hardware import HardwareProfile

@@ -16,7 +16,8 @@ from dataclasses import replace
 from typing import Any
 
 from dbo.checks import as_int
-from dbo.sim.cost import COMM_MODES, comm_link, comm_time_us, ep_traffic, host_family
+from dbo.sim.cost import COMM_MODES, comm_link, comm_time_us, ep_traffic
+from dbo.sim.families import host_family
 from dbo.sim.hardware import HardwareProfile
 from dbo.sim.records import COMM
 from dbo.sim.state import CommRegion, PlannedOp, ThreadState
@@ -25,9 +26,14 @@ __all__ = ["open_region", "region_ops"]
 
 
 def open_region(
-    profile: HardwareProfile, state: ThreadState, kind: str, nbytes: int, mode: str,
-    ep_size: int, link: str | None,
-) -> CommRegion:  # fmt: skip
+    profile: HardwareProfile,
+    state: ThreadState,
+    kind: str,
+    nbytes: int,
+    mode: str,
+    ep_size: int,
+    link: str | None,
+) -> CommRegion:
     """A checked comm region entered by the thread whose state is `state`, on its current
     stream (not yet made the thread's: the caller does that around the block)."""
     if mode not in COMM_MODES:
@@ -56,9 +62,14 @@ def region_ops(
     if region.mode == "ht" and region.link is None and region.ep_size > profile.gpus_per_node:
         rdma_bytes = ep_traffic(nbytes, region.ep_size, profile.gpus_per_node)[1] * ht_rdma_share
     cost = comm_time_us(
-        profile, region.kind, nbytes, region.ep_size, region.mode, region.link,
+        profile,
+        region.kind,
+        nbytes,
+        region.ep_size,
+        region.mode,
+        region.link,
         rdma_bytes=rdma_bytes,
-    )  # fmt: skip
+    )
     which = comm_link(profile, region.ep_size, region.link)
     args: dict[str, Any] = {"mode": region.mode, "ep_size": region.ep_size, "link": which}
     name = f"comm::{region.kind}"

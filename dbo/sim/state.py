@@ -89,9 +89,15 @@ class CommRegion:
     op_names: list[str] = field(default_factory=list)
 
     def fold(
-        self, call: OpCall, cost: OpCost, reads: Sequence[Access], writes: Sequence[Access],
-        fresh: Sequence[int], *, capturing: bool,
-    ) -> None:  # fmt: skip
+        self,
+        call: OpCall,
+        cost: OpCost,
+        reads: Sequence[Access],
+        writes: Sequence[Access],
+        fresh: Sequence[int],
+        *,
+        capturing: bool,
+    ) -> None:
         """One op of the block: its accesses become the comm op's; its cost counts only for
         an EP group of one, which is these ops (`dbo.sim.regions`)."""
         self.add_op(call.nbytes, cost, call.name)

@@ -11,7 +11,7 @@ from typing import Any
 
 from dbo.jsonsafe import json_safe
 from dbo.sim import SimDevice
-from dbo.sim.cost import GEMM_OPS
+from dbo.sim.families import GEMM_OPS
 from dbo.sim.hardware import H100, H200, HardwareProfile
 from dbo.sim.options import EngineKnobs, SimOptions
 from dbo.sim.records import COMM, COMPUTE, OpRecord
@@ -151,10 +151,19 @@ def pp_row(
         1, published
     )
     return FidelityRow(
-        key, what, f"{published:+.1f}%", simulated, "%", delta, "pp",
-        f"within {GAIN_TOLERANCE_PP:g} pp, same sign", met, assumptions, source,
+        key,
+        what,
+        f"{published:+.1f}%",
+        simulated,
+        "%",
+        delta,
+        "pp",
+        f"within {GAIN_TOLERANCE_PP:g} pp, same sign",
+        met,
+        assumptions,
+        source,
         "" if met else note,
-    )  # fmt: skip
+    )
 
 
 def range_pp_row(
@@ -170,10 +179,19 @@ def range_pp_row(
     delta = 0.0 if lo <= simulated <= hi else (simulated - hi if simulated > hi else simulated - lo)
     met = abs(delta) <= GAIN_TOLERANCE_PP and simulated > 0
     return FidelityRow(
-        key, what, f"+{lo:g}% to +{hi:g}%", simulated, "%", delta, "pp",
-        f"within {GAIN_TOLERANCE_PP:g} pp of the range, positive", met, assumptions, source,
+        key,
+        what,
+        f"+{lo:g}% to +{hi:g}%",
+        simulated,
+        "%",
+        delta,
+        "pp",
+        f"within {GAIN_TOLERANCE_PP:g} pp of the range, positive",
+        met,
+        assumptions,
+        source,
         "" if met else note,
-    )  # fmt: skip
+    )
 
 
 def rel_row(
@@ -190,9 +208,20 @@ def rel_row(
     delta = (simulated / published - 1.0) * 100.0
     met = abs(delta) <= KERNEL_TOLERANCE * 100
     return FidelityRow(
-        key, what, f"{published:g} {unit}", simulated, unit, delta, "%",
-        f"within {KERNEL_TOLERANCE:.0%}", met, assumptions, source, note, calibration,
-    )  # fmt: skip
+        key,
+        what,
+        f"{published:g} {unit}",
+        simulated,
+        unit,
+        delta,
+        "%",
+        f"within {KERNEL_TOLERANCE:.0%}",
+        met,
+        assumptions,
+        source,
+        note,
+        calibration,
+    )
 
 
 def describe_profile(profile: HardwareProfile) -> str:

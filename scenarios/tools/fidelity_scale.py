@@ -67,8 +67,15 @@ def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, 
     placement = eplb(routing.load.mean(axis=0), ep, SGLANG_REDUNDANT_EXPERTS)
     steps, facts = {}, {}
     for n in (None, 2):
-        spec = StepSpec(physical, phase, tokens, n, STEP_PROFILE, context=SGLANG_DECODE_CONTEXT,
-                        prompt=SGLANG_PROMPT)  # fmt: skip
+        spec = StepSpec(
+            physical,
+            phase,
+            tokens,
+            n,
+            STEP_PROFILE,
+            context=SGLANG_DECODE_CONTEXT,
+            prompt=SGLANG_PROMPT,
+        )
         result = simulate_cluster(record_step(spec), routing, placement)
         steps[n] = float(result.step_us.max())
         facts[f"{'serial' if n is None else 'tbo'}_peer_wait_us"] = float(result.peer_wait_us.max())
@@ -141,7 +148,7 @@ def _deepep_normal_rows() -> list[FidelityRow]:
             "calibration: the one-rank row's nvlink_efficiency came off the '~160 GB/s NVLink "
             "maximum' stated beside this figure",
             calibration=True,
-        )  # fmt: skip
+        )
         for kind, published in DEEPEP_NVLINK_PUBLISHED.items()
     ]
     lo, hi = DEEPEP_RDMA_PUBLISHED
@@ -163,7 +170,7 @@ def _deepep_normal_rows() -> list[FidelityRow]:
             DEEPEP_README,
             "calibration: the one-rank row's rdma_efficiency was taken inside this range",
             calibration=True,
-        )  # fmt: skip
+        )
     )
     return rows
 
@@ -187,7 +194,7 @@ def _deepep_rows() -> list[FidelityRow]:
                     if calibration
                     else "random routing: the mean rank waits for the most loaded receiver's rows",
                     calibration=calibration,
-                )  # fmt: skip
+                )
             )
     return rows
 
@@ -209,7 +216,7 @@ def scale_rows(
             SGLANG_BLOG,
             "the sampled batch's imbalance leaves the gain where the one-rank row has it: "
             "the gap is per-rank compute, not stragglers",
-        )  # fmt: skip
+        )
     ]
     if on_point:
         on_point("scale prefill")
@@ -225,7 +232,7 @@ def scale_rows(
                 "S-D",
                 SGLANG_BLOG,
                 "the slowest rank gates both runs alike; the miss is per-ubatch cost",
-            )  # fmt: skip
+            )
         )
         if on_point:
             on_point(f"scale decode {tokens}")

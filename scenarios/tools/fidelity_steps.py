@@ -109,7 +109,7 @@ def _sglang_prefill_rows(
                 "DeepGEMM-class roofline (attention kernel efficiency, EP load imbalance, "
                 "elementwise "
                 f"work the model leaves out), or less overlap than the simulated schedule gets",
-            )  # fmt: skip
+            )
         )
         if on_point:
             on_point(f"prefill {tokens}")
@@ -137,7 +137,7 @@ def _sglang_decode_rows(
                 f"TBO multiplies compute by {growth:.2f} (weights read twice, twice the kernels); "
                 f"the published loss implies more per-ubatch cost than the roofline and a fixed "
                 f"{profile.kernel_fixed_us:g} us per kernel give",
-            )  # fmt: skip
+            )
         )
         if on_point:
             on_point(f"decode {tokens}")
@@ -182,28 +182,28 @@ def _host_bound_row(decode: ModelConfig, extra: dict[str, Any]) -> FidelityRow:
     # graph launch): shown as a figure in `extra`, never as a row that cannot miss.
     extra["replayed_host_bound_pct"] = replayed.host_bound_fraction * 100
     return FidelityRow(
-            "vllm-eager-host-bound",
-            "vLLM: eager DBO decode host-bound share",
-            f"{published:.1f}% (11.8 of 55.6 ms busy)",
-            sim_eager,
-            "%",
-            sim_eager - published,
-            "pp",
-            "> 50% (launch bound)",
-            sim_eager > 50.0,
-            "V",
-            VLLM_DBO,
-            ""
-            if sim_eager > 50.0
-            else (
-                f"at {profile.launch_us:g} us of host time per launched op the host just keeps "
-                "up with "
-                f"DeepSeek-V3's per-GPU decode work ({busy_us / 1e3:.1f} ms busy per step); vLLM's "
-                f"ratio on this step would need ~{implied_us:.0f} us per op (Python layers "
-                "around each "
-                f"kernel), or a lighter per-GPU step than theirs is known to be"
-            ),
-        )  # fmt: skip
+        "vllm-eager-host-bound",
+        "vLLM: eager DBO decode host-bound share",
+        f"{published:.1f}% (11.8 of 55.6 ms busy)",
+        sim_eager,
+        "%",
+        sim_eager - published,
+        "pp",
+        "> 50% (launch bound)",
+        sim_eager > 50.0,
+        "V",
+        VLLM_DBO,
+        ""
+        if sim_eager > 50.0
+        else (
+            f"at {profile.launch_us:g} us of host time per launched op the host just keeps "
+            "up with "
+            f"DeepSeek-V3's per-GPU decode work ({busy_us / 1e3:.1f} ms busy per step); vLLM's "
+            f"ratio on this step would need ~{implied_us:.0f} us per op (Python layers "
+            "around each "
+            f"kernel), or a lighter per-GPU step than theirs is known to be"
+        ),
+    )
 
 
 def _gain_sweep_row(decode: ModelConfig, quick: bool, extra: dict[str, Any]) -> FidelityRow:
@@ -236,19 +236,19 @@ def _gain_sweep_row(decode: ModelConfig, quick: bool, extra: dict[str, Any]) -> 
         and all(g > 0 for g in high)
     )
     return FidelityRow(
-            "vllm-gain-vs-comm",
-            "vLLM: DBO gain sign vs comm/GEMM",
-            "pays only when comm > GEMM",
-            cross if cross is not None else math.nan,
-            "x",
-            None,
-            "",
-            "gain crosses 0 at comm/GEMM in [0.5, 2]",
-            met,
-            "V",
-            VLLM_DBO,
-            "" if met else "the crossing falls outside comm/GEMM 0.5-2",
-        )  # fmt: skip
+        "vllm-gain-vs-comm",
+        "vLLM: DBO gain sign vs comm/GEMM",
+        "pays only when comm > GEMM",
+        cross if cross is not None else math.nan,
+        "x",
+        None,
+        "",
+        "gain crosses 0 at comm/GEMM in [0.5, 2]",
+        met,
+        "V",
+        VLLM_DBO,
+        "" if met else "the crossing falls outside comm/GEMM 0.5-2",
+    )
 
 
 def _crossing(points: Sequence[tuple[float, float, float]]) -> float | None:

@@ -19,8 +19,13 @@ def run(args: argparse.Namespace) -> int:
     for name, s in SCENARIOS.items():
         kind = "negative" if s.negative else "positive"
         if args.json:
-            entry = {"name": name, "kind": kind, "default": name in DEFAULT_SCENARIOS,
-                     "cuda": s.cuda, "summary": s.summary}  # fmt: skip
+            entry = {
+                "name": name,
+                "kind": kind,
+                "default": name in DEFAULT_SCENARIOS,
+                "cuda": s.cuda,
+                "summary": s.summary,
+            }
             print(json.dumps(entry))
         else:
             print(f"{name:24} {kind:8}  {s.summary}")

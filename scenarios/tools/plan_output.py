@@ -129,15 +129,25 @@ def _shown_result(shown: dict, phase: str) -> ClusterResult | None:
     return results.get(key) or next(iter(results.values()))
 
 
-def report(inputs: Any, answers: list[PhaseAnswer], points: list[PlanPoint], shown: dict,
-           *, as_json: bool = False) -> str:  # fmt: skip
+def report(
+    inputs: Any,
+    answers: list[PhaseAnswer],
+    points: list[PlanPoint],
+    shown: dict,
+    *,
+    as_json: bool = False,
+) -> str:
     """The printed answer: per phase the table, the answer, the gating, how skew moves it,
     then the engine flags."""
     if as_json:
         return json.dumps(
-            {"answers": [asdict(a) for a in answers], "points": [asdict(p) for p in points],
-             "flags": engine_flags(answers)}, indent=2,
-        )  # fmt: skip
+            {
+                "answers": [asdict(a) for a in answers],
+                "points": [asdict(p) for p in points],
+                "flags": engine_flags(answers),
+            },
+            indent=2,
+        )
     c, p = inputs.config, inputs.profile
     kernels = p.kernel_source
     lines = [

@@ -52,7 +52,8 @@ import torch
 
 from dbo.analysis.calibration import host_costs_from_traces, overlap_rates_from_traces
 from dbo.sim import SimDevice
-from dbo.sim.cost import OpCall, add_op_observer, op_family, remove_op_observer
+from dbo.sim.cost import OpCall, add_op_observer, remove_op_observer
+from dbo.sim.families import op_family
 from dbo.sim.options import SimOptions
 from scenarios.model import PRESETS, Batch, ModelConfig, MoEModel
 from scenarios.steps import prepare, serial_step, ubatched_step
@@ -85,11 +86,17 @@ CALLS_PER_GRAPH = 20
 FIELDS = ("op", "m", "n", "k", "groups", "dtype", "us", "flops", "bytes", "tflops", "gbps")
 # Table op that each simulator family is written as (dbo.sim.tables reads them back).
 _TABLE_OP = {
-    "mm": "mm", "grouped_mm": "grouped_mm",
-    "sdpa_causal": "sdpa_causal", "sdpa_decode": "sdpa_decode",
-    "copy": "copy", "elementwise": "add", "index_select": "index_select", "index_add": "index_add",
-    "norm": "rms_norm", "sort_topk": "router_softmax_topk256",
-}  # fmt: skip
+    "mm": "mm",
+    "grouped_mm": "grouped_mm",
+    "sdpa_causal": "sdpa_causal",
+    "sdpa_decode": "sdpa_decode",
+    "copy": "copy",
+    "elementwise": "add",
+    "index_select": "index_select",
+    "index_add": "index_add",
+    "norm": "rms_norm",
+    "sort_topk": "router_softmax_topk256",
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,11 +195,18 @@ def table_row(call: OpCall, us: float) -> dict | None:
         n = 1 if a.dim() < 2 else a.numel() // a.shape[0]
     dtype = str(call.dtype).replace("torch.", "").replace("bfloat16", "bf16")
     return {
-        "op": _TABLE_OP[family], "m": m, "n": n, "k": k, "groups": groups, "dtype": dtype,
-        "us": round(us, 3), "flops": int(call.flops), "bytes": int(nbytes),
+        "op": _TABLE_OP[family],
+        "m": m,
+        "n": n,
+        "k": k,
+        "groups": groups,
+        "dtype": dtype,
+        "us": round(us, 3),
+        "flops": int(call.flops),
+        "bytes": int(nbytes),
         "tflops": round(call.flops / us / 1e6, 2) if us > 0 else 0,
         "gbps": round(nbytes / us / 1e3, 1) if us > 0 else 0,
-    }  # fmt: skip
+    }
 
 
 def write_table(rows: Sequence[dict], path: str | Path) -> Path:
@@ -325,8 +339,8 @@ def plan_cases(
         raise ValueError(f"unknown --config {config!r}; choose one of {known}")
     if mode not in ("both", *MODES):
         raise ValueError(f"--mode must be prefill, decode or both, got {mode!r}")
-    for flag, value in (("layers", layers), ("hidden", hidden), ("experts", experts),
-                        ("top-k", top_k), ("tokens", tokens)):  # fmt: skip
+    sizes = {"layers": layers, "hidden": hidden, "experts": experts, "top-k": top_k}
+    for flag, value in {**sizes, "tokens": tokens}.items():
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be >= 1, got {value}")
     if config == GPU_CHECK:
@@ -352,18 +366,21 @@ def plan_cases(
         raise ValueError(
             f"--tokens of a prefill must be a multiple of {PREFILL_REQUESTS} (its prompts)"
         )
-    steps = [m for m in MODES if mode in ("both", m)]
-    out = []
-    for step in steps:
-        comm_mode = MODES[step]
-        if tokens is None and comm_mode in base:
-            batch = base[comm_mode].batch
-        elif step == "prefill":
-            batch = Batch.prefill(PREFILL_REQUESTS, (tokens or 4096) // PREFILL_REQUESTS)
-        else:
-            batch = Batch.decode(tokens or 128, DECODE_CONTEXT)
-        out.append(CheckCase(step, model, batch, comm_mode))
-    return out
+    return [_case(step, model, base, tokens) for step in MODES if mode in ("both", step)]
+
+
+def _case(
+    step: str, model: ModelConfig, base: dict[str, CheckCase], tokens: int | None
+) -> CheckCase:
+    """One step of `model`: the base configuration's batch unless `tokens` sets one."""
+    comm_mode = MODES[step]
+    if tokens is None and comm_mode in base:
+        batch = base[comm_mode].batch
+    elif step == "prefill":
+        batch = Batch.prefill(PREFILL_REQUESTS, (tokens or 4096) // PREFILL_REQUESTS)
+    else:
+        batch = Batch.decode(tokens or 128, DECODE_CONTEXT)
+    return CheckCase(step, model, batch, comm_mode)
 
 
 def model_calls(cases: Sequence[CheckCase]) -> list[OpCall]:
@@ -429,9 +446,14 @@ def _check_args(args: argparse.Namespace) -> list[CheckCase]:
         raise UsageError("--reps must be >= 1")
     try:
         cases = plan_cases(
-            args.config, layers=args.layers, hidden=args.hidden, experts=args.experts,
-            top_k=args.top_k, tokens=args.tokens, mode=args.mode,
-        )  # fmt: skip
+            args.config,
+            layers=args.layers,
+            hidden=args.hidden,
+            experts=args.experts,
+            top_k=args.top_k,
+            tokens=args.tokens,
+            mode=args.mode,
+        )
     except ValueError as error:
         raise UsageError(str(error)) from None
     if args.host_from_trace:

@@ -42,7 +42,7 @@ __all__ = [
     "run",
     "run_csan",
     "run_sim",
-]  # fmt: skip
+]
 
 DESCRIPTION = (
     "Run seeded race programs on the simulated device and, where CUDA is present, under "
@@ -362,10 +362,15 @@ def _mark(program: Program, verdict: Verdict, *, csan: bool) -> str:
 def format_table(rows: Sequence[tuple[Program, Verdict, Verdict]]) -> str:
     header = ("program", "expected", "dbo-sim checker", "CSAN, every ubatch thread", "note")
     lines = [
-        (p.name, "race" if p.expect_race else "clean", _mark(p, s, csan=False),
-         _mark(p, c, csan=True), p.note)
+        (
+            p.name,
+            "race" if p.expect_race else "clean",
+            _mark(p, s, csan=False),
+            _mark(p, c, csan=True),
+            p.note,
+        )
         for p, s, c in rows
-    ]  # fmt: skip
+    ]
     widths = [max(len(str(r[i])) for r in (header, *lines)) for i in range(4)]
     out = []
     for r in (header, *lines):

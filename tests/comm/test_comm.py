@@ -107,9 +107,11 @@ def test_high_throughput_and_low_latency_give_identical_values_and_their_own_pla
     # One comm op per transfer: ht on the issuing stream, ll as a send there plus a link transfer.
     assert names["ht"] == [("comm::dispatch", "default"), ("comm::combine", "default")]
     assert names["ll"] == [
-        ("comm::dispatch.send", "default"), ("comm::dispatch", "link"),
-        ("comm::combine.send", "default"), ("comm::combine", "link"),
-    ]  # fmt: skip
+        ("comm::dispatch.send", "default"),
+        ("comm::dispatch", "link"),
+        ("comm::combine.send", "default"),
+        ("comm::combine", "link"),
+    ]
 
 
 def test_dispatch_prepares_and_allocates_when_not_given_a_plan_or_buffer():

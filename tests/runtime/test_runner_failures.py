@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import dbo
-from dbo import runner, ubatching
+from dbo import ubatching, workers
 from dbo.sim import SimDevice
 from dbo.sim.options import SimOptions
 from dbo.streams import GraphCapture
@@ -508,8 +508,8 @@ def test_a_thread_reaching_a_step_that_timed_out_cannot_register_into_the_next()
 
 
 def test_an_abandoned_worker_ends_even_if_it_was_already_back_waiting_for_jobs():
-    pool = runner.WorkerPool()
-    worker = runner.UBatchWorker(-1)
+    pool = workers.WorkerPool()
+    worker = workers.UBatchWorker(-1)
     # As if the pool saw it busy just before the thread finished and went back to waiting.
     worker.busy = True
     pool.release([worker])

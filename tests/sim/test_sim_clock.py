@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dbo.sim import B200, H200, SimDevice
-from dbo.sim.cost import GEMM_OPS, ROOFLINE, OpCost, register_op_cost, unregister_op_cost
+from dbo.sim.cost import ROOFLINE, OpCost, register_op_cost, unregister_op_cost
+from dbo.sim.families import GEMM_OPS
 from dbo.sim.options import SimOptions
 from dbo.sim.report import summarize
 from dbo.sim.tables import KernelRow, KernelTable, interp_loglog, load_table

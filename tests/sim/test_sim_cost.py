@@ -122,8 +122,14 @@ def test_host_reads_sync_to_current_stream() -> None:
     d = SimDevice(SimOptions(ROUND))
     s = d.Stream("compute")
     x = torch.ones(1000, 250)
-    reads = [lambda t: t.tolist(), lambda t: t.cpu(), lambda t: t.numpy(), lambda t: t.sum().item(),
-             lambda t: t.to("cpu"), lambda t: bool(t.sum() > 0)]  # fmt: skip
+    reads = [
+        lambda t: t.tolist(),
+        lambda t: t.cpu(),
+        lambda t: t.numpy(),
+        lambda t: t.sum().item(),
+        lambda t: t.to("cpu"),
+        lambda t: bool(t.sum() > 0),
+    ]
     for read in reads:
         d.reset()
         with d.thread_scope(None):

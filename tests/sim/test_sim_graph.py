@@ -14,9 +14,15 @@ from dbo.sim.options import SimOptions
 from workspace import current_workspace_manager, init_workspace_manager, reset_workspace_manager
 
 ROUND = replace(
-    H200, name="round", launch_us=1.0, kernel_fixed_us=2.0, handoff_us=10.0, graph_launch_us=3.0,
-    compute_efficiency=1.0, memory_efficiency=1.0,
-)  # fmt: skip
+    H200,
+    name="round",
+    launch_us=1.0,
+    kernel_fixed_us=2.0,
+    handoff_us=10.0,
+    graph_launch_us=3.0,
+    compute_efficiency=1.0,
+    memory_efficiency=1.0,
+)
 
 
 def ops(records: list) -> list:
@@ -233,8 +239,11 @@ def test_ubatched_step_captured_through_run_ubatches_replays_with_one_launch_and
     ops = [r for r in new if r.kind == COMPUTE]
     assert [r.kind for r in new if r.stream == "host"] == [GRAPH_LAUNCH, "sync"]
     assert [(r.name, r.ubatch) for r in ops] == [
-        ("aten::mm", 0), ("aten::mm", 1), ("aten::mul", 0), ("aten::mul", 1),
-    ]  # fmt: skip
+        ("aten::mm", 0),
+        ("aten::mm", 1),
+        ("aten::mul", 0),
+        ("aten::mul", 1),
+    ]
     assert all(r.replayed and r.issue_us == start.host_us + ROUND.graph_launch_us for r in ops)
     # one compute stream, no host gaps: the ops run back to back after the graph launch
     assert d.elapsed_us(start) == pytest.approx(ROUND.graph_launch_us + sum(r.dur_us for r in ops))

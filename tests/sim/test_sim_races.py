@@ -511,9 +511,20 @@ def test_fused_optimizer_step_is_checked() -> None:
         grads[0].mul_(0.5)  # the gradient is produced on compute
         d.set_stream(comm)
         torch._fused_adam_(
-            params, grads, exp_avg, exp_avg_sq, [], steps, lr=0.1, beta1=0.9, beta2=0.99,
-            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
-        )  # fmt: skip
+            params,
+            grads,
+            exp_avg,
+            exp_avg_sq,
+            [],
+            steps,
+            lr=0.1,
+            beta1=0.9,
+            beta2=0.99,
+            weight_decay=0.0,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
     assert [(r.first.op, r.second.op) for r in d.races] == [("aten::mul_", "aten::_fused_adam_")]
 
 

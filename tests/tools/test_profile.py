@@ -134,11 +134,14 @@ def test_host_costs_from_traces_follow_the_stated_rules(tmp_path) -> None:
         return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1}
 
     serial = [
-        op("aten::add", 0, 20), launch(5),
+        op("aten::add", 0, 20),
+        launch(5),
         op("aten::view", 30, 4),  # a view: no launch, Python time
-        op("aten::mm", 40, 60), launch(50),
-        op("aten::add", 110, 20), launch(115),
-    ]  # fmt: skip
+        op("aten::mm", 40, 60),
+        launch(50),
+        op("aten::add", 110, 20),
+        launch(115),
+    ]
     # two ubatch threads: same-thread launches 10 us apart, switches 50 us apart
     dbo_events = [
         launch(t, tid) for t, tid in ((0, 7), (10, 7), (60, 8), (70, 8), (120, 7), (130, 7))
@@ -180,8 +183,14 @@ def test_dbo_sim_profile_passes_its_arguments_to_the_tool(tmp_path, capsys) -> N
 
 
 def _kernel(name: str, ts: float, dur: float, tid: int, grid=(1, 1, 1)) -> dict:
-    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": tid,
-            "args": {"grid": list(grid), "block": [128, 1, 1]}}  # fmt: skip
+    return {
+        "cat": "kernel",
+        "name": name,
+        "ts": ts,
+        "dur": dur,
+        "tid": tid,
+        "args": {"grid": list(grid), "block": [128, 1, 1]},
+    }
 
 
 def test_overlap_rates_come_from_kernels_slowed_beside_another_stream(tmp_path) -> None:
@@ -203,10 +212,13 @@ def test_overlap_rates_come_from_kernels_slowed_beside_another_stream(tmp_path) 
 
 def test_overlap_rates_take_the_largest_solo_time_not_above_the_kernel(tmp_path) -> None:
     events = [
-        _kernel("gemm", 0, 100, 7), _kernel("gemm", 110, 300, 7),  # two shapes, both solo
-        _kernel("gemm", 500, 150, 7), _kernel("scatter", 550, 100, 9),  # shares 100 us
-        _kernel("scatter", 700, 80, 9), _kernel("add", 800, 1, 7),
-    ]  # fmt: skip
+        _kernel("gemm", 0, 100, 7),
+        _kernel("gemm", 110, 300, 7),  # two shapes, both solo
+        _kernel("gemm", 500, 150, 7),
+        _kernel("scatter", 550, 100, 9),  # shares 100 us
+        _kernel("scatter", 700, 80, 9),
+        _kernel("add", 800, 1, 7),
+    ]
     rates = profile.overlap_rates_from_traces([_trace(tmp_path / "q-dbo.json.gz", events)])
     assert rates["overlap_rates"]["compute"] == pytest.approx(1 - (150 - 100) / 100)
 
