@@ -249,9 +249,17 @@ def _collective(
     gate = np.where(from_peer > own + 1e-9, peer, np.arange(r))
     mb = 1e-6
     result = CollectiveResult(
-        c.kind, c.mode, c.layer, c.ubatch, c.op, gate, np.clip(from_peer - own, 0.0, None),
-        send * mb, recv * mb, recv_rdma * mb,
-    )  # fmt: skip
+        c.kind,
+        c.mode,
+        c.layer,
+        c.ubatch,
+        c.op,
+        gate,
+        np.clip(from_peer - own, 0.0, None),
+        send * mb,
+        recv * mb,
+        recv_rdma * mb,
+    )
     return end, result
 
 

@@ -145,7 +145,7 @@ def _comm_tasks(graph: SimGraph, item: GraphComm, start: int) -> list[_Task]:
                 [*op.reads, *op.writes],
                 run if last else None,
                 kernels=kernels if last else (),
-            )  # fmt: skip
+            )
         )
         if k:
             tasks[-1].deps.add(start + k - 1)
@@ -163,9 +163,15 @@ def _tasks(graph: SimGraph) -> list[_Task]:
         if isinstance(item, GraphOp):
             op = item
             new = [
-                _Task(i, op.name, op.stream, op.ubatch, [*op.reads, *op.writes],
-                      lambda op=op: rerun_op(op.func, op.args, op.kwargs, op.out))
-            ]  # fmt: skip
+                _Task(
+                    i,
+                    op.name,
+                    op.stream,
+                    op.ubatch,
+                    [*op.reads, *op.writes],
+                    lambda op=op: rerun_op(op.func, op.args, op.kwargs, op.out),
+                )
+            ]
         elif isinstance(item, GraphComm):
             new = _comm_tasks(graph, item, i)
             last_record[id(item.event)] = new[-1].index
@@ -290,9 +296,17 @@ def _storages(graph: SimGraph) -> tuple[dict[int, torch.UntypedStorage], dict[in
 # In-place ops that overwrite the bytes they write without reading them first; any other op
 # that writes through one of its inputs (add_, mul_) reads them too.
 _OVERWRITES = frozenset(
-    {"aten::fill_", "aten::zero_", "aten::copy_", "aten::normal_", "aten::uniform_",
-     "aten::random_", "aten::bernoulli_", "aten::exponential_"}
-)  # fmt: skip
+    {
+        "aten::fill_",
+        "aten::zero_",
+        "aten::copy_",
+        "aten::normal_",
+        "aten::uniform_",
+        "aten::random_",
+        "aten::bernoulli_",
+        "aten::exponential_",
+    }
+)
 
 
 def _overwrites(task: _Task, access: Access) -> bool:

@@ -36,11 +36,20 @@ __all__ = ["add_arguments", "artifact_records", "run", "write_artifacts"]
 
 # Chrome's reserved colour names (trace viewer `cname`), one per kernel class.
 CLASS_COLORS = {
-    "gemm": "thread_state_running", "grouped_gemm": "good", "attention": "rail_animation",
-    "norm": "olive", "elementwise": "yellow", "copy": "grey", "gather": "rail_idle",
-    "scatter": "rail_load", "sort_topk": "rail_response", "comm": "terrible",
-    "memcpy": "generic_work", "memset": "white", "other": "black",
-}  # fmt: skip
+    "gemm": "thread_state_running",
+    "grouped_gemm": "good",
+    "attention": "rail_animation",
+    "norm": "olive",
+    "elementwise": "yellow",
+    "copy": "grey",
+    "gather": "rail_idle",
+    "scatter": "rail_load",
+    "sort_topk": "rail_response",
+    "comm": "terrible",
+    "memcpy": "generic_work",
+    "memset": "white",
+    "other": "black",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,9 +157,18 @@ def artifact_records(
     for h in timeline.host_between(step.start_us, step.end_us):
         if h.cat == "sync":
             records.append(
-                OpRecord(seq, h.name, SYNC, 0, ubatch_of.get(h.thread), "host",
-                         h.start_us - t0, h.start_us - t0, h.end_us - t0)
-            )  # fmt: skip
+                OpRecord(
+                    seq,
+                    h.name,
+                    SYNC,
+                    0,
+                    ubatch_of.get(h.thread),
+                    "host",
+                    h.start_us - t0,
+                    h.start_us - t0,
+                    h.end_us - t0,
+                )
+            )
             seq += 1
         elif h.thread in ubatch_of and h.cat in ("cuda_runtime", "cuda_driver"):
             ranges.append(
@@ -161,9 +179,20 @@ def artifact_records(
 
 def _shifted(r: OpRecord, t0: float) -> OpRecord:
     return OpRecord(
-        r.seq, r.name, r.kind, r.rank, r.ubatch, r.stream, r.issue_us - t0, r.start_us - t0,
-        r.end_us - t0, r.flops, r.bytes, r.replayed, r.args,
-    )  # fmt: skip
+        r.seq,
+        r.name,
+        r.kind,
+        r.rank,
+        r.ubatch,
+        r.stream,
+        r.issue_us - t0,
+        r.start_us - t0,
+        r.end_us - t0,
+        r.flops,
+        r.bytes,
+        r.replayed,
+        r.args,
+    )
 
 
 def write_artifacts(
@@ -171,8 +200,11 @@ def write_artifacts(
 ) -> tuple[Path, Path]:
     """`<stem>.analyze.png` and `<stem>.analyze.trace.json` of one step in `out`."""
     records, ranges = artifact_records(report.timeline, step)
-    local = None if window is None else Window(window.start_us - step.start_us,
-                                               window.end_us - step.start_us)  # fmt: skip
+    local = (
+        None
+        if window is None
+        else Window(window.start_us - step.start_us, window.end_us - step.start_us)
+    )
     stem = out / f"{_stem(report.path)}.analyze"
     figures = next(s for s in report.steps if s.figures.label == step.label).figures.summary
     title = (

@@ -88,10 +88,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink domain), default 8")
     a("--phase", choices=("decode", "prefill", "both"), default="both")
     a("--tokens", help="tokens per device: 16,32,64 or 16:512 (default per phase)")
-    a("--dp-spread", type=float, default=0.0,
-      help="DP ranks' real tokens drawn uniformly in [(1-F) T, T], seeded (default 0)")  # fmt: skip
-    a("--skew", default=DEFAULT_SKEWS,
-      help="routing skews: balanced, zipf:S, dirichlet:A; the first is the answer's")  # fmt: skip
+    a(
+        "--dp-spread",
+        type=float,
+        default=0.0,
+        help="DP ranks' real tokens drawn uniformly in [(1-F) T, T], seeded (default 0)",
+    )
+    a(
+        "--skew",
+        default=DEFAULT_SKEWS,
+        help="routing skews: balanced, zipf:S, dirichlet:A; the first is the answer's",
+    )
     a("--histogram", type=Path, help="measured tokens per expert per MoE layer (CSV/JSON)")
     a("--placement", default="contiguous", help="contiguous or eplb:N (N redundant experts)")
     a("--ubatches", default="2,3,4", help="ubatch counts to try (2..4)")
@@ -205,10 +212,20 @@ def _point(
     n = spec.num_ubatches or 1
     gain = (serial_us / float(step[slow]) - 1.0) * 100.0 if spec.num_ubatches else 0.0
     point = PlanPoint(
-        spec.phase, spec.config.ep_size, skew, spec.tokens, n, float(step[slow]), gain, slow,
-        float(result.peer_wait_us[slow]), float(result.exposed_comm_us[slow]),
-        dp.padded_tokens, dp.padding_share, dp.split,
-    )  # fmt: skip
+        spec.phase,
+        spec.config.ep_size,
+        skew,
+        spec.tokens,
+        n,
+        float(step[slow]),
+        gain,
+        slow,
+        float(result.peer_wait_us[slow]),
+        float(result.exposed_comm_us[slow]),
+        dp.padded_tokens,
+        dp.padding_share,
+        dp.split,
+    )
     return point, result
 
 
@@ -261,9 +278,14 @@ def _answer(phase: str, ep: int, skew: str, points: list[PlanPoint]) -> PhaseAns
     top = max(best.values(), key=lambda p: p.gain_pct, default=None)
     at = best.get(pays_from) if pays_from is not None else None
     return PhaseAnswer(
-        phase, ep, skew, pays_from, at.num_ubatches if at else None,
-        top.gain_pct if top else 0.0, top.tokens if top else None,
-    )  # fmt: skip
+        phase,
+        ep,
+        skew,
+        pays_from,
+        at.num_ubatches if at else None,
+        top.gain_pct if top else 0.0,
+        top.tokens if top else None,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -57,9 +57,14 @@ def test_balanced_replay_agrees_with_the_one_rank_simulation_at_full_depth(phase
         share = node_dedup_share(8, 32, 8, *ROUTING_GROUPS["deepseek-v3"])
         engine = EngineKnobs(dbo_gemm_sms=H800.num_sms - H800.comm_sms, ht_rdma_share=share)
     one_rank = simulate_step(
-        spec.config, spec.batch(), mode, profile=H800, num_ubatches=2,
-        graph=phase == "decode", engine=engine,
-    )  # fmt: skip
+        spec.config,
+        spec.batch(),
+        mode,
+        profile=H800,
+        num_ubatches=2,
+        graph=phase == "decode",
+        engine=engine,
+    )
     assert result.step_us.max() == pytest.approx(one_rank.step_us, rel=0.02)
 
 
