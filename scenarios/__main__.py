@@ -1,9 +1,10 @@
 """`python -m scenarios ...` and the `dbo-sim` console script: see scenarios.cli.
 
-The CLI is imported inside `run`, not at the top, so that a Ctrl-C while torch is still
-loading ends like any other interrupt (one line, exit status 130), not with a traceback, and
-so that a Python without the project's dependencies (not the project's venv) gets one line
-naming the fix instead of a `ModuleNotFoundError` traceback.
+The CLI is imported inside `run`, not at the top, and the verb runs inside the same `try`,
+so that a Ctrl-C while torch is still loading ends like any other interrupt (one line, exit
+status 130), not with a traceback, and so that a Python without the project's dependencies
+(not the project's venv) gets one line naming the fix instead of a `ModuleNotFoundError`
+traceback, whenever the verb first imports one.
 """
 
 import sys
@@ -24,6 +25,8 @@ def missing_dependency_line(name: str) -> str:
 def run() -> None:
     try:
         from scenarios.cli import main
+
+        status = main()  # a verb imports its own dependencies (torch, ...) when it runs
     except KeyboardInterrupt:
         print("dbo-sim: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
@@ -33,7 +36,7 @@ def run() -> None:
             raise  # our own code is broken: the traceback is the report
         print(missing_dependency_line(top), file=sys.stderr)
         raise SystemExit(EXIT_NOT_INSTALLED) from None
-    raise SystemExit(main())
+    raise SystemExit(status)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The command line: `dbo-sim VERB` (also `python -m scenarios VERB`), one entry for every tool.
 
 This module only dispatches. Every verb is one row of `VERBS`: its name, its help line, and a
-tool module in `scenarios.tools` with `add_arguments(parser)` and `run(args) -> exit status`.
+tool module in `scenarios.tools` with `add_arguments(parser)` and `run(args) -> exit status`,
+imported only when that verb runs or shows its help: `dbo-sim --help`, `dbo-sim list` and
+`dbo-sim VERB --help` load no other verb (and most of them no torch).
 Every check of the command line and of the output folder happens before any work starts, and
 every refusal is one line, `dbo-sim: <why>`, with exit status 2 (argparse's own refusals too,
 through `_Parser`; a tool refuses by raising `UsageError`). Ctrl-C ends a verb with one line
@@ -11,6 +13,7 @@ and exit status 130; what finished before it stays printed and written.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import os
 import re
@@ -21,25 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
-import torch
-
-from scenarios.tools import analyze as analyze_tool
-from scenarios.tools import bench as bench_tool
-from scenarios.tools import bugs as bugs_tool
-from scenarios.tools import (
-    calibrate_host,
-    gpu_check,
-    list_scenarios,
-    race_check,
-    stress,
-    sweep,
-    verify_cli,
-)
-from scenarios.tools import fidelity as fidelity_tool
-from scenarios.tools import plan as plan_tool
-from scenarios.tools import profile as profile_tool
-from scenarios.tools import run as run_tool
-from scenarios.tools.usage import (
+from scenarios.lib.usage import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     Interrupted,
@@ -70,14 +55,18 @@ def _version() -> str:
 
 @dataclass(frozen=True)
 class Verb:
-    """One `dbo-sim` verb: its name, its line in `dbo-sim --help`, and what it runs: a tool
-    module with `add_arguments(parser)` and `run(args) -> int`, looked up when the parser is
-    built. Its `--help` description is the tool's DESCRIPTION, else the first
+    """One `dbo-sim` verb: its name, its line in `dbo-sim --help`, and what it runs: the tool
+    module `scenarios.tools.<module>`, with `add_arguments(parser)` and `run(args) -> int`,
+    imported on first use. Its `--help` description is the tool's DESCRIPTION, else the first
     line of its docstring."""
 
     name: str
     help: str
-    tool: ModuleType
+    module: str
+
+    @property
+    def tool(self) -> ModuleType:
+        return importlib.import_module(f"scenarios.tools.{self.module}")
 
     def description(self) -> str | None:
         described = getattr(self.tool, "DESCRIPTION", None)
@@ -88,65 +77,72 @@ class Verb:
 
 # Every verb, in `dbo-sim --help` order.
 VERBS: tuple[Verb, ...] = (
-    Verb("list", "list the scenarios", list_scenarios),
-    Verb(
-        "run", "run scenarios (default: every default scenario on the simulated device)", run_tool
-    ),
-    Verb("sweep", "DBO speedup against tokens per device (CSV + PNG)", sweep),
-    Verb("stress", "concurrent workspace slot access with growth and lock/unlock", stress),
+    Verb("list", "list the scenarios", "list_scenarios"),
+    Verb("run", "run scenarios (default: every default scenario on the simulated device)", "run"),
+    Verb("sweep", "DBO speedup against tokens per device (CSV + PNG)", "sweep"),
+    Verb("stress", "concurrent workspace slot access with growth and lock/unlock", "stress"),
     Verb(
         "plan",
         "should DBO be on for your deployment: gain, ubatches, token threshold, engine flags",
-        plan_tool,
+        "plan",
     ),
-    Verb("bench", "benchmarks, each a ratio against a baseline in the same run", bench_tool),
+    Verb("bench", "benchmarks, each a ratio against a baseline in the same run", "bench"),
     Verb(
         "fidelity",
         "the simulator against published DBO/TBO and DeepEP results, side by side",
-        fidelity_tool,
+        "fidelity",
     ),
-    Verb(
-        "profile", "time this GPU's kernels into a table the simulator loads (CUDA)", profile_tool
-    ),
+    Verb("profile", "time this GPU's kernels into a table the simulator loads (CUDA)", "profile"),
     Verb(
         "verify",
         "verify your own forward under DBO (serial vs ubatched, races, errors)",
-        verify_cli,
+        "verify_cli",
     ),
     Verb(
         "gpu-check",
         "real CUDA streams against the simulated H200 (needs a GPU, or --sim-only)",
-        gpu_check,
+        "gpu_check",
     ),
     Verb(
         "calibrate-host",
         "this host's launch and handoff costs, for a profile (needs a GPU, or --device sim)",
-        calibrate_host,
+        "calibrate_host",
     ),
     Verb(
         "race-check",
         "seeded race programs: the simulator's checker and torch's CSAN side by side",
-        race_check,
+        "race_check",
     ),
-    Verb("bugs", "real DBO bugs from vLLM's and SGLang's trackers, each caught", bugs_tool),
-    Verb(
-        "analyze", "what a real GPU profiler trace says DBO did (report, PNG, trace)", analyze_tool
-    ),
+    Verb("bugs", "real DBO bugs from vLLM's and SGLang's trackers, each caught", "bugs"),
+    Verb("analyze", "what a real GPU profiler trace says DBO did (report, PNG, trace)", "analyze"),
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only`, every verb listed but only that one's arguments
+    read (and its tool imported): what running one verb needs ("" for none of them)."""
     parser = _Parser(
         prog="dbo-sim", description="Dual Batch Overlap scenarios on a simulated or real GPU"
     )
-    version = f"dbo-sim {_version()} (torch {torch.__version__})"
+    version = f"dbo-sim {_version()} (torch {_torch_version()})"
     parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command")
     for verb in VERBS:
+        if only is not None and verb.name != only:
+            sub.add_parser(verb.name, help=verb.help)
+            continue
         verb_parser = sub.add_parser(verb.name, help=verb.help, description=verb.description())
         verb.tool.add_arguments(verb_parser)
         verb_parser.set_defaults(func=verb.tool.run)
     return parser
+
+
+def _torch_version() -> str:
+    # Read from the installed distribution: importing torch for a version line takes seconds.
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parse_and_run(argv: list[str]) -> int:
-    parser = build_parser()
+    names = {verb.name for verb in VERBS}
+    parser = build_parser(only=argv[0] if argv and argv[0] in names else "")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help, --version, or a refusal already printed

@@ -28,9 +28,9 @@ from dbo.analysis.timeline import DeviceTimeline, Step
 from dbo.sim.plot import plot_timeline
 from dbo.sim.records import SYNC, HostRange, OpRecord
 from dbo.sim.trace import Window, WindowSpec, chrome_trace
+from scenarios.lib.trace_window import window_type
+from scenarios.lib.usage import UsageError, writable_dir
 from scenarios.tools import analyze_sim
-from scenarios.tools.trace_window import window_type
-from scenarios.tools.usage import UsageError, writable_dir
 
 __all__ = ["add_arguments", "artifact_records", "run", "write_artifacts"]
 

@@ -25,10 +25,9 @@ from dbo.sim import PROFILES, SimDevice
 from dbo.sim.options import SimOptions
 from dbo.sim.records import COMM, COMPUTE, OpRecord
 from dbo.sim.summary import summarize
+from scenarios.lib.configs import GPU_CHECK, CheckCase, config_names, plan_cases
 from scenarios.model import ModelConfig, MoEModel
 from scenarios.steps import prepare, serial_step, ubatched_step
-from scenarios.tools.gpu_check import CheckCase
-from scenarios.tools.profile import GPU_CHECK, config_names, plan_cases
 from workspace import reset_workspace_manager
 
 __all__ = ["Row", "SimRequest", "compare", "format_rows", "plan", "profile_for", "simulate"]

@@ -31,7 +31,7 @@ import torch
 import dbo
 from dbo.devices import resolve_device
 from dbo.streams import Device
-from scenarios.tools.usage import UsageError, writable_file
+from scenarios.lib.usage import UsageError, writable_file
 
 DESCRIPTION = __doc__.splitlines()[0] + " Needs a CUDA GPU unless --device sim."
 DEFAULT_OUT = "out/host-costs.json"

@@ -24,7 +24,7 @@ from dbo.sim.cost import node_dedup_share
 from dbo.sim.hardware import H800, HardwareProfile
 from dbo.sim.options import EngineKnobs, SimOptions
 from dbo.sim.routing import balanced, contiguous, eplb, sampled
-from scenarios.tools.cluster_step import StepSpec, moe_layers, record_step
+from scenarios.lib.cluster_step import StepSpec, moe_layers, record_step
 from scenarios.tools.fidelity_kernels import DEEPEP_BYTES
 from scenarios.tools.fidelity_rows import (
     DEEPEP_LL_PUBLISHED,

@@ -12,6 +12,7 @@ from typing import Any
 from dbo.sim.cost import node_dedup_share
 from dbo.sim.hardware import HardwareProfile
 from dbo.sim.options import EngineKnobs
+from scenarios.lib.simulate import simulate_step, step_gain
 from scenarios.model import Batch, ModelConfig
 from scenarios.tools.fidelity_rows import (
     DSV3_GROUPS,
@@ -34,8 +35,6 @@ from scenarios.tools.fidelity_rows import (
     describe_profile,
     pp_row,
     range_pp_row,
-    simulate_step,
-    step_gain,
 )
 
 __all__ = ["sglang_rows", "vllm_rows"]

@@ -4,7 +4,7 @@ token count, and how does the answer move with expert-load skew?
 For each phase (decode: DeepEP low-latency kernels, steps replayed as CUDA graphs; prefill:
 DeepEP normal kernels, eager), each tokens-per-device point and each skew, one rank's step is
 recorded serially and with 2..4 ubatches and replayed for the whole EP group
-(`scenarios.tools.cluster_step`, `dbo.sim.cluster`): the step time is the slowest rank's, so
+(`scenarios.lib.cluster_step`, `dbo.sim.cluster`): the step time is the slowest rank's, so
 imbalance, stragglers, the SMs DeepEP's normal kernels hold and DP padding all count. The
 gain of N ubatches is serial step / N-ubatch step - 1. DBO "pays from" the smallest token
 count from which the best gain stays positive over the rest of the range; that count is
@@ -29,8 +29,7 @@ import numpy as np
 from dbo.sim.cluster import ClusterResult
 from dbo.sim.hardware import HardwareProfile, profile_from_name
 from dbo.sim.routing import Placement, Routing
-from scenarios.model import PRESETS, ModelConfig, preset
-from scenarios.tools.cluster_step import (
+from scenarios.lib.cluster_step import (
     DPAgreement,
     StepSpec,
     cluster_step,
@@ -38,9 +37,10 @@ from scenarios.tools.cluster_step import (
     placement_from_spec,
     routing_from_spec,
 )
+from scenarios.lib.progress import advance, progress_bar
+from scenarios.lib.usage import UsageError, writable_dir
+from scenarios.model import PRESETS, ModelConfig, preset
 from scenarios.tools.plan_output import PhaseAnswer, PlanPoint, report, write_outputs
-from scenarios.tools.progress import advance, progress_bar
-from scenarios.tools.usage import UsageError, writable_dir
 
 __all__ = ["PlanInputs", "add_arguments", "run", "plan_phase", "check_inputs"]
 
@@ -109,6 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class PlanInputs:
+    """The command line, checked: everything `plan_phase` reads, each from one place."""
+
     config: ModelConfig
     profile: HardwareProfile
     eps: list[int]
@@ -119,6 +121,10 @@ class PlanInputs:
     ubatches: list[int]
     placement: str
     redundant: int
+    seed: int = 0  # of the skewed routings and the DP spread
+    histogram: Path | None = None  # measured tokens per expert per layer
+    dp: int | None = None  # DP ranks deciding ubatching (None: the EP size)
+    dp_spread: float = 0.0
 
 
 def _config(args: argparse.Namespace) -> ModelConfig:
@@ -184,6 +190,10 @@ def check_inputs(args: argparse.Namespace) -> PlanInputs:
         ubatches,
         args.placement,
         redundant,
+        seed=args.seed,
+        histogram=args.histogram,
+        dp=args.dp,
+        dp_spread=args.dp_spread,
     )
 
 
@@ -234,7 +244,6 @@ def plan_phase(
     phase: str,
     ep: int,
     skew: str,
-    args: argparse.Namespace,
     on_point: Callable[[str], None] | None = None,
 ) -> tuple[list[PlanPoint], PhaseAnswer, dict[tuple[int, int], ClusterResult]]:
     """Every token count and ubatch count of one phase, EP size and skew: the points, the
@@ -242,15 +251,15 @@ def plan_phase(
     count as it finishes."""
     config = inputs.config.with_(ep_size=ep)
     record_config = config.with_(num_experts=config.num_experts + inputs.redundant)
-    routing = routing_from_spec(skew, config, seed=args.seed, histogram=args.histogram)
+    routing = routing_from_spec(skew, config, seed=inputs.seed, histogram=inputs.histogram)
     placement = placement_from_spec(
         inputs.placement if inputs.redundant else "contiguous", config, routing
     )
-    dp_ranks = ep if args.dp is None else args.dp
+    dp_ranks = ep if inputs.dp is None else inputs.dp
     points, results = [], {}
     for tokens in inputs.tokens[phase]:
-        real = _dp_tokens(tokens, dp_ranks, args.dp_spread, args.seed)
-        base = StepSpec(record_config, phase, tokens, None, inputs.profile, args.gpus_per_node)
+        real = _dp_tokens(tokens, dp_ranks, inputs.dp_spread, inputs.seed)
+        base = StepSpec(record_config, phase, tokens, None, inputs.profile, inputs.gpus_per_node)
         serial, _ = _point(base, routing, placement, skew, 0.0, dp_agreement(real, 2))
         points.append(serial)
         for n in inputs.ubatches:
@@ -294,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     total = sum(len(inputs.tokens[p]) for p in inputs.phases) * len(inputs.eps) * len(inputs.skews)
     with progress_bar(total, "plan", quiet=args.json, unit="point") as bar:
         for phase, ep, skew in itertools.product(inputs.phases, inputs.eps, inputs.skews):
-            points, answer, results = plan_phase(inputs, phase, ep, skew, args, advance(bar))
+            points, answer, results = plan_phase(inputs, phase, ep, skew, advance(bar))
             all_points += points
             answers.append(answer)
             if ep == inputs.eps[0] and skew == inputs.skews[0]:

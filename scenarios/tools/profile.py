@@ -55,11 +55,17 @@ from dbo.sim import SimDevice
 from dbo.sim.cost import OpCall, add_op_observer, remove_op_observer
 from dbo.sim.families import op_family
 from dbo.sim.options import SimOptions
-from scenarios.model import PRESETS, Batch, ModelConfig, MoEModel
+from scenarios.lib.configs import (
+    DECODE_CONTEXT,
+    GPU_CHECK,
+    PREFILL_REQUESTS,
+    CheckCase,
+    config_names,
+    plan_cases,
+)
+from scenarios.lib.usage import UsageError
+from scenarios.model import Batch, ModelConfig, MoEModel
 from scenarios.steps import prepare, serial_step, ubatched_step
-from scenarios.tools import gpu_check
-from scenarios.tools.gpu_check import CheckCase
-from scenarios.tools.usage import UsageError
 from workspace import reset_workspace_manager
 
 __all__ = [
@@ -70,7 +76,6 @@ __all__ = [
     "materialize",
     "model_calls",
     "overlap_rates_from_traces",
-    "plan_cases",
     "profile_calls",
     "record_calls",
     "run",
@@ -307,80 +312,6 @@ def profile_calls(
             if on_row:
                 on_row(row)
     return rows
-
-
-GPU_CHECK = "gpu-check"  # the default configuration: gpu_check's model and batches
-MODES = {"prefill": "ht", "decode": "ll"}  # step kind -> the model's comm mode
-PREFILL_REQUESTS = 4  # --tokens of prefill are split into this many equal prompts
-DECODE_CONTEXT = 1024  # KV-cache tokens per decode request (gpu_check's decode batch)
-
-
-def config_names() -> list[str]:
-    return [GPU_CHECK, *sorted(PRESETS)]
-
-
-def plan_cases(
-    config: str = GPU_CHECK,
-    *,
-    layers: int | None = None,
-    hidden: int | None = None,
-    experts: int | None = None,
-    top_k: int | None = None,
-    tokens: int | None = None,
-    mode: str = "both",
-) -> list[CheckCase]:
-    """The steps to record: a named configuration (gpu_check's model and batches, or a
-    `scenarios.model` preset) with overrides. Raises ValueError on a bad choice, before any
-    work. `layers` defaults to enough to see every kind of layer (the dense ones and one MoE
-    layer): distinct shapes repeat per layer. A float64 preset (made for value checks on the
-    CPU) is recorded in bf16, the dtype its kernels would run in on a GPU."""
-    if config not in config_names():
-        known = ", ".join(config_names())
-        raise ValueError(f"unknown --config {config!r}; choose one of {known}")
-    if mode not in ("both", *MODES):
-        raise ValueError(f"--mode must be prefill, decode or both, got {mode!r}")
-    sizes = {"layers": layers, "hidden": hidden, "experts": experts, "top-k": top_k}
-    for flag, value in {**sizes, "tokens": tokens}.items():
-        if value is not None and value < 1:
-            raise ValueError(f"--{flag} must be >= 1, got {value}")
-    if config == GPU_CHECK:
-        base = {c.mode: c for c in gpu_check.cases(1)}
-        model = base["ht"].config
-    else:
-        base = {}
-        model = PRESETS[config]
-    default_layers = min(model.num_layers, model.num_dense_layers + 1)
-    changes: dict[str, Any] = {"num_layers": layers or default_layers}
-    if model.dtype == torch.float64:  # a preset for CPU value checks: GPUs run it in bf16
-        changes["dtype"] = torch.bfloat16
-    if hidden is not None:
-        changes["hidden"] = hidden
-    if experts is not None:
-        changes["num_experts"] = experts
-    if top_k is not None:
-        changes["top_k"] = top_k
-    model = model.with_(**changes)
-    if model.top_k > model.num_experts:
-        raise ValueError(f"--top-k {model.top_k} exceeds the {model.num_experts} experts")
-    if tokens is not None and mode != "decode" and tokens % PREFILL_REQUESTS:
-        raise ValueError(
-            f"--tokens of a prefill must be a multiple of {PREFILL_REQUESTS} (its prompts)"
-        )
-    return [_case(step, model, base, tokens) for step in MODES if mode in ("both", step)]
-
-
-def _case(
-    step: str, model: ModelConfig, base: dict[str, CheckCase], tokens: int | None
-) -> CheckCase:
-    """One step of `model`: the base configuration's batch unless `tokens` sets one."""
-    comm_mode = MODES[step]
-    if tokens is None and comm_mode in base:
-        batch = base[comm_mode].batch
-    elif step == "prefill":
-        batch = Batch.prefill(PREFILL_REQUESTS, (tokens or 4096) // PREFILL_REQUESTS)
-    else:
-        batch = Batch.decode(tokens or 128, DECODE_CONTEXT)
-    return CheckCase(step, model, batch, comm_mode)
 
 
 def model_calls(cases: Sequence[CheckCase]) -> list[OpCall]:

@@ -31,7 +31,7 @@ import dbo
 from dbo.sim import SimDevice
 from dbo.sim.options import SimOptions
 from dbo.streams import CudaDevice, Device
-from scenarios.tools.usage import UsageError
+from scenarios.lib.usage import UsageError
 
 __all__ = [
     "PROGRAMS",

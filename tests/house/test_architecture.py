@@ -2,7 +2,10 @@
 `scenarios/`: no import cycle, no module over 500 lines (the exceptions named, each with its
 reason), no function over 60, no private name of one first-party module used from another; and
 over the whole tree: no `# type: ignore` in `dbo/sim/`, at most `FMT_SKIP_BUDGET`
-`# fmt: skip` marks, each with its reason on the line above.
+`# fmt: skip` marks, each with its reason on the line above. And the CLI's layers: no verb
+module (`scenarios.cli.VERBS`) is imported by another module of `scenarios/tools/` (what verbs
+share lives in `scenarios.lib`), and no function below the tools (outside `scenarios/tools/` and
+`scenarios/cli.py`) takes an argparse namespace.
 
 What counts:
 - The import graph has an edge for every `import`/`from ... import` of a first-party module,
@@ -44,9 +47,7 @@ LONG_MODULES = {
     "workspace.manager": "WorkspaceManager, vLLM's API surface in one class",
     "dbo.split.checker": "the split checker's rules, one family per section",
     "dbo.verification": "reshaped on another branch (the verify tools' own package)",
-    "scenarios.tools.stress": "a verb: its shared parts belong in scenarios.lib",
-    "scenarios.tools.gpu_check": "a verb: its shared parts belong in scenarios.lib",
-    "scenarios.tools.profile": "a verb: its shared parts belong in scenarios.lib",
+    "scenarios.tools.stress": "a verb whose lanes, schedule and report are its own, unshared",
 }
 FMT_SKIP_BUDGET = 5  # a table laid out by hand may keep one, with its reason above it
 COMMENT_ROOTS = ("dbo", "workspace", "scenarios", "tests", "examples")
@@ -377,6 +378,62 @@ def test_no_module_is_over_500_lines_but_the_named_exceptions(modules):
     assert not found, "modules over 500 lines:\n" + "\n".join(found)
 
 
+def verb_modules(modules: dict[str, Module]) -> set[str]:
+    """The tool module of every verb, read from the `Verb(name, help, module)` rows of
+    `scenarios.cli.VERBS`."""
+    found = set()
+    for node in ast.walk(modules["scenarios.cli"].tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Verb":
+            module = node.args[2]
+            if isinstance(module, ast.Constant) and isinstance(module.value, str):
+                found.add(f"scenarios.tools.{module.value}")
+    return found
+
+
+def tool_to_tool_imports(modules: dict[str, Module]) -> list[str]:
+    """Every import of a verb module by another module under scenarios/tools."""
+    verbs, graph = verb_modules(modules), import_graph(modules)
+    found = []
+    for name, targets in graph.items():
+        if not name.startswith("scenarios.tools."):
+            continue
+        for target, line in targets.items():
+            own = name == target or name.startswith(target + ".")  # a verb package's own parts
+            if target in verbs and not own:
+                found.append(f"{modules[name].path}:{line} imports the verb {target}")
+    return found
+
+
+def _namespace_annotation(node: ast.expr | None) -> bool:
+    return node is not None and ast.unparse(node).split(".")[-1] in ("Namespace", "'Namespace'")
+
+
+def namespace_parameters(modules: dict[str, Module]) -> list[str]:
+    """Every function below the tools with a parameter annotated as an argparse namespace."""
+    found = []
+    for m in modules.values():
+        if m.name.startswith("scenarios.tools") or m.name == "scenarios.cli":
+            continue
+        for qualname, fn in _functions(m.tree):
+            every = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+            if any(_namespace_annotation(a.annotation) for a in every):
+                found.append(f"{m.name}.{qualname} (line {fn.lineno})")
+    return found
+
+
+def test_no_tool_imports_another_tool(modules):
+    assert len(verb_modules(modules)) >= 10, "the verbs were not found in scenarios.cli"
+    found = tool_to_tool_imports(modules)
+    assert not found, "verbs imported by other tools (share through scenarios.lib):\n" + "\n".join(
+        found
+    )
+
+
+def test_no_function_below_the_tools_takes_an_argparse_namespace(modules):
+    found = namespace_parameters(modules)
+    assert not found, "argparse namespaces below the tools:\n" + "\n".join(found)
+
+
 def test_every_named_long_module_is_still_long(modules):
     stale = [name for name in LONG_MODULES if modules[name].lines <= MAX_MODULE_LINES]
     assert not stale, f"no longer over {MAX_MODULE_LINES} lines, drop from LONG_MODULES: {stale}"
@@ -500,3 +557,22 @@ def test_private_names_imported_or_read_from_another_module_are_found(tmp_path):
         "pkg.b:1: from pkg.a import _hidden",
         "pkg.b:3: pkg.a._hidden",
     ]
+
+
+def test_a_verb_imported_by_another_tool_and_a_namespace_below_the_tools_are_named(tmp_path):
+    modules = _tree(
+        tmp_path,
+        {
+            "scenarios/__init__.py": "",
+            "scenarios/cli.py": 'VERBS = (Verb("a", "h", "a"), Verb("b", "h", "b"))\n',
+            "scenarios/tools/__init__.py": "",
+            "scenarios/tools/a.py": "from scenarios.tools import b\n",
+            "scenarios/tools/b.py": "import argparse\ndef run(args: argparse.Namespace): ...\n",
+            "scenarios/lib/__init__.py": "",
+            "scenarios/lib/x.py": "import argparse\ndef f(args: argparse.Namespace): ...\n",
+        },
+    )
+    assert tool_to_tool_imports(modules) == [
+        "scenarios/tools/a.py:1 imports the verb scenarios.tools.b"
+    ]
+    assert namespace_parameters(modules) == ["scenarios.lib.x.f (line 2)"]

@@ -15,9 +15,9 @@ from dbo.sim.cluster_report import critical_path, gating_table, rank_figures, ra
 from dbo.sim.hardware import H800
 from dbo.sim.options import EngineKnobs, SimOptions
 from dbo.sim.routing import Routing, balanced, contiguous, zipf
+from scenarios.lib.cluster_step import StepSpec, dp_agreement, record_step
+from scenarios.lib.simulate import simulate_step
 from scenarios.model import preset
-from scenarios.tools.cluster_step import StepSpec, dp_agreement, record_step
-from scenarios.tools.fidelity import simulate_step
 
 
 def _spec(phase: str, ep: int, n: int | None, moe_layers: int = 4, tokens: int = 0) -> StepSpec:
@@ -50,7 +50,7 @@ def test_balanced_replay_agrees_with_the_one_rank_simulation_at_full_depth(phase
     _, result = _replay(spec)
     mode = "ll" if phase == "decode" else "ht"
     from dbo.sim.cost import node_dedup_share
-    from scenarios.tools.cluster_step import ROUTING_GROUPS  # the recording's RDMA share
+    from scenarios.lib.cluster_step import ROUTING_GROUPS  # the recording's RDMA share
 
     engine = EngineKnobs()
     if phase == "prefill":

@@ -15,8 +15,9 @@ from dbo.sim.families import GEMM_OPS
 from dbo.sim.options import SimOptions
 from dbo.sim.report import summarize
 from dbo.sim.tables import KernelRow, KernelTable, interp_loglog, load_table
+from scenarios.lib.configs import check_cases
+from scenarios.lib.simulate import simulate_step
 from scenarios.model import Batch
-from scenarios.tools import fidelity, gpu_check
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -178,17 +179,15 @@ def test_eager_host_cost_depends_on_the_op_kind() -> None:
     assert mm.start_us - add.start_us == pytest.approx(p.eager_host_us("gemm"))
 
 
-SMALL = gpu_check.cases(2)[0].config.with_(
+SMALL = check_cases(2)[0].config.with_(
     hidden=1024, num_heads=8, head_dim=128, num_experts=16, top_k=4, moe_inter=512
 )
 
 
 def test_a_launch_bound_step_is_slower_eager_than_replayed() -> None:
     batch = Batch.decode(64, 256)
-    eager = fidelity.simulate_step(SMALL, batch, "ll", profile="h200", num_ubatches=2, graph=False)
-    replayed = fidelity.simulate_step(
-        SMALL, batch, "ll", profile="h200", num_ubatches=2, graph=True
-    )
+    eager = simulate_step(SMALL, batch, "ll", profile="h200", num_ubatches=2, graph=False)
+    replayed = simulate_step(SMALL, batch, "ll", profile="h200", num_ubatches=2, graph=True)
     assert eager.host_us == pytest.approx(eager.step_us, rel=0.01)  # the host sets the pace
     assert eager.step_us > 2 * replayed.step_us
 
@@ -198,12 +197,8 @@ def test_a_device_bound_step_takes_the_same_time_eager_and_replayed() -> None:
         hidden=4096, num_heads=32, num_experts=64, top_k=8, moe_inter=1024, num_layers=1
     )
     batch = Batch.prefill(4, 1024)
-    eager = fidelity.simulate_step(
-        config, batch, "ht", profile="h200", num_ubatches=None, graph=False
-    )
-    replayed = fidelity.simulate_step(
-        config, batch, "ht", profile="h200", num_ubatches=None, graph=True
-    )
+    eager = simulate_step(config, batch, "ht", profile="h200", num_ubatches=None, graph=False)
+    replayed = simulate_step(config, batch, "ht", profile="h200", num_ubatches=None, graph=True)
     assert eager.host_us < eager.step_us
     # the same, but for the head start the first op's issue gives a replay
     assert 0 <= eager.step_us - replayed.step_us <= H200.eager_host_us("gemm")
@@ -214,12 +209,8 @@ def test_on_one_gpu_dbo_gains_nothing(graph: bool) -> None:
     """One GPU: dispatch and combine are local permutations, full-grid kernels that take the
     GPU in turn with compute, so the second ubatch has nothing to hide and only adds work."""
     batch = Batch.prefill(4, 512)
-    serial = fidelity.simulate_step(
-        SMALL, batch, "ht", profile="h200", num_ubatches=None, graph=graph
-    )
-    ubatched = fidelity.simulate_step(
-        SMALL, batch, "ht", profile="h200", num_ubatches=2, graph=graph
-    )
+    serial = simulate_step(SMALL, batch, "ht", profile="h200", num_ubatches=None, graph=graph)
+    ubatched = simulate_step(SMALL, batch, "ht", profile="h200", num_ubatches=2, graph=graph)
     assert ubatched.step_us > serial.step_us
 
 

@@ -22,7 +22,7 @@ from dbo.sim.trace import (
 )
 from dbo.sim.trace_read import runs_from_trace
 from scenarios.cli import main
-from scenarios.tools.trace_window import write_windowed
+from scenarios.lib.trace_window import write_windowed
 
 
 def rec(

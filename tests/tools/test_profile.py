@@ -15,12 +15,13 @@ from dbo.sim.cost import OpCall, add_op_observer, remove_op_observer
 from dbo.sim.options import SimOptions
 from dbo.sim.tables import load_table
 from scenarios.cli import main as cli_main
+from scenarios.lib.configs import check_cases, plan_cases
 from scenarios.model import Batch
-from scenarios.tools import gpu_check, profile
+from scenarios.tools import profile
 
 pytestmark = pytest.mark.timeout(120)
 
-CONFIG = gpu_check.cases(1)[0].config.with_(
+CONFIG = check_cases(1)[0].config.with_(
     hidden=256, num_heads=4, head_dim=64, num_experts=8, top_k=2, moe_inter=128
 )
 
@@ -232,9 +233,7 @@ def test_traces_without_kernels_side_by_side_give_no_overlap_rates(tmp_path) -> 
 
 
 def test_a_preset_is_recorded_with_the_overrides_given() -> None:
-    (case,) = profile.plan_cases(
-        "tiny", hidden=32, experts=16, top_k=2, layers=1, tokens=8, mode="decode"
-    )
+    (case,) = plan_cases("tiny", hidden=32, experts=16, top_k=2, layers=1, tokens=8, mode="decode")
     c = case.config
     assert (c.name, c.hidden, c.num_experts, c.top_k, c.num_layers) == ("tiny", 32, 16, 2, 1)
     assert c.dtype == torch.bfloat16  # tiny's float64 is for CPU value checks
@@ -242,20 +241,18 @@ def test_a_preset_is_recorded_with_the_overrides_given() -> None:
 
 
 def test_by_default_gpu_checks_model_and_batches_are_recorded() -> None:
-    expected = [(c.mode, c.batch, c.config.with_(num_layers=1)) for c in gpu_check.cases(1)]
-    assert [(c.mode, c.batch, c.config) for c in profile.plan_cases()] == expected
+    expected = [(c.mode, c.batch, c.config.with_(num_layers=1)) for c in check_cases(1)]
+    assert [(c.mode, c.batch, c.config) for c in plan_cases()] == expected
 
 
 def test_the_default_layers_reach_the_first_moe_layer() -> None:
-    (case,) = profile.plan_cases("deepseek-v3", mode="prefill", tokens=64)
+    (case,) = plan_cases("deepseek-v3", mode="prefill", tokens=64)
     assert case.config.num_layers == case.config.num_dense_layers + 1
     assert case.batch == Batch.prefill(profile.PREFILL_REQUESTS, 16)
 
 
 def test_the_recorded_calls_follow_the_chosen_configuration() -> None:
-    cases = profile.plan_cases(
-        "tiny", hidden=32, experts=16, top_k=2, layers=1, tokens=8, mode="decode"
-    )
+    cases = plan_cases("tiny", hidden=32, experts=16, top_k=2, layers=1, tokens=8, mode="decode")
     rows = [profile.table_row(c, 1.0) for c in profile.distinct_calls(profile.model_calls(cases))]
     rows = [r for r in rows if r is not None]
     ops = {r["op"] for r in rows}

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from dbo.jsonsafe import json_safe
+from scenarios.lib.progress import progress_bar
+from scenarios.lib.usage import Interrupted, writable_dir
 from scenarios.tools.bench.figures import Figure
 from scenarios.tools.bench.registry import FULL, QUICK, Plan, benchmark_names, registered
-from scenarios.tools.progress import progress_bar
-from scenarios.tools.usage import Interrupted, writable_dir
 from workspace import reset_workspace_manager
 
 SCHEMA_VERSION = 1
@@ -52,7 +52,7 @@ def run_benchmarks(
 ) -> list[Figure]:
     """Every registered benchmark in order; each one's figures are appended to `figures` (a
     fresh list by default) as it finishes, so a caller interrupted midway keeps them. A
-    `progress` bar (`scenarios.tools.progress.progress_bar`) advances once per benchmark."""
+    `progress` bar (`scenarios.lib.progress.progress_bar`) advances once per benchmark."""
     figures = [] if figures is None else figures
     with _bench_conditions():
         for bench in registered():

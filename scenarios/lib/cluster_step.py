@@ -201,5 +201,6 @@ def placement_from_spec(spec: str, config: ModelConfig, routing: Routing) -> Pla
 
 
 def cluster_step(spec: StepSpec, routing: Routing, placement: Placement) -> ClusterResult:
-    """`spec`'s step on every rank of its EP group under `routing`."""
-    return simulate_cluster(record_step(spec), routing, placement, gpus_per_node=spec.gpus_per_node)
+    """`spec`'s step on every rank of its EP group under `routing`. The group's GPUs per node
+    are the recording's (its profile's, set from `spec.gpus_per_node`): one source."""
+    return simulate_cluster(record_step(spec), routing, placement)
