@@ -54,7 +54,7 @@ from dbo.sim.records import (
     OpRecord,
 )
 from dbo.sim.regions import open_region, region_ops
-from dbo.sim.state import CURRENT, CommRegion, PlannedOp, ThreadState
+from dbo.sim.state import CommRegion, PlannedOp, ThreadState
 from dbo.sim.tracks import Track, join
 from dbo.streams import CommHandle, Device, Event, Stream
 
@@ -286,7 +286,8 @@ class SimDevice(Device):
         and check its accesses; returns its record."""
         state = self.thread_state()
         track = state.stream.track if op.track is None else op.track
-        ubatch = state.ubatch if op.ubatch == CURRENT else op.ubatch
+        # isinstance, not == CURRENT: the one str the field holds, and a check type checkers narrow.
+        ubatch = state.ubatch if isinstance(op.ubatch, str) else op.ubatch
         with self._lock:
             issue = self._clock.host_us
             self._clock.host_us += self._launch_us(op, state.replaying)
