@@ -25,7 +25,7 @@ from dbo.comm import (
     ep_group_for,
     use_ep_group,
 )
-from dbo.comm_collectives import Collectives
+from dbo.comm.collectives import Collectives
 from dbo.sim import SimDevice
 from dbo.sim.options import SimOptions
 from dbo.split import split_batch
@@ -292,7 +292,7 @@ def test_step_reports_a_local_failure_to_peers_but_not_a_peer_failure_back():
 
 def test_abort_keys_are_counted_per_process_group():
     # A rank refused by one group (not a member) must not shift the keys of the groups it is in.
-    from dbo.comm_collectives import abort_key
+    from dbo.comm.collectives import abort_key
 
     class Group:
         def __init__(self, name: str) -> None:

@@ -43,7 +43,6 @@ MAX_FUNCTION_LINES = 60
 LONG_MODULES = {
     "dbo.sim.device": "SimDevice: the one implementation of dbo.streams.Device and of the op "
     "path; what is not the device left (options, log, tracks, clock, regions, handles)",
-    "dbo.comm": "EPGroup with its across-process paths: splits when comm becomes its own package",
     "workspace.manager": "WorkspaceManager, vLLM's API surface in one class",
     "dbo.split.checker": "the split checker's rules, one family per section",
     "dbo.verification": "reshaped on another branch (the verify tools' own package)",

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.checks import as_int
-from dbo.comm_records import EPError, EPPeerFailedError, EPStepMismatchError, EPTimeoutError
+from dbo.comm.records import EPError, EPPeerFailedError, EPStepMismatchError, EPTimeoutError
 from dbo.ubatching import dbo_current_ubatch_id
 
 __all__ = ["Collectives", "abort_key", "ep_subgroup"]
