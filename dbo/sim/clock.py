@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dbo.sim.hardware import HardwareProfile
-from dbo.sim.state import Track, VectorClock, join
-from dbo.sim.timeline import SmBusy, Span, Turns, after, hold_sms, place_span
+from dbo.sim.state import PlannedOp
+from dbo.sim.timeline import GpuLoad, Kernel, SmBusy, Span, Turns, after, hold_sms, place_span
+from dbo.sim.tracks import Track, VectorClock, join
 
 __all__ = ["DeviceClock"]
 
@@ -67,24 +68,23 @@ class DeviceClock:
         track.vc[track.index] += 1
         return track.vc[track.index]
 
-    def place(
-        self, track: Track, cost_us: float, *, compute: bool, full_grid: bool,
-        reserved: bool, not_before: float, sm_share: float,
-    ) -> Span:  # fmt: skip
-        """Place an op launched now on `track` and let it hold what it holds: its track until
-        it ends, its turn, and `sm_share` of the SMs. `reserved`: a ubatch's GEMM on its own
-        `gemm_sms` SMs."""
-        span = place_span(
-            max(self.host_us, track.free_at, not_before), cost_us, compute=compute,
-            full_grid=full_grid, turns=self.turns, busy=self.sm_busy,
-            max_share=self.profile.max_comm_sm_share, rates=self.profile.overlap_rates,
-            reserved_sms=(self.profile.num_sms, self.gemm_sms) if reserved else None,  # type: ignore[arg-type]
-        )  # fmt: skip
-        self.turns = after(self.turns, span, compute=compute, full_grid=full_grid)
+    def place(self, track: Track, op: PlannedOp, *, reserved: bool) -> Span:
+        """Place `op`, launched now, on `track` and let it hold what it holds: its track until
+        it ends, its turn, and `op.sm_share` of the SMs. `reserved`: a ubatch's GEMM on its
+        own `gemm_sms` SMs."""
+        reserved_sms = None
+        if reserved and self.gemm_sms is not None:
+            reserved_sms = (self.profile.num_sms, self.gemm_sms)
+        kernel = Kernel(op.cost_us, op.compute, op.full_grid, reserved_sms)
+        load = GpuLoad(
+            self.turns, self.sm_busy, self.profile.max_comm_sm_share, self.profile.overlap_rates
+        )
+        span = place_span(max(self.host_us, track.free_at, op.not_before), kernel, load)
+        self.turns = after(self.turns, span, kernel)
         track.free_at = span.end
-        if sm_share > 0 and span.end > span.start:
+        if op.sm_share > 0 and span.end > span.start:
             # No later op can start before the host clock: older holds slow nothing.
-            self.sm_busy = hold_sms(self.sm_busy, span, sm_share, self.host_us)
+            self.sm_busy = hold_sms(self.sm_busy, span, op.sm_share, self.host_us)
         return span
 
     def record(self, track: Track) -> tuple[float, VectorClock]:

@@ -70,7 +70,7 @@ def graph_runner(key=None, num_tokens_across_dp=None) -> CUDAGraphRunner:
     runner = CUDAGraphRunner(
         attention,
         dispatcher(),
-        device=SimDevice("h200"),
+        device=SimDevice(),
         key=key,
         num_tokens_across_dp=num_tokens_across_dp,
     )
@@ -155,7 +155,7 @@ def mrope_graph_tokens(buggy: bool) -> Verdict:
         return BatchDescriptor(n, n, True, num_ubatches)
 
     runner = CUDAGraphRunner(
-        attention, dispatcher(), device=SimDevice("h200"), key=key, num_tokens_across_dp=agreed
+        attention, dispatcher(), device=SimDevice(), key=key, num_tokens_across_dp=agreed
     )
     runner.capture_all(lambda k: _mrope_batch(k.num_tokens))  # the engine's own dummy runs
     replay = runner.run(_mrope_batch(8), step="dummy run")

@@ -129,8 +129,14 @@ def _shown_result(shown: dict, phase: str) -> ClusterResult | None:
     return results.get(key) or next(iter(results.values()))
 
 
-def report(inputs: Any, answers: list[PhaseAnswer], points: list[PlanPoint], shown: dict,
-           *, as_json: bool = False) -> str:  # fmt: skip
+def report(
+    inputs: Any,
+    answers: list[PhaseAnswer],
+    points: list[PlanPoint],
+    shown: dict,
+    *,
+    as_json: bool = False,
+) -> str:
     """The printed answer: per phase the table, the answer, the gating, how skew moves it,
     then the engine flags."""
     # The answer is the first EP size's under the first skew; the others show how it moves.

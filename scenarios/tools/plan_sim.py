@@ -3,7 +3,7 @@
 For each phase (decode: DeepEP low-latency kernels, steps replayed as CUDA graphs; prefill:
 DeepEP normal kernels, eager), each tokens-per-device point and each skew, one rank's step is
 recorded serially and with 2..4 ubatches and replayed for the whole EP group
-(`scenarios.tools.cluster_step`, `dbo.sim.cluster`): the step time is the slowest rank's, so
+(`scenarios.lib.cluster_step`, `dbo.sim.cluster`): the step time is the slowest rank's, so
 imbalance, stragglers, the SMs DeepEP's normal kernels hold and DP padding all count. The
 gain of N ubatches is serial step / N-ubatch step - 1. DBO "pays from" the smallest token
 count from which the best gain stays positive over the rest of the range; that count is
@@ -23,15 +23,14 @@ import itertools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
 from dbo.sim.cluster import ClusterResult
 from dbo.sim.hardware import HardwareProfile, profile_from_name
 from dbo.sim.routing import Placement, Routing
-from scenarios.model import ModelConfig
-from scenarios.model_presets import PRESETS, preset, torch_dtypes
-from scenarios.tools.cluster_step import (
+from scenarios.lib.cluster_step import (
     DPAgreement,
     StepSpec,
     cluster_step,
@@ -41,16 +40,21 @@ from scenarios.tools.cluster_step import (
     record_step,
     routing_from_spec,
 )
+from scenarios.lib.progress import advance, progress_bar
+from scenarios.lib.usage import UsageError, one_line
+from scenarios.model import ModelConfig
+from scenarios.model_presets import PRESETS, preset, torch_dtypes
 from scenarios.tools.plan_args import PlanArgs
 from scenarios.tools.plan_output import PhaseAnswer, PlanPoint, report, write_outputs
-from scenarios.tools.progress import advance, progress_bar
-from scenarios.tools.usage import UsageError, one_line
 
 __all__ = ["PlanInputs", "check_inputs", "plan_phase", "run_plan"]
 
 
 @dataclass(frozen=True)
 class PlanInputs:
+    """The command line, checked against the model: everything `plan_phase` reads, each
+    from one place."""
+
     config: ModelConfig
     profile: HardwareProfile
     eps: list[int]
@@ -61,6 +65,10 @@ class PlanInputs:
     ubatches: list[int]
     placement: str
     redundant: int
+    seed: int = 0  # of the skewed routings and the DP spread
+    histogram: Path | None = None  # measured tokens per expert per layer
+    dp: int | None = None  # DP ranks deciding ubatching (None: the EP size)
+    dp_spread: float = 0.0
 
 
 def _config(parsed: PlanArgs) -> ModelConfig:
@@ -112,6 +120,10 @@ def check_inputs(parsed: PlanArgs) -> PlanInputs:
         parsed.ubatches,
         parsed.placement,
         parsed.redundant,
+        seed=parsed.seed,
+        histogram=parsed.histogram,
+        dp=parsed.dp,
+        dp_spread=parsed.dp_spread,
     )
 
 
@@ -159,10 +171,20 @@ def _point(
     n = spec.num_ubatches or 1
     gain = (serial_us / float(step[slow]) - 1.0) * 100.0 if spec.num_ubatches else 0.0
     point = PlanPoint(
-        spec.phase, spec.config.ep_size, skew, spec.tokens, n, float(step[slow]), gain, slow,
-        float(result.peer_wait_us[slow]), float(result.exposed_comm_us[slow]),
-        dp.padded_tokens, dp.padding_share, dp.split,
-    )  # fmt: skip
+        spec.phase,
+        spec.config.ep_size,
+        skew,
+        spec.tokens,
+        n,
+        float(step[slow]),
+        gain,
+        slow,
+        float(result.peer_wait_us[slow]),
+        float(result.exposed_comm_us[slow]),
+        dp.padded_tokens,
+        dp.padding_share,
+        dp.split,
+    )
     return point, result
 
 
@@ -171,7 +193,6 @@ def plan_phase(
     phase: str,
     ep: int,
     skew: str,
-    parsed: PlanArgs,
     on_point: Callable[[str], None] | None = None,
 ) -> tuple[list[PlanPoint], PhaseAnswer, dict[tuple[int, int], ClusterResult]]:
     """Every token count and ubatch count of one phase, EP size and skew: the points, the
@@ -179,15 +200,15 @@ def plan_phase(
     count as it finishes."""
     config = inputs.config.with_(ep_size=ep)
     record_config = config.with_(num_experts=config.num_experts + inputs.redundant)
-    routing = routing_from_spec(skew, config, seed=parsed.seed, histogram=parsed.histogram)
+    routing = routing_from_spec(skew, config, seed=inputs.seed, histogram=inputs.histogram)
     placement = placement_from_spec(
         inputs.placement if inputs.redundant else "contiguous", config, routing
     )
-    dp_ranks = ep if parsed.dp is None else parsed.dp
+    dp_ranks = ep if inputs.dp is None else inputs.dp
     points, results = [], {}
     for tokens in inputs.tokens[phase]:
-        real = _dp_tokens(tokens, dp_ranks, parsed.dp_spread, parsed.seed)
-        base = StepSpec(record_config, phase, tokens, None, inputs.profile, parsed.gpus_per_node)
+        real = _dp_tokens(tokens, dp_ranks, inputs.dp_spread, inputs.seed)
+        base = StepSpec(record_config, phase, tokens, None, inputs.profile, inputs.gpus_per_node)
         serial, _ = _point(base, routing, placement, skew, 0.0, dp_agreement(real, 2))
         points.append(serial)
         for n in inputs.ubatches:
@@ -215,9 +236,14 @@ def _answer(phase: str, ep: int, skew: str, points: list[PlanPoint]) -> PhaseAns
     top = max(best.values(), key=lambda p: p.gain_pct, default=None)
     at = best.get(pays_from) if pays_from is not None else None
     return PhaseAnswer(
-        phase, ep, skew, pays_from, at.num_ubatches if at else None,
-        top.gain_pct if top else 0.0, top.tokens if top else None,
-    )  # fmt: skip
+        phase,
+        ep,
+        skew,
+        pays_from,
+        at.num_ubatches if at else None,
+        top.gain_pct if top else 0.0,
+        top.tokens if top else None,
+    )
 
 
 def run_plan(parsed: PlanArgs) -> int:
@@ -228,7 +254,7 @@ def run_plan(parsed: PlanArgs) -> int:
     total = sum(len(inputs.tokens[p]) for p in inputs.phases) * len(inputs.eps) * len(inputs.skews)
     with progress_bar(total, "plan", quiet=parsed.json, unit="point") as bar:
         for phase, ep, skew in itertools.product(inputs.phases, inputs.eps, inputs.skews):
-            points, answer, results = plan_phase(inputs, phase, ep, skew, parsed, advance(bar))
+            points, answer, results = plan_phase(inputs, phase, ep, skew, advance(bar))
             all_points += points
             answers.append(answer)
             if ep == inputs.eps[0] and skew == inputs.skews[0]:
