@@ -110,9 +110,12 @@ def plan_cases(
         changes["num_experts"] = experts
     if top_k is not None:
         changes["top_k"] = top_k
+    # Named by flag before ModelConfig refuses the pair by its field names.
+    chosen_k = changes.get("top_k", model.top_k)
+    chosen_experts = changes.get("num_experts", model.num_experts)
+    if chosen_k > chosen_experts:
+        raise ValueError(f"--top-k {chosen_k} exceeds the {chosen_experts} experts")
     model = model.with_(**changes)
-    if model.top_k > model.num_experts:
-        raise ValueError(f"--top-k {model.top_k} exceeds the {model.num_experts} experts")
     if tokens is not None and mode != "decode" and tokens % PREFILL_REQUESTS:
         raise ValueError(
             f"--tokens of a prefill must be a multiple of {PREFILL_REQUESTS} (its prompts)"
