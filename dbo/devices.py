@@ -15,11 +15,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dbo.streams import CudaDevice, Device, Stream
+
+if TYPE_CHECKING:
+    from dbo.sim.options import SimOptions
 
 __all__ = [
     "current_device",
@@ -77,10 +80,11 @@ def current_stream() -> Stream:
     return current_device().current_stream()
 
 
-def resolve_device(device: Device | str | None, **sim_options: Any) -> Device:
+def resolve_device(device: Device | str | None, sim_options: SimOptions | None = None) -> Device:
     """Turn a user's device argument into a Device.
 
-    None -> the calling thread's device; "sim" -> a new simulated device (sim_options go to it);
+    None -> the calling thread's device; "sim" -> a new simulated device built from
+    `sim_options` (default: `SimOptions()`);
     "cuda" / "cuda:N" -> a CudaDevice; a Device passes through.
     """
     if device is None:
@@ -89,7 +93,7 @@ def resolve_device(device: Device | str | None, **sim_options: Any) -> Device:
         return device
     if isinstance(device, str):
         if device == "sim":
-            return _sim_device(**sim_options)
+            return _sim_device(sim_options)
         if device == "cuda" or device.startswith("cuda:"):
             suffix = device.split(":", 1)[1] if ":" in device else None
             if suffix is not None and not suffix.isdigit():
@@ -102,11 +106,11 @@ def resolve_device(device: Device | str | None, **sim_options: Any) -> Device:
     )
 
 
-def _sim_device(**sim_options: Any) -> Device:
+def _sim_device(options: SimOptions | None = None) -> Device:
     """A new simulated device; the first call imports the simulator (see the module doc)."""
     from dbo.sim import SimDevice  # deferred: `import dbo` does not load the simulator
 
-    return SimDevice(**sim_options)
+    return SimDevice(options)
 
 
 def record_stream(tensor: torch.Tensor, stream: Stream | None = None) -> None:

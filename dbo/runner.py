@@ -2,7 +2,7 @@
 
 `run_ubatches(fn, inputs)` is the launcher half of vLLM's `UBatchWrapper`: it builds the
 contexts, hands each ubatch to a worker thread (long-lived, reused across steps, unlike
-vLLM's thread per ubatch per step: see `UBatchWorker`), waits for all of them at the ready
+vLLM's thread per ubatch per step: see `dbo.workers`), waits for all of them at the ready
 barrier, releases ubatch 0, and waits for the step to finish. Unlike the reference it always
 comes back: a raising ubatch, a yield-count mismatch, a stuck thread or a failing launcher
 ends the step with one error (`dbo.errors`), the peers released, the registries empty and
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import queue
 import sys
 import threading
 import time
@@ -39,17 +38,11 @@ from dbo.errors import StepAborted, UBatchError, UBatchTimeoutError, describe_er
 from dbo.frames import register_runtime_file
 from dbo.streams import Device, Stream
 from dbo.ubatching import UBatchContext, make_ubatch_contexts
+from dbo.workers import WORKERS
 
 register_runtime_file(__file__)  # race reports leave the runtime's frames out of user stacks
 
-__all__ = [
-    "run_ubatches",
-    "merge_outputs",
-    "DEFAULT_TIMEOUT_S",
-    "UBatchWorker",
-    "WorkerPool",
-    "idle_worker_count",
-]
+__all__ = ["run_ubatches", "merge_outputs", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 # How long the launcher waits, after it gave up on a step (timeout, Ctrl-C), for the ubatches
@@ -103,9 +96,17 @@ def run_ubatches(
     seconds = _check_timeout(timeout)
     contexts = None if forward_contexts is None else _indexed("forward_contexts", forward_contexts)
     request = _StepRequest(
-        fn, inputs, resolve_device(device), seconds, contexts, compute_stream, comm_stream,
-        schedule, graph, token_offsets,
-    )  # fmt: skip
+        fn=fn,
+        inputs=inputs,
+        device=resolve_device(device),
+        timeout=seconds,
+        forward_contexts=contexts,
+        compute_stream=compute_stream,
+        comm_stream=comm_stream,
+        schedule=schedule,
+        graph=graph,
+        token_offsets=token_offsets,
+    )
     # Non-blocking: the holder may be this very thread's caller (fn calling run_ubatches),
     # which would deadlock a blocking acquire.
     if not _STEP_LOCK.acquire(blocking=False):
@@ -215,10 +216,14 @@ class _Launch:
         self.barrier = threading.Barrier(num + 1)
         contexts = request.forward_contexts
         self.contexts = make_ubatch_contexts(
-            num, self.compute_stream, self.comm_stream,
-            contexts if contexts is not None else [None] * num, self.barrier, request.schedule,
+            num,
+            self.compute_stream,
+            self.comm_stream,
+            contexts if contexts is not None else [None] * num,
+            self.barrier,
+            request.schedule,
             request.token_offsets,
-        )  # fmt: skip
+        )
         self.step = self.contexts[0].step
         self.outputs: list[Any] = [None] * num
         self.returned = [False] * num  # set only once a ubatch's fn returned and exited
@@ -230,7 +235,7 @@ class _Launch:
         # The ubatches' streams start after whatever the launcher issued before the step.
         self.compute_stream.wait_stream(self.launch_stream)
         self.comm_stream.wait_stream(self.launch_stream)
-        self.workers = _WORKERS.acquire(num)
+        self.workers = WORKERS.acquire(num)
         self.threads = [w.thread for w in self.workers]
         self.gave_up = False  # the launcher ended the step itself (timeout, interrupt)
         self.launcher_error: BaseException | None = None
@@ -253,13 +258,9 @@ class _Launch:
 
     def run(self) -> None:
         """Submit every ubatch, wait for all to be ready, then release the ring."""
-        request = self.request
         try:
             for ctx, worker in zip(self.contexts, self.workers):
-                worker.submit(
-                    self.on_done, _ubatch_main, ctx, request.fn, request.inputs[ctx.id],
-                    self.outputs, self.returned, request.device,
-                )  # fmt: skip
+                worker.submit(self.on_done, self.ubatch_main, ctx)
             try:
                 self.barrier.wait(timeout=_barrier_timeout(self.deadline))
             except threading.BrokenBarrierError:
@@ -275,17 +276,45 @@ class _Launch:
 
     def _release(self) -> None:
         graph = self.request.graph
-        args = (self.step, self.comm_stream, self.compute_stream, self.all_done, self.deadline,
-                self.on_timeout)  # fmt: skip
         if graph is None:
-            _release_and_wait(*args)
+            self._release_and_wait()
             return
         # Entered only now, with every thread parked at its baton: their per-thread set-up
         # (device scope, handles) happened before capture, as in vLLM.
         graph.capture_stream = self.compute_stream
         with graph:
             self.capturing = True
-            _release_and_wait(*args)
+            self._release_and_wait()
+
+    def _release_and_wait(self) -> None:
+        # Under graph capture the comm stream must fork from, and join back into, the capturing
+        # stream; outside capture these waits are free ordering.
+        self.comm_stream.wait_stream(self.compute_stream)
+        self.step.release_first()
+        if _wait_until(self.all_done, self.deadline):
+            self.compute_stream.wait_stream(self.comm_stream)
+        else:
+            # Still inside a graph capture, if any: the peers are released before it ends.
+            self.on_timeout("while running")
+
+    def ubatch_main(self, ctx: UBatchContext) -> None:
+        """The job of ubatch `ctx.id`'s worker thread: run fn on its input inside its context."""
+        request = self.request
+        try:
+            with use_device(request.device), request.device.thread_scope(ctx.id), ctx:
+                output = request.fn(request.inputs[ctx.id])
+            self.outputs[ctx.id] = output
+            self.returned[ctx.id] = True
+        except StepAborted:
+            pass  # an unwind (UBatchAbandoned included); the context reported a live-step one
+        except BaseException as error:  # noqa: BLE001 - every failure ends the step, never a thread
+            # ctx.__exit__ has recorded errors raised inside the context (the first one wins);
+            # this catches failures around it (entering the device scope, say).
+            ctx.step.fail(ctx.id, error)
+        finally:
+            # The job is over: if the launcher abandoned this thread, it runs no more of that
+            # step's user code, and may serve a later step when its worker is reused.
+            ubatch_registry.clear_abandoned_mark()
 
     @property
     def interrupted(self) -> bool:
@@ -306,7 +335,7 @@ class _Launch:
                 _wait_until(self.all_done, self.deadline)
         finally:
             self.step.close()
-            _WORKERS.release(self.workers)
+            WORKERS.release(self.workers)
 
     def result(self) -> list[Any]:
         failure = self.step.error if self.step.error is not None else self.launcher_error
@@ -341,143 +370,6 @@ def _lost_outputs(returned: list[bool]) -> UBatchError:
         f"ubatch(es) {missing} ended without returning an output or reporting an error",
         ubatch_id=missing[0] if len(missing) == 1 else None,
     )
-
-
-class UBatchWorker:
-    """One long-lived ubatch thread: it runs one ubatch per step, then waits for the next.
-
-    The first step a thread runs costs much more host time than later ones (per-thread CUDA
-    and cuBLAS set-up inside torch), so a fresh thread per ubatch per step made every eager DBO
-    step far slower on the host than serial (the README gives the GPU figures). Reusing the
-    threads pays that set-up once.
-    """
-
-    def __init__(self, index: int) -> None:
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.busy = False
-        self.abandoned = False  # stuck in user code past a timeout: never handed a job again
-        self.thread = threading.Thread(
-            target=self._loop,
-            name=f"dbo-ubatch-worker-{index}",
-            daemon=True,  # a thread stuck in user code must not keep the process alive
-        )
-        self.thread.start()
-
-    def submit(self, on_done: Callable[[], None], job: Callable[..., None], *args: Any) -> None:
-        """Run `job(*args)` on this thread, then `on_done()` once the thread is free again."""
-        self.busy = True
-        self._jobs.put((on_done, job, args))
-
-    def abandon(self) -> None:
-        """Let the thread end as soon as its current job (if any) returns."""
-        self.abandoned = True
-        # The thread may already be back in _jobs.get() (it finished between the pool's
-        # `busy` check and the flag above): the sentinel ends it there too.
-        self._jobs.put(None)
-
-    def _loop(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            on_done, job, args = item
-            try:
-                job(*args)
-            finally:
-                self.busy = False
-                on_done()
-            if self.abandoned:
-                return
-
-
-class WorkerPool:
-    """The process's idle ubatch threads (a documented registry: `dbo.runner._WORKERS`)."""
-
-    def __init__(self) -> None:
-        self._idle: list[UBatchWorker] = []
-        self._created = 0
-        self._lock = threading.Lock()
-
-    def acquire(self, num: int) -> list[UBatchWorker]:
-        with self._lock:
-            # Most recently used first, so a steady N-ubatch loop keeps the same N threads.
-            self._idle = [w for w in self._idle if w.thread.is_alive()]
-            keep = max(len(self._idle) - num, 0)
-            taken, self._idle = self._idle[keep:], self._idle[:keep]
-            try:
-                while len(taken) < num:
-                    taken.append(UBatchWorker(self._created))
-                    self._created += 1
-            except BaseException:  # thread creation failed: keep what we have for later
-                self._idle.extend(taken)
-                raise
-            return taken
-
-    def release(self, workers: list[UBatchWorker]) -> None:
-        with self._lock:
-            for worker in workers:
-                if worker.busy or not worker.thread.is_alive():
-                    worker.abandon()
-                else:
-                    self._idle.append(worker)
-
-    def idle_count(self) -> int:
-        """Idle threads ready for the next step (for tests and reports)."""
-        with self._lock:
-            return len(self._idle)
-
-
-_WORKERS = WorkerPool()
-
-
-def idle_worker_count() -> int:
-    """Idle ubatch threads of the process's pool, ready for the next step (for tests and
-    reports: after a clean step every worker thread is back here)."""
-    return _WORKERS.idle_count()
-
-
-def _release_and_wait(
-    step: ubatching.UBatchStep,
-    comm_stream: Stream,
-    compute_stream: Stream,
-    all_done: threading.Event,
-    deadline: float,
-    on_timeout: Callable[[str], None],
-) -> None:
-    # Under graph capture the comm stream must fork from, and join back into, the capturing
-    # stream; outside capture these waits are free ordering.
-    comm_stream.wait_stream(compute_stream)
-    step.release_first()
-    if _wait_until(all_done, deadline):
-        compute_stream.wait_stream(comm_stream)
-    else:
-        # Still inside a graph capture, if any: the peers are released before it ends.
-        on_timeout("while running")
-
-
-def _ubatch_main(
-    ctx: UBatchContext,
-    fn: Callable[[Any], Any],
-    ubatch_input: Any,
-    outputs: list[Any],
-    returned: list[bool],
-    device: Device,
-) -> None:
-    try:
-        with use_device(device), device.thread_scope(ctx.id), ctx:
-            output = fn(ubatch_input)
-        outputs[ctx.id] = output
-        returned[ctx.id] = True
-    except StepAborted:
-        pass  # an unwind (UBatchAbandoned included); the context reported a live-step one
-    except BaseException as error:  # noqa: BLE001 - every failure ends the step, never a thread
-        # ctx.__exit__ has recorded errors raised inside the context (the first one wins);
-        # this catches failures around it (entering the device scope, say).
-        ctx.step.fail(ctx.id, error)
-    finally:
-        # The job is over: if the launcher abandoned this thread, it runs no more of that
-        # step's user code, and may serve a later step when its worker is reused.
-        ubatch_registry.clear_abandoned_mark()
 
 
 def _timeout_error(

@@ -1,15 +1,17 @@
 """The command line: `dbo-sim VERB` (also `python -m scenarios VERB`), one entry for every tool.
 
 This module only dispatches. Every verb is one row of `VERBS`: its name, its help line, and a
-tool module in `scenarios.tools` with `add_arguments(parser)` and `run(args) -> exit status`.
+tool module in `scenarios.tools` with `add_arguments(parser)` and `run(args) -> exit status`,
+imported only when that verb runs or shows its help: `dbo-sim --help`, `dbo-sim list` and
+`dbo-sim VERB --help` load no other verb (and most of them no torch).
 Every check of the command line and of the output folder happens before any work starts, and
 every refusal is one line, `dbo-sim: <why>`, with exit status 2 (argparse's own refusals too,
 through `_Parser`; a tool refuses by raising `UsageError`). Ctrl-C ends a verb with one line
 and exit status 130; what finished before it stays printed and written.
 
-Only the verb named on the command line is imported (its module is looked up by name), and
-nothing here imports torch: `dbo-sim --help`, a verb's `--help` and a verb whose tool checks
-its options before importing heavy things answer in a fraction of a second.
+Nothing here imports torch (`--version` reads its installed version): `dbo-sim --help`, a
+verb's `--help` and a verb whose tool checks its options before importing heavy things answer
+in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
-from scenarios.tools.usage import (
+from scenarios.lib.usage import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     Interrupted,

@@ -19,6 +19,7 @@ import torch
 
 from dbo.devices import resolve_device
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.sim.records import OpRecord, RaceReport
 from dbo.sim.report import StepSummary, plot_timeline, summarize, write_chrome_trace
 from dbo.streams import Device
@@ -88,7 +89,7 @@ class Comparison:
 
 def new_device(opts: RunOptions, tensor_device: str = "cpu") -> Device:
     if opts.device == "sim":
-        return SimDevice(opts.profile, tensor_device=tensor_device)
+        return SimDevice(SimOptions(opts.profile, tensor_device=tensor_device))
     return resolve_device(opts.device)
 
 

@@ -54,9 +54,12 @@ class Step:
         if self.slices is None:
             return self._serial()
         return dbo.run_ubatches(
-            self._forward_ubatch, self.slices, device=self.device, timeout=self.timeout_s,
+            self._forward_ubatch,
+            self.slices,
+            device=self.device,
+            timeout=self.timeout_s,
             graph=graph,
-        )  # fmt: skip
+        )
 
     def output(self) -> torch.Tensor:
         """Run the step once and return the whole batch's output (the ubatches' joined)."""

@@ -63,10 +63,13 @@ def analyze_timeline(
             "one step; pass steps=N (--steps N) if it holds N identical steps"
         )
     threads = [
-        {"label": f"ubatch {t.ubatch}" if t.ubatch is not None else "other", "tid": t.tid,
-         "launches": t.launches}
+        {
+            "label": f"ubatch {t.ubatch}" if t.ubatch is not None else "other",
+            "tid": t.tid,
+            "launches": t.launches,
+        }
         for t in timeline.threads
-    ]  # fmt: skip
+    ]
     return TraceReport(
         path=Path(path),
         source=timeline.source,

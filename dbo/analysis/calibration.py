@@ -19,7 +19,7 @@ from dbo.analysis.events import slim_event
 from dbo.analysis.reader import read_trace
 from dbo.analysis.sidebyside import RoleOverlap, side_by_side
 from dbo.analysis.timeline import build_timeline
-from dbo.sim.cost import host_family
+from dbo.sim.families import host_family
 
 __all__ = ["host_costs_from_traces", "overlap_rates_from_traces"]
 

@@ -28,17 +28,31 @@ __all__ = [
 
 COMM_CLASS = "comm"
 CLASSES = (
-    "gemm", "grouped_gemm", "attention", "norm", "elementwise", "copy", "gather", "scatter",
-    "sort_topk", COMM_CLASS, "memcpy", "memset", "other",
-)  # fmt: skip
+    "gemm",
+    "grouped_gemm",
+    "attention",
+    "norm",
+    "elementwise",
+    "copy",
+    "gather",
+    "scatter",
+    "sort_topk",
+    COMM_CLASS,
+    "memcpy",
+    "memset",
+    "other",
+)
 
 # (class, pattern) in match order; case-insensitive search in the kernel's name.
 KERNEL_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     (cls, re.compile(p, re.IGNORECASE))
     for cls, p in (
-        (COMM_CLASS, r"nccl|deep_?ep|all_?to_?all|all_?gather|reduce_?scatter|all_?reduce|"
-                     r"cross_device_reduce|pplx|nvshmem|internode|intranode|"
-                     r"(^|::)(dispatch|combine)(<|\(|$)"),
+        (
+            COMM_CLASS,
+            r"nccl|deep_?ep|all_?to_?all|all_?gather|reduce_?scatter|all_?reduce|"
+            r"cross_device_reduce|pplx|nvshmem|internode|intranode|"
+            r"(^|::)(dispatch|combine)(<|\(|$)",
+        ),
         ("memcpy", r"^memcpy"),
         ("memset", r"^memset"),
         ("grouped_gemm", r"groupproblemshape|grouped_?gemm|grouped_mm|fused_moe|moe_gemm"),
@@ -51,14 +65,20 @@ KERNEL_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
         ("copy", r"direct_copy|copy_kernel|cat_array"),
         ("elementwise", r"elementwise|functor|fill|softmax|reduce_kernel|arange|silu|gelu"),
     )
-]  # fmt: skip
+]
 
 # The simulator's kernel families (dbo.sim.cost.op_family) in this module's classes.
 _SIM_FAMILIES = {
-    "mm": "gemm", "grouped_mm": "grouped_gemm", "attention": "attention", "copy": "copy",
-    "index_select": "gather", "index_add": "scatter", "norm": "norm", "sort_topk": "sort_topk",
+    "mm": "gemm",
+    "grouped_mm": "grouped_gemm",
+    "attention": "attention",
+    "copy": "copy",
+    "index_select": "gather",
+    "index_add": "scatter",
+    "norm": "norm",
+    "sort_topk": "sort_topk",
     "elementwise": "elementwise",
-}  # fmt: skip
+}
 
 
 def add_kernel_pattern(cls: str, pattern: str) -> None:
@@ -85,7 +105,7 @@ def classify_kernel(name: str) -> str:
 
 def class_of_sim_op(name: str, kind: str) -> str:
     """The class of a simulated op record (`OpRecord.name`, `.kind`)."""
-    from dbo.sim.cost import op_family  # the simulator's families; imported only when used
+    from dbo.sim.families import op_family  # the simulator's families; imported only when used
 
     if kind == "comm":
         return COMM_CLASS

@@ -30,49 +30,63 @@ def _tid(r: OpRecord) -> int:
     return _MAIN_TID if r.ubatch is None else _MAIN_TID + 1 + r.ubatch
 
 
+def _event(ph: str, name: str, pid: int, tid: int, **fields: Any) -> dict[str, Any]:
+    """One trace event: a complete span ("X": cat, ts, dur, args) or metadata ("M": args)."""
+    return {"ph": ph, "name": name, "pid": pid, "tid": tid, **fields}
+
+
+def _span(cat: str, name: str, at: tuple[int, int], ts: float, dur: float, **args: Any) -> dict:
+    """A complete span of `dur` from `ts`, on (pid, tid) `at`."""
+    return _event("X", name, *at, cat=cat, ts=ts, dur=dur, args=args)
+
+
+def _kernel_events(device: Sequence[OpRecord], streams: dict[str, int]) -> list[dict[str, Any]]:
+    """Each device record as a kernel and the `cudaLaunchKernel` that launched it."""
+    events = []
+    for corr, r in enumerate(device, start=1):
+        sid, ids = streams[r.stream], {"correlation": corr, "External id": corr}
+        kernel = {"device": 0, "stream": sid, **ids}
+        events.append(_span("kernel", r.name, (_DEVICE_PID, sid), r.start_us, r.dur_us, **kernel))
+        launch = (_HOST_PID, _tid(r))
+        events.append(_span("cuda_runtime", "cudaLaunchKernel", launch, r.issue_us, 0.0, **ids))
+    return events
+
+
+def _thread_names(records: Sequence[OpRecord], streams: dict[str, int]) -> list[dict[str, Any]]:
+    tids = {_MAIN_TID} | {_tid(r) for r in records}
+    hosts = [
+        _event("M", "thread_name", _HOST_PID, t, args={"name": _thread_name(t)})
+        for t in sorted(tids)
+    ]
+    devices = [
+        _event("M", "thread_name", _DEVICE_PID, sid, args={"name": f"stream {sid}"})
+        for sid in streams.values()
+    ]
+    return hosts + devices
+
+
+def _thread_name(tid: int) -> str:
+    return "main" if tid == _MAIN_TID else f"ubatch {tid - _MAIN_TID - 1}"
+
+
 def profiler_trace(records: Sequence[OpRecord], step: int = 0) -> dict[str, Any]:
     """The records as one `ProfilerStep#<step>` of a torch.profiler Chrome trace."""
     device = [r for r in records if r.kind in (COMPUTE, COMM)]
     if not device:
         raise ValueError("no device records (compute or comm) to write as a profiler trace")
     streams = {s: _FIRST_STREAM + k for k, s in enumerate(dict.fromkeys(r.stream for r in device))}
-    events: list[dict[str, Any]] = []
-    for corr, r in enumerate(device, start=1):
-        sid = streams[r.stream]
-        events.append({
-            "ph": "X", "cat": "kernel", "name": r.name, "pid": _DEVICE_PID, "tid": sid,
-            "ts": r.start_us, "dur": r.dur_us,
-            "args": {"device": 0, "stream": sid, "correlation": corr, "External id": corr},
-        })  # fmt: skip
-        events.append({
-            "ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": _HOST_PID,
-            "tid": _tid(r), "ts": r.issue_us, "dur": 0.0,
-            "args": {"correlation": corr, "External id": corr},
-        })  # fmt: skip
-    for r in records:
-        if r.kind not in (COMPUTE, COMM):
-            events.append({
-                "ph": "X", "cat": "cpu_op", "name": r.name, "pid": _HOST_PID, "tid": _tid(r),
-                "ts": r.start_us, "dur": r.dur_us, "args": {},
-            })  # fmt: skip
+    events = _kernel_events(device, streams)
+    events += [
+        _span("cpu_op", r.name, (_HOST_PID, _tid(r)), r.start_us, r.dur_us)
+        for r in records
+        if r.kind not in (COMPUTE, COMM)
+    ]
     # The step spans the host's part too (syncs, hand-offs), as the host's ProfilerStep does.
     lo = min(min(r.issue_us, r.start_us) for r in records)
     hi = max(r.end_us for r in records)
-    events.append({
-        "ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": _HOST_PID,
-        "tid": _MAIN_TID, "ts": lo, "dur": hi - lo, "args": {},
-    })  # fmt: skip
-    tids = {_MAIN_TID} | {_tid(r) for r in records}
-    events += [
-        {"ph": "M", "name": "thread_name", "pid": _HOST_PID, "tid": t,
-         "args": {"name": "main" if t == _MAIN_TID else f"ubatch {t - _MAIN_TID - 1}"}}
-        for t in sorted(tids)
-    ]  # fmt: skip
-    events += [
-        {"ph": "M", "name": "thread_name", "pid": _DEVICE_PID, "tid": sid,
-         "args": {"name": f"stream {sid}"}}
-        for sid in streams.values()
-    ]  # fmt: skip
+    main = (_HOST_PID, _MAIN_TID)
+    events.append(_span("user_annotation", f"ProfilerStep#{step}", main, lo, hi - lo))
+    events += _thread_names(records, streams)
     return {"schemaVersion": 1, "traceEvents": events}
 
 

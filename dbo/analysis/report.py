@@ -156,7 +156,7 @@ def format_report(report: TraceReport, detail: int | None = -1) -> str:
             "threads   "
             + ", ".join(
                 f"{t['label']} = tid {t['tid']} ({t['launches']} launches)" for t in report.threads
-            )  # fmt: skip
+            )
         )
     lines += [f"note      {n}" for n in report.notes]
     lines.append("")
@@ -211,8 +211,10 @@ def _detail(step: StepReport) -> list[str]:
     lines += _side_by_side_lines(step.side_by_side, f.both_busy_us)
     if step.layers:
         lines.append(f"  layers ({len(step.layers)}, recognised by their repeating kernels):")
-        lines.append(f"    {'layer':<7}{'us':>10}{'compute us':>12}{'comm us':>10}{'overlap':>9}"
-                     f"{'host-bound':>12}")  # fmt: skip
+        lines.append(
+            f"    {'layer':<7}{'us':>10}{'compute us':>12}{'comm us':>10}{'overlap':>9}"
+            f"{'host-bound':>12}"
+        )
         for layer in step.layers:
             lines.append(
                 f"    {layer.index:<7}{layer.layer_us:>10.1f}{layer.compute_us:>12.1f}"

@@ -103,11 +103,17 @@ class SideBySide:
             "shared_us": round(self.shared_us, 3),
             "unmatched": self.unmatched,
             "worst": [
-                {"kernel": n, "class": c, "role": r, "us": round(d, 3), "solo_us": round(s, 3),
-                 "shared_us": round(o, 3)}
+                {
+                    "kernel": n,
+                    "class": c,
+                    "role": r,
+                    "us": round(d, 3),
+                    "solo_us": round(s, 3),
+                    "shared_us": round(o, 3),
+                }
                 for n, c, r, d, s, o in self.worst
             ],
-        }  # fmt: skip
+        }
 
 
 def shared_times(records: Sequence[OpRecord]) -> list[float]:

@@ -23,7 +23,7 @@ real GPU run unchanged; host activity (runtime calls, CPU ops, annotations) beco
   the device work launched after one and up to the next, its window from its first launch, or
   first device op, to its last device op's end); else the whole trace is one step.
 - A trace written by `dbo-sim` itself (otherData.generator "dbo-sim") is read back as the
-  simulator wrote it (`dbo.sim.trace.runs_from_trace`): one step per run.
+  simulator wrote it (`dbo.sim.trace_read.runs_from_trace`): one step per run.
 """
 
 from __future__ import annotations
@@ -366,7 +366,7 @@ def _split_at(records: Sequence[OpRecord], syncs: Sequence[float]) -> list[list[
 
 
 def _from_sim(raw: RawTrace) -> DeviceTimeline:
-    from dbo.sim.trace import runs_from_trace  # the simulator's own reader of its format
+    from dbo.sim.trace_read import runs_from_trace  # the simulator's own reader of its format
 
     trace = {"traceEvents": raw.events, "otherData": raw.fields.get("otherData", {})}
     try:
@@ -386,10 +386,21 @@ def _from_sim(raw: RawTrace) -> DeviceTimeline:
             args.setdefault("class", class_of_sim_op(r.name, r.kind))
             own.append(
                 OpRecord(
-                    base + len(own), r.name, r.kind, r.rank, r.ubatch, r.stream, r.issue_us,
-                    r.start_us, r.end_us, r.flops, r.bytes, r.replayed, args,
+                    base + len(own),
+                    r.name,
+                    r.kind,
+                    r.rank,
+                    r.ubatch,
+                    r.stream,
+                    r.issue_us,
+                    r.start_us,
+                    r.end_us,
+                    r.flops,
+                    r.bytes,
+                    r.replayed,
+                    args,
                 )
-            )  # fmt: skip
+            )
         records += own
         if not any(r.kind in (COMPUTE, COMM) for r in own):
             continue

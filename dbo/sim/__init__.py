@@ -3,7 +3,7 @@
 `SimDevice` implements `dbo.streams.Device`; the records it produces (`OpRecord`,
 `RaceReport`, ...) live in `dbo.sim.records` for the reports to read.
 
-    device = SimDevice("h200", tensor_device="cpu")   # or "meta" for shapes only
+    device = SimDevice(SimOptions("h200", tensor_device="cpu"))  # or "meta": shapes only
     with device.thread_scope(ubatch_id):              # in each thread that issues work
         device.set_stream(compute); y = x @ w          # placed on `compute`, costed
         with device.comm_region("dispatch", nbytes=n, ep_size=8) as h: ...
@@ -12,14 +12,17 @@
 
 Modules, one job each (dependencies point down this list's reverse: device imports the rest,
 state and timeline import none of the device modules): device (`SimDevice`: the one path of an
-op, `issue`; streams, events, syncs, comm regions, capture), handles (`SimStream`, `SimEvent`,
-`SimMark`), clock (the device's virtual time and vector clocks), timeline (placement arithmetic,
-pure), regions (what a comm region is placed as, pure), options (checked device options),
-state (the shared records: `Track`, `CommRegion`, `ThreadState`, `SimDeviceProtocol`),
-intercept (op classification and the two torch modes), graph (capture and replay), races
-(happens-before over byte ranges) with footprints and stacks, ranges (named host ranges),
-hardware (profiles), cost (roofline and comm time, pure functions), records (the contract
-with the reports), summary / trace / window / plot / report (the reports).
+op, `issue`, and `place_op`; streams, events, syncs, comm regions, capture), options (the
+checked `SimOptions` record a device is built from), handles (`SimStream`, `SimEvent`,
+`SimMark`, and the `HandleSink` they feed), tracks (`Track` and vector clocks), clock (the
+device's virtual time), timeline (placement arithmetic, pure), regions (what a comm region is
+placed as, pure), state (the shared records: `PlannedOp`, `CommRegion`, `ThreadState`,
+`SimDeviceProtocol`),
+intercept (op classification and the two torch modes), graph (capture and replay), log (what a
+device reports), races (happens-before over byte ranges) with race_memory, footprints and
+stacks, ranges (named host ranges), hardware (profiles), cost (roofline and comm time, pure
+functions) with families (which op is which), records (the contract with the reports),
+summary / trace / trace_read / window / plot / report (the reports).
 """
 
 from dbo.sim.cost import comm_time_us, compute_time_us
@@ -33,6 +36,7 @@ from dbo.sim.graph import (
     SimGraph,
 )
 from dbo.sim.hardware import B200, H100, H200, H800, PROFILES, HardwareProfile, profile_from_name
+from dbo.sim.options import EngineKnobs, ProfileOverrides, SimOptions
 from dbo.sim.races import RaceError
 from dbo.sim.records import (
     COMM,
@@ -45,9 +49,14 @@ from dbo.sim.records import (
     OpSite,
     RaceReport,
 )
+from dbo.sim.state import PlannedOp
 
 __all__ = [
     "SimDevice",
+    "SimOptions",
+    "ProfileOverrides",
+    "EngineKnobs",
+    "PlannedOp",
     "SimStream",
     "SimEvent",
     "SimMark",

@@ -16,8 +16,19 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from dbo.sim.hardware import HardwareProfile
-from dbo.sim.state import Track, VectorClock, join
-from dbo.sim.timeline import SmBusy, Span, Turns, after, hold_sms, place_span, taken_from
+from dbo.sim.state import PlannedOp
+from dbo.sim.timeline import (
+    GpuLoad,
+    Kernel,
+    SmBusy,
+    Span,
+    Turns,
+    after,
+    hold_sms,
+    place_span,
+    taken_from,
+)
+from dbo.sim.tracks import Track, VectorClock, join
 
 __all__ = ["DeviceClock"]
 
@@ -71,30 +82,27 @@ class DeviceClock:
         track.vc[track.index] += 1
         return track.vc[track.index]
 
-    def place(
-        self, track: Track, cost_us: float, *, compute: bool, full_grid: bool,
-        reserved_sms: int | None, not_before: float, sm_share: float,
-    ) -> Span:  # fmt: skip
-        """Place an op launched now on `track` and let it hold what it holds: its track until
-        it ends, its turn, and `sm_share` of the SMs. `reserved_sms`: a ubatch's GEMM on that
-        many SMs of its own (None: on all of them, shared with comm kernels)."""
-        span = place_span(
-            max(self.host_us, track.free_at, not_before), cost_us, compute=compute,
-            full_grid=full_grid, turns=self.turns, busy=self.sm_busy,
-            max_share=self.profile.max_comm_sm_share, rates=self.profile.overlap_rates,
-            reserved_sms=None if reserved_sms is None else (self.profile.num_sms, reserved_sms),
-        )  # fmt: skip
+    def place(self, track: Track, op: PlannedOp, *, reserved_sms: int | None) -> Span:
+        """Place `op`, launched now, on `track` and let it hold what it holds: its track until
+        it ends, its turn, and `op.sm_share` of the SMs. `reserved_sms`: a ubatch's GEMM on
+        that many SMs of its own (None: on all of them, shared with comm kernels)."""
+        reserved = None if reserved_sms is None else (self.profile.num_sms, reserved_sms)
+        kernel = Kernel(op.cost_us, op.compute, op.full_grid, reserved)
+        load = GpuLoad(
+            self.turns, self.sm_busy, self.profile.max_comm_sm_share, self.profile.overlap_rates
+        )
+        span = place_span(max(self.host_us, track.free_at, op.not_before), kernel, load)
         taken = self.taken.pop(track.index, 0.0)
         if taken:
             span = replace(span, taken=taken)
-        self.turns = after(self.turns, span, compute=compute, full_grid=full_grid)
+        self.turns = after(self.turns, span, kernel)
         track.free_at = span.end
         # No later op can start before the host clock: what ended before it slows nothing.
         self.unheld = [u for u in self.unheld if u[1] > self.host_us]
-        if sm_share > 0 and span.end > span.start:
-            self.sm_busy = hold_sms(self.sm_busy, span, sm_share, self.host_us)
-            self._take_sms(span, min(sm_share, self.profile.max_comm_sm_share), track)
-        elif compute and not full_grid and reserved_sms is None:
+        if op.sm_share > 0 and span.end > span.start:
+            self.sm_busy = hold_sms(self.sm_busy, span, op.sm_share, self.host_us)
+            self._take_sms(span, min(op.sm_share, self.profile.max_comm_sm_share), track)
+        elif op.compute and not op.full_grid and reserved_sms is None:
             self.unheld.append((span.start, span.end, track.index))
         return span
 

@@ -177,16 +177,23 @@ class _Links:
             r = self.routing
             legacy = mode == "ht" and self.per_copy is not None
             b = layer_bytes(
-                r.layer(layer), self.placement.layer(layer), 1.0, r.top_k,
-                "ll" if legacy else mode, self.g, r.groups,
-            )  # fmt: skip
+                r.layer(layer),
+                self.placement.layer(layer),
+                1.0,
+                r.top_k,
+                "ll" if legacy else mode,
+                self.g,
+                r.groups,
+            )
             if legacy:  # off-node copies deduplicated by the share; the rest on NVLink
                 keep = float(self.per_copy)
                 b = replace(
-                    b, nvl_send=b.nvl_send + b.rdma_send * (1 - keep),
+                    b,
+                    nvl_send=b.nvl_send + b.rdma_send * (1 - keep),
                     nvl_recv=b.nvl_recv + b.rdma_recv * (1 - keep),
-                    rdma_send=b.rdma_send * keep, rdma_recv=b.rdma_recv * keep,
-                )  # fmt: skip
+                    rdma_send=b.rdma_send * keep,
+                    rdma_recv=b.rdma_recv * keep,
+                )
             self._bytes[key] = b
         return self._bytes[key]
 
@@ -249,9 +256,17 @@ def _collective(
     ends = pair_ends(ready, links.latency[c.mode], send_t, recv_t, b.sends_to)
     mb = full * 1e-6
     result = CollectiveResult(
-        c.kind, c.mode, c.layer, c.ubatch, c.op, ends.gate, ends.peer_wait_us,
-        (b.nvl_send + b.rdma_send) * mb, (b.nvl_recv + b.rdma_recv) * mb, b.rdma_recv * mb,
-    )  # fmt: skip
+        c.kind,
+        c.mode,
+        c.layer,
+        c.ubatch,
+        c.op,
+        ends.gate,
+        ends.peer_wait_us,
+        (b.nvl_send + b.rdma_send) * mb,
+        (b.nvl_recv + b.rdma_recv) * mb,
+        b.rdma_recv * mb,
+    )
     return ends.end, result
 
 

@@ -302,14 +302,30 @@ def program_from_records(
     )
     layer, wshare, rho, collectives, coll_of = _layers_and_experts(records, klass, profile)
     return StreamProgram(
-        names=[r.name for r in records], klass=klass, track=track, track_names=track_names,
-        ubatch=[r.ubatch for r in records], start0=start0, end0=end0, issue0=issue0,
-        work=end0 - start0 - slowdown, host_adv=np.maximum(host_adv, 0.0), floor_off=floor,
-        deps=deps, stretchable=(klass == OP) & ~reserved, expert_layer=layer,
-        weight_share=wshare, intensity=rho, collective=coll_of, collectives=collectives,
-        ep_size=ep_size, profile=profile, ht_rdma_share=ht_rdma_share, ht_nvl_share=ht_nvl_share,
+        names=[r.name for r in records],
+        klass=klass,
+        track=track,
+        track_names=track_names,
+        ubatch=[r.ubatch for r in records],
+        start0=start0,
+        end0=end0,
+        issue0=issue0,
+        work=end0 - start0 - slowdown,
+        host_adv=np.maximum(host_adv, 0.0),
+        floor_off=floor,
+        deps=deps,
+        stretchable=(klass == OP) & ~reserved,
+        expert_layer=layer,
+        weight_share=wshare,
+        intensity=rho,
+        collective=coll_of,
+        collectives=collectives,
+        ep_size=ep_size,
+        profile=profile,
+        ht_rdma_share=ht_rdma_share,
+        ht_nvl_share=ht_nvl_share,
         records=list(records),
-    )  # fmt: skip
+    )
 
 
 def record_program(step: Callable[[], Any], device: Any, *, ep_size: int) -> StreamProgram:
@@ -348,6 +364,17 @@ def _period_starts(program: StreamProgram) -> list[int]:
     return starts
 
 
+def _steady_layer(starts: Sequence[int], have: int) -> int:
+    """The first recorded MoE layer whose op count repeats the layer before it."""
+    for k in range(1, len(starts) - 1):
+        if starts[k + 1] - starts[k] == starts[k] - starts[k - 1]:
+            return k
+    raise ValueError(
+        "tile_layers needs two consecutive MoE layers of the same length in the recording "
+        f"(got {have} layers, periods starting at ops {starts[:6]}); record more layers"
+    )
+
+
 def tile_layers(program: StreamProgram, num_layers: int) -> StreamProgram:
     """The program of a deeper model: its steady MoE layer (the first whose op count repeats
     the layer before it; four recorded MoE layers suffice after dense ones) repeated until the
@@ -358,25 +385,19 @@ def tile_layers(program: StreamProgram, num_layers: int) -> StreamProgram:
     have = program.num_layers
     if num_layers <= have:
         return program
-    steady = next(
-        (k for k in range(1, len(starts) - 1)
-         if starts[k + 1] - starts[k] == starts[k] - starts[k - 1]),
-        None,
-    )  # fmt: skip
-    if steady is None:
-        raise ValueError(
-            "tile_layers needs two consecutive MoE layers of the same length in the recording "
-            f"(got {have} layers, periods starting at ops {starts[:6]}); record more layers"
-        )
+    steady = _steady_layer(starts, have)
     d1, d2 = starts[steady], starts[steady + 1]
     period, copies = d2 - d1, num_layers - have + 1
     seg = np.concatenate(
         [np.arange(d1), np.tile(np.arange(d1, d2), copies), np.arange(d2, program.num_ops)]
     )
     copy = np.concatenate(
-        [np.zeros(d1, int), np.repeat(np.arange(copies), period),
-         np.full(program.num_ops - d2, copies - 1)]
-    )  # fmt: skip
+        [
+            np.zeros(d1, int),
+            np.repeat(np.arange(copies), period),
+            np.full(program.num_ops - d2, copies - 1),
+        ]
+    )
     shift = copy * period
     dt = float(program.issue0[d2] - program.issue0[d1]) * copy
     deps = [tuple(d + int(s) for d in program.deps[i]) for i, s in zip(seg, shift)]
@@ -390,12 +411,23 @@ def tile_layers(program: StreamProgram, num_layers: int) -> StreamProgram:
             coll_of[new] = len(collectives)
             collectives.append(replace(old, op=new, layer=old.layer + int(c)))
     return replace(
-        program, names=[program.names[i] for i in seg], klass=program.klass[seg],
-        track=program.track[seg], ubatch=[program.ubatch[i] for i in seg],
-        start0=program.start0[seg] + dt, end0=program.end0[seg] + dt,
-        issue0=program.issue0[seg] + dt, work=program.work[seg], host_adv=program.host_adv[seg],
-        floor_off=program.floor_off[seg], deps=deps, stretchable=program.stretchable[seg],
-        expert_layer=layer, weight_share=program.weight_share[seg],
-        intensity=program.intensity[seg], collective=coll_of, collectives=collectives,
+        program,
+        names=[program.names[i] for i in seg],
+        klass=program.klass[seg],
+        track=program.track[seg],
+        ubatch=[program.ubatch[i] for i in seg],
+        start0=program.start0[seg] + dt,
+        end0=program.end0[seg] + dt,
+        issue0=program.issue0[seg] + dt,
+        work=program.work[seg],
+        host_adv=program.host_adv[seg],
+        floor_off=program.floor_off[seg],
+        deps=deps,
+        stretchable=program.stretchable[seg],
+        expert_layer=layer,
+        weight_share=program.weight_share[seg],
+        intensity=program.intensity[seg],
+        collective=coll_of,
+        collectives=collectives,
         records=[program.records[i] for i in seg],
-    )  # fmt: skip
+    )

@@ -58,7 +58,7 @@ def rank_figures(result: ClusterResult) -> list[RankFigures]:
     return [
         RankFigures(
             r, float(step[r]), float(busy[r]), float(exposed[r]), float(wait[r]), float(rows[r])
-        )  # fmt: skip
+        )
         for r in range(result.num_ranks)
     ]
 
@@ -115,8 +115,9 @@ def critical_path(result: ClusterResult, limit: int = 100_000) -> list[PathSegme
         what = "compute" if prog.klass[i] == OP else "comm"
         c = gates.get(i)
         if c is not None and int(c.gate[r]) != r:
-            path.append(PathSegment(r, i, prog.names[i], result.start[i, r], result.end[i, r],
-                                    "peer"))  # fmt: skip
+            path.append(
+                PathSegment(r, i, prog.names[i], result.start[i, r], result.end[i, r], "peer")
+            )
             r = int(c.gate[r])
             continue
         path.append(PathSegment(r, i, prog.names[i], result.start[i, r], result.end[i, r], what))
@@ -159,7 +160,7 @@ def rank_records(result: ClusterResult, ranks: list[int] | None = None) -> list[
                     end_us=float(result.end[i, r]),
                     issue_us=float(result.start[i, r]),
                     args=args,
-                )  # fmt: skip
+                )
             )
     return out
 

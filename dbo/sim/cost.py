@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from dbo.sim.families import FAMILY_OPS, GEMM_OPS, host_family, op_family
 from dbo.sim.flops import aliased_input_bytes, flop_formula, op_flops
 from dbo.sim.hardware import PROFILES, HardwareProfile
 from dbo.sim.tables import KernelTable, load_table
@@ -207,57 +208,7 @@ def comm_time_us(
 # --------------------------------------------------------------------------------------------
 # Op cost: the registry, the kernel-table entries, the roofline fallback
 
-# Matrix-multiply kernels (what a GEMM library runs), by op record name: the one list the
-# device (SM caps for a ubatch's GEMMs) and the reports (GEMM time) share.
-GEMM_OPS = frozenset(
-    f"aten::{n}"
-    for n in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm")
-)
-
 ROOFLINE = "roofline"  # OpCost.source of a fallback estimate
-
-# Op name -> the kernel-table family that prices it (see dbo.sim.tables).
-_FAMILY: dict[str, str] = {"aten::mm": "mm", "aten::addmm": "mm", "aten::_grouped_mm": "grouped_mm"}
-for _n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-           "_scaled_dot_product_efficient_attention", "scaled_dot_product_attention"):  # fmt: skip
-    _FAMILY[f"aten::{_n}"] = "attention"
-for _n in ("copy_", "_to_copy", "clone", "contiguous", "_copy_from", "cat", "stack"):
-    _FAMILY[f"aten::{_n}"] = "copy"
-for _n in ("index_select", "gather", "index", "embedding", "searchsorted", "take"):
-    _FAMILY[f"aten::{_n}"] = "index_select"
-for _n in ("index_add_", "index_add", "scatter_add_", "scatter_add", "scatter_", "scatter",
-           "index_put_", "index_put", "index_copy_", "index_copy", "scatter_reduce_"):  # fmt: skip
-    _FAMILY[f"aten::{_n}"] = "index_add"
-for _n in ("native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm", "native_group_norm"):
-    _FAMILY[f"aten::{_n}"] = "norm"
-for _n in ("sort", "argsort", "topk", "_softmax", "softmax", "_log_softmax", "cumsum"):
-    _FAMILY[f"aten::{_n}"] = "sort_topk" if _n in ("sort", "argsort", "topk") else "elementwise"
-for _n in ("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "silu", "silu_", "gelu",
-           "relu", "relu_", "sigmoid", "tanh", "exp", "neg", "rsqrt", "sqrt", "pow", "fill_",
-           "zero_", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full", "where",
-           "masked_fill", "masked_fill_", "floor_divide", "remainder", "clamp", "clamp_",
-           "arange", "minimum", "maximum", "eq", "ne", "lt", "gt", "le", "ge", "abs", "sum",
-           "mean", "amax", "max", "min", "bitwise_and", "logical_not", "lerp",
-           "addcmul"):  # fmt: skip
-    _FAMILY.setdefault(f"aten::{_n}", "elementwise")
-
-
-def op_family(name: str) -> str | None:
-    """The kernel-table family of an op record name ("aten::mm" -> "mm"), or None."""
-    return _FAMILY.get(name)
-
-
-def host_family(name: str) -> str:
-    """The host-cost kind of an op: gemm, attention, sort_topk, index or elementwise (any
-    other kernel: elementwise, the cheapest to issue)."""
-    if name in GEMM_OPS:
-        return "gemm"
-    family = _FAMILY.get(name)
-    if family in ("attention", "sort_topk"):
-        return family
-    if family in ("index_select", "index_add"):
-        return "index"
-    return "elementwise"
 
 
 @dataclass(frozen=True)
@@ -424,7 +375,7 @@ def _checked_cost(got: Any, fn: OpCostFn, call: OpCall) -> OpCost:
 def _table_cost(call: OpCall, profile: HardwareProfile) -> OpCost | None:
     """The built-in entry of every covered op: its family's estimate from the profile's table."""
     table = kernel_table(profile)
-    family = _FAMILY.get(call.name)
+    family = op_family(call.name)
     if table is None or family is None:
         return None
     if family in ("mm", "grouped_mm"):
@@ -478,7 +429,7 @@ def _attention_family(call: OpCall) -> str | None:
     return "sdpa_causal" if causal is True else None
 
 
-_BUILTIN.update(dict.fromkeys(_FAMILY, _table_cost))
+_BUILTIN.update(dict.fromkeys(FAMILY_OPS, _table_cost))
 
 
 # An observer sees every OpCall priced while it is registered (the profiler records the ops a

@@ -12,50 +12,51 @@ ordered: an op's epoch is its timeline's entry right after it; event record/wait
 syncs join clocks as CUDA orders work (a query that returns True is a host sync too; one that
 returns False costs the host a driver call, so a polling loop moves the host clock).
 
+A device is built from one checked record (`SimDevice(SimOptions(...))`, `dbo.sim.options`).
 `issue` is the one path of an executed kernel (the dispatch mode in `dbo.sim.intercept` hands
 it over): its accesses parsed, priced, placed or folded into the thread's comm region, checked
-by the race checker, recorded into the graph being captured. `place_op` is the placement
-itself, shared with `comm_region` and graph replay (`dbo.sim.graph`); comm regions are placed
-as `dbo.sim.regions` plans them (one SM-holding op, a send and a transfer, or a one-rank
-group's own ops as a full-grid kernel). The records go to a `dbo.sim.record_log.RecordLog`.
+by the race checker, recorded into the graph being captured. `place_op` places one
+`PlannedOp`, as issue, `comm_region` and graph replay (`dbo.sim.graph`) plan them; the stream
+and event handles feed their calls to the device one way (`dbo.sim.handles.HandleSink`).
+
+Communication regions are placed as `dbo.sim.regions` plans them (one SM-holding op, a send
+and a transfer, or a one-rank group's own ops as a full-grid kernel).
 """
 
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from dbo.sim.alltoall import couple_to_peers
 from dbo.sim.clock import DeviceClock
-from dbo.sim.cost import GEMM_OPS, ROOFLINE, OpCall, OpCost, host_family, price_op
+from dbo.sim.cost import OpCall, OpCost, price_op
+from dbo.sim.families import GEMM_OPS, host_family
 from dbo.sim.graph import BufferOwners, SimGraph
 from dbo.sim.handles import SimEvent, SimMark, SimStream
 from dbo.sim.hardware import HardwareProfile
 from dbo.sim.intercept import enter_modes
-from dbo.sim.options import check_knobs, profile_with, tensor_device_of
-from dbo.sim.races import MAX_REPORTS, RaceChecker, RaceError, RaceReport, user_stack
+from dbo.sim.log import DeviceLog
+from dbo.sim.options import SimOptions
+from dbo.sim.races import RaceChecker, RaceReport, user_stack
 from dbo.sim.ranges import HostRanges, device_scope
-from dbo.sim.record_log import RecordLog
 from dbo.sim.records import (
-    COMM,
-    COMPUTE,
     GRAPH_LAUNCH,
     HANDOFF,
     SYNC,
-    Access,
     EventWait,
     HostRange,
     OpRecord,
 )
 from dbo.sim.regions import open_region, region_ops
 from dbo.sim.sm_control import SmControlHooks
-from dbo.sim.state import CommRegion, ThreadState, Track, join
-from dbo.sim.timeline import slowdown_args
+from dbo.sim.state import CommRegion, PlannedOp, ThreadState
+from dbo.sim.tracks import Track, join
 from dbo.streams import CommHandle, Device, Event, Stream
 
 __all__ = ["SimDevice", "SimMark", "SimStream", "SimEvent"]
@@ -77,43 +78,40 @@ class SimDevice(SmControlHooks, Device):
 
     kind = "sim"
 
-    def __init__(
-        self,
-        profile: str | HardwareProfile = "h200",
-        *,
-        rank: int = 0,
-        tensor_device: str | torch.device = "cpu",
-        check_races: bool = True,
-        capture_stacks: bool = True,
-        record_timeline: bool = True,
-        launch_us: float | None = None,
-        handoff_us: float | None = None,
-        comm_sms: int | None = None,
-        kernel_fixed_us: float | None = None,
-        race_action: str = "record",
-        dbo_gemm_sms: int | None = None,
-        ht_rdma_share: float = 1.0,
-        ht_nvl_share: float | None = None,
-    ) -> None:
-        self.profile: HardwareProfile = profile_with(
-            profile, launch_us=launch_us, handoff_us=handoff_us, comm_sms=comm_sms,
-            kernel_fixed_us=kernel_fixed_us,
-        )  # fmt: skip
-        self.rank = int(rank)
-        self.torch_device = tensor_device_of(tensor_device)
-        check_knobs(self.profile, race_action, dbo_gemm_sms, ht_rdma_share, ht_nvl_share)
-        self.record_timeline = record_timeline
-        self.capture_stacks = capture_stacks
-        self.race_action = race_action
-        self.dbo_gemm_sms = dbo_gemm_sms  # see dbo.sim.options.check_knobs
-        self.ht_rdma_share, self.ht_nvl_share = float(ht_rdma_share), ht_nvl_share
+    def __init__(self, options: SimOptions | None = None) -> None:
+        """A device as `options` (checked when they were built) describe it; the defaults: an
+        H200 with real CPU tensors, race checks and traces on."""
+        self.options = options = SimOptions() if options is None else options
+        self.profile: HardwareProfile = options.hardware()
+        self.rank = int(options.rank)
+        self.torch_device = options.torch_device()
         self._init_timelines()
+        self.log = DeviceLog(options, self._lock)
         # Race bookkeeping needs real storages; a meta run has none.
         self._checker: RaceChecker | None = None
-        if check_races and self.torch_device.type != "meta":
-            self._checker = RaceChecker(self._on_race, transfer_tracks=(self._link.index,))
+        if options.check_races and self.torch_device.type != "meta":
+            self._checker = RaceChecker(self.log.on_race, transfer_tracks=(self._link.index,))
         self._graph: SimGraph | None = None  # the graph being captured, if any
         self._buffer_owners = BufferOwners()
+
+    @property
+    def dbo_gemm_sms(self) -> int | None:
+        """SMs a ubatch's GEMMs run on: the options' `EngineKnobs`, unless SM control
+        (`set_compute_sms`) has set them since."""
+        if self.compute_sms is not None:
+            return self.compute_sms
+        return self.options.engine.dbo_gemm_sms
+
+    @property
+    def ht_rdma_share(self) -> float:
+        """The share of a multi-node "ht" region's off-node bytes that crosses RDMA."""
+        return self.options.engine.ht_rdma_share
+
+    @property
+    def ht_nvl_share(self) -> float | None:
+        """NVLink bytes per byte of expert copies an "ht" region sends (None: every byte not
+        on RDMA)."""
+        return self.options.engine.ht_nvl_share
 
     def _init_timelines(self) -> None:
         # RLock: event and stream calls nest inside placement paths of the same thread.
@@ -121,18 +119,25 @@ class SimDevice(SmControlHooks, Device):
         self._tls = threading.local()  # holds each thread's ThreadState
         self._clock = DeviceClock(self.profile)
         self._streams: dict[str, SimStream] = {}
-        self._start_reports()
         self._default = self.Stream("default")
         self._link = self._clock.new_track("link")
 
-    def _start_reports(self) -> None:
-        """Nothing placed, nothing reported (a new measurement)."""
-        self._seq = 0
-        self._records = RecordLog(self.rank, self._lock, keep=self.record_timeline)
-        self.races: list[RaceReport] = []
-        # For the reports only (flow arrows, named host ranges); cleared by reset().
-        self.event_waits: list[EventWait] = []
-        self.host_ranges: list[HostRange] = []
+    @property
+    def timeline(self) -> list[OpRecord]:
+        """The ops placed since the last reset, in placement order (`dbo.sim.log`)."""
+        return self.log.timeline
+
+    @property
+    def races(self) -> list[RaceReport]:
+        return self.log.races
+
+    @property
+    def event_waits(self) -> list[EventWait]:
+        return self.log.event_waits
+
+    @property
+    def host_ranges(self) -> list[HostRange]:
+        return self.log.host_ranges
 
     # ---------------------------------------------------------------------------- factories
 
@@ -143,12 +148,12 @@ class SimDevice(SmControlHooks, Device):
             while unique in self._streams or unique in ("link", "host"):
                 n += 1
                 unique = f"{base}#{n}"
-            stream = SimStream(self, self._clock.new_track(unique))
+            stream = SimStream(self, self, self._clock.new_track(unique))
             self._streams[unique] = stream
             return stream
 
     def Event(self) -> SimEvent:
-        return SimEvent(self)
+        return SimEvent(self, self)
 
     def default_stream(self) -> SimStream:
         return self._default
@@ -166,16 +171,21 @@ class SimDevice(SmControlHooks, Device):
         state = getattr(self._tls, "state", None)
         if state is None:
             ranges = HostRanges(
-                lambda: self._clock.host_us, self.current_ubatch, self._on_host_range
+                lambda: self._clock.host_us, self.current_ubatch, self.log.on_host_range
             )
             state = self._tls.state = ThreadState(self._default, ranges)
         return state
 
     def current_stream(self) -> SimStream:
-        return self.thread_state().stream  # type: ignore[return-value]
+        return self.thread_state().stream
 
     def set_stream(self, stream: Stream) -> None:
         self.thread_state().stream = self.check_stream(stream)
+
+    def check_stream(self, stream: Stream, what: str = "stream") -> SimStream:
+        checked = super().check_stream(stream, what)
+        assert isinstance(checked, SimStream)  # every stream of this device is one
+        return checked
 
     def current_ubatch(self) -> int | None:
         return self.thread_state().ubatch
@@ -227,11 +237,6 @@ class SimDevice(SmControlHooks, Device):
         with self._lock:
             return self._clock.frontier_us
 
-    @property
-    def timeline(self) -> list[OpRecord]:
-        """Every record since the last reset, in issue order (`dbo.sim.record_log`)."""
-        return self._records.read()
-
     def mark(self) -> SimMark:
         with self._lock:
             return SimMark(len(self.timeline), self._clock.host_us, self._clock.frontier_us)
@@ -250,7 +255,7 @@ class SimDevice(SmControlHooks, Device):
         """Start a new measurement: clocks at 0, empty timeline and race list, no history.
         Events recorded before the reset count as never recorded."""
         with self._lock:
-            self._start_reports()
+            self.log.reset()
             self._clock.reset()
             if self._checker is not None:
                 self._checker.clear()
@@ -270,104 +275,72 @@ class SimDevice(SmControlHooks, Device):
         if region is not None:
             region.fold(call, priced, reads, writes, fresh, capturing=graph is not None)
             return
-        record = self.place_op(
-            call.name, priced.us, flops=call.flops, nbytes=call.nbytes, reads=reads,
-            writes=writes, fresh=fresh, args=_trace_args(call, priced),
-        )  # fmt: skip
+        op = PlannedOp(
+            call.name,
+            priced.us,
+            flops=call.flops,
+            nbytes=call.nbytes,
+            reads=reads,
+            writes=writes,
+            fresh=fresh,
+            args=_trace_args(call, priced),
+        )
+        record = self.place_op(op)
         if graph is not None:
-            graph.on_op(
-                call.func, call.args, call.kwargs, call.out, record, priced.us, reads, writes
-            )
-
-    def _on_race(self, report: RaceReport) -> None:
-        """The race checker's sink: keep the report, then raise or warn as asked."""
-        if len(self.races) >= MAX_REPORTS:
-            return
-        self.races.append(report)
-        if self.race_action == "raise":
-            raise RaceError(report)
-        if self.race_action == "warn":
-            # The checker's frame, as if it warned itself (sink, report, check).
-            warnings.warn(report.describe(), RuntimeWarning, stacklevel=3)
-
-    def _on_host_range(
-        self, name: str, start_us: float, end_us: float, ubatch: int | None, source: str
-    ) -> None:
-        """The sink of every thread's closed host ranges."""
-        if self.record_timeline:
-            self.host_ranges.append(HostRange(self.rank, ubatch, name, start_us, end_us, source))
+            graph.on_op(call, op, record)
 
     # ---------------------------------------------------------------------------- placement
 
-    def _append(self, record: OpRecord) -> OpRecord:
-        self._seq += 1
-        self._records.append(record)
-        return record
-
-    def place_op(
-        self, name: str, cost_us: float, *, kind: str = COMPUTE, stream: SimStream | None = None,
-        track: Track | None = None, flops: float = 0.0, nbytes: float = 0.0,
-        reads: Sequence[Access] = (), writes: Sequence[Access] = (), fresh: Sequence[int] = (),
-        args: dict | None = None, launch: bool = True, not_before: float = 0.0,
-        sm_share: float = 0.0, ubatch: Any = "current", stack: Any = None,
-        host_us: float | None = None, full_grid: bool = False,
-    ) -> OpRecord:  # fmt: skip
-        """Place one op on a timeline and check its accesses; returns its record.
-
-        `launch` charges the host its eager issue time, `host_us` or the profile's figure for
-        the op's kind (none while replaying a graph); `sm_share` > 0: the op holds that share
-        of the SMs; `full_grid`: it takes the GPU in turn with compute (`dbo.sim.timeline`);
-        `fresh` storages were just allocated."""
+    def place_op(self, op: PlannedOp) -> OpRecord:
+        """Place `op` on its timeline (the thread's current stream unless it names a track)
+        and check its accesses; returns its record."""
         state = self.thread_state()
-        if track is None:
-            track = (stream or state.stream).track  # type: ignore[attr-defined]
-        if ubatch == "current":
-            ubatch = state.ubatch
-        replayed = state.replaying
-        compute = kind == COMPUTE
+        track = state.stream.track if op.track is None else op.track
+        # isinstance, not == CURRENT: the one str the field holds, and a check type checkers narrow.
+        ubatch = state.ubatch if isinstance(op.ubatch, str) else op.ubatch
         with self._lock:
             issue = self._clock.host_us
-            self._clock.host_us += self._launch_us(name, launch, host_us, replayed)
+            self._clock.host_us += self._launch_us(op, state.replaying)
             epoch = self._clock.tick(track)
-            span = self._clock.place(
-                track, cost_us, compute=compute, full_grid=full_grid, not_before=not_before,
-                reserved_sms=self._reserved_sms(name, compute, ubatch), sm_share=sm_share,
-            )  # fmt: skip
-            args = {} if args is None else args
-            args.update(slowdown_args(span, compute=compute))
-            if args.get("cost") == ROOFLINE:
-                args["fallback_us"] = span.end - span.start
-            record = self._append(OpRecord(
-                seq=self._seq, name=name, kind=kind, rank=self.rank, ubatch=ubatch,
-                stream=track.name, issue_us=issue, start_us=span.start, end_us=span.end,
-                flops=flops, bytes=nbytes, replayed=replayed, args=args,
-            ))  # fmt: skip
-            if self._checker is not None and (reads or writes or fresh):
-                if stack is None and self.capture_stacks:
+            reserved_sms = self._reserved_sms(op, ubatch)
+            span = self._clock.place(track, op, reserved_sms=reserved_sms)
+            record = self.log.add_op(
+                op, span, ubatch=ubatch, stream=track.name, issue_us=issue, replayed=state.replaying
+            )
+            if self._checker is not None and (op.reads or op.writes or op.fresh):
+                stack = op.stack
+                if stack is None and self.options.capture_stacks:
                     stack = user_stack()
-                self._checker.on_op(record, track, epoch, reads, writes, stack, fresh)
+                self._checker.on_op(record, track, epoch, op.reads, op.writes, stack, op.fresh)
             return record
 
-    def _launch_us(self, name: str, launch: bool, host_us: float | None, replayed: bool) -> float:
+    def _launch_us(self, op: PlannedOp, replayed: bool) -> float:
         """Host time issuing one op costs: its eager issue time, none inside a replayed graph."""
-        if not launch or replayed:
+        if not op.launch or replayed:
             return 0.0
-        return self.profile.eager_host_us(host_family(name)) if host_us is None else host_us
+        return (
+            self.profile.eager_host_us(host_family(op.name)) if op.host_us is None else op.host_us
+        )
 
-    def _coupled_cost(
-        self, mode: str, op: Any, track: Track, not_before: float, peers: Any
-    ) -> tuple[float, dict[str, Any]]:
+    def _coupled(self, mode: str, op: PlannedOp, peers: Any) -> PlannedOp:
         """A comm op coupled to its peers (see `place_comm`): its duration and trace args."""
-        launch = self._launch_us(op.name, op.launch, op.host_us, self.thread_state().replaying)
-        ready = max(self._clock.host_us + launch, track.free_at, not_before)
+        assert op.track is not None  # place_comm has put it on its track
+        launch = self._launch_us(op, self.thread_state().replaying)
+        ready = max(self._clock.host_us + launch, op.track.free_at, op.not_before)
+        share = self.ht_rdma_share
         with self.suspended():  # the exchange is bookkeeping, not device work
-            end, wait, gate = couple_to_peers(self.profile, mode, ready, peers, self.ht_rdma_share)
-        return end - ready, dict(op.args, peer_wait_us=wait, gated_by=gate)
+            end, wait, gate = couple_to_peers(self.profile, mode, ready, peers, share)
+        return replace(
+            op, cost_us=end - ready, args=dict(op.args, peer_wait_us=wait, gated_by=gate)
+        )
 
-    def _reserved_sms(self, name: str, compute: bool, ubatch: int | None) -> int | None:
-        """The SMs a ubatch's GEMM runs on under `dbo_gemm_sms` (None: all, with comm)."""
+    def _reserved_sms(self, op: PlannedOp, ubatch: int | None) -> int | None:
+        """The SMs a ubatch's GEMM runs on under `dbo_gemm_sms` (None: all, with comm): slower,
+        but untouched by comm kernels."""
         reserving = self.dbo_gemm_sms is not None and ubatch is not None
-        return self.dbo_gemm_sms if compute and reserving and name in RESERVED_SM_OPS else None
+        if op.compute and reserving and op.name in RESERVED_SM_OPS:
+            return self.dbo_gemm_sms
+        return None
 
     # ------------------------------------------------------------------------ events, syncs
 
@@ -376,11 +349,11 @@ class SimDevice(SmControlHooks, Device):
             raise TypeError(f"event must be an Event of {self!r}, got {event!r}")
         return event
 
-    def record_event(self, event: Event, stream: Stream) -> None:
-        """The device side of `event.record(stream)`."""
+    def record_event(self, event: Event, stream: Stream | None = None) -> None:
+        """The device side of `event.record(stream)` (None: the current stream)."""
         event = self._check_event(event)
-        stream = self.check_stream(stream)
-        self._record_on_track(event, stream.track)  # type: ignore[attr-defined]
+        stream = self.current_stream() if stream is None else self.check_stream(stream)
+        self._record_on_track(event, stream.track)
         if self._graph is not None and not self.thread_state().replaying:
             self._graph.on_record(event, stream)
 
@@ -390,27 +363,18 @@ class SimDevice(SmControlHooks, Device):
             event.stream_name = track.name
             event.generation = self._clock.generation
 
-    def stream_wait_event(self, stream: SimStream, event: Event) -> None:
+    def stream_wait_event(self, stream: Stream, event: Event) -> None:
         """The device side of `stream.wait_event(event)`."""
         event = self._check_event(event)
-        track = self.check_stream(stream).track  # type: ignore[attr-defined]
+        waiting = self.check_stream(stream)
         with self._lock:
-            if event.recorded:  # as in CUDA, waiting on a never-recorded event is a no-op
-                self._clock.wait(track, event.time_us, event.vc)  # type: ignore[arg-type]
-                self._note_wait(event, track)
+            # As in CUDA, waiting on a never-recorded event is a no-op.
+            if event.recorded and event.time_us is not None:
+                self._clock.wait(waiting.track, event.time_us, event.vc)
+                on = event.stream_name or "?"
+                self.log.add_wait(self.current_ubatch(), on, event.time_us, waiting.name)
         if self._graph is not None and not self.thread_state().replaying:
-            self._graph.on_wait(stream, event)
-
-    def _note_wait(self, event: SimEvent, track: Track) -> None:
-        if self.record_timeline:
-            ubatch, on = self.current_ubatch(), event.stream_name or "?"
-            wait = EventWait(self.rank, ubatch, on, event.time_us or 0.0, track.name, self._seq)
-            self.event_waits.append(wait)
-
-    def _host_record(self, name: str, kind: str, start: float, end: float, on: str = "") -> None:
-        """A host-track record (sync, baton pass, graph launch), made when the timeline is read."""
-        self._records.note_host(name, kind, self._seq, self.thread_state(), start, end, on)
-        self._seq += 1
+            self._graph.on_wait(waiting, event)
 
     def _host_wait(self, until_us: float, vc: Sequence[int], what: str) -> None:
         """The host blocks until `until_us`; what it waited for is ordered before later
@@ -418,7 +382,7 @@ class SimDevice(SmControlHooks, Device):
         with self._lock:
             start = self._clock.host_wait(until_us, vc)
             if start is not None:
-                self._host_record("host-sync", SYNC, start, until_us, on=what)
+                self.log.add_host("host-sync", SYNC, start, until_us, self.thread_state(), on=what)
 
     def sync_stream(self, stream: SimStream, what: str | None = None) -> None:
         """The device side of `stream.synchronize()`: the host waits for its work."""
@@ -429,8 +393,8 @@ class SimDevice(SmControlHooks, Device):
     def sync_event(self, event: SimEvent) -> None:
         """The device side of `event.synchronize()`."""
         with self._lock:
-            if event.recorded:
-                self._host_wait(event.time_us, event.vc, f"event on {event.stream_name}")  # type: ignore[arg-type]
+            if event.recorded and event.time_us is not None:
+                self._host_wait(event.time_us, event.vc, f"event on {event.stream_name}")
 
     def poll(self, done_at_us: float, vc: Sequence[int], what: str) -> bool:
         """A host query of work done at `done_at_us`. True once the host clock has reached
@@ -466,7 +430,7 @@ class SimDevice(SmControlHooks, Device):
         with self._lock:
             start = self._clock.host_us
             self._clock.host_us += cost_us
-            self._host_record(name, kind, start, self._clock.host_us)
+            self.log.add_host(name, kind, start, self._clock.host_us, self.thread_state())
 
     # --------------------------------------------------------------------------------- comm
 
@@ -485,13 +449,14 @@ class SimDevice(SmControlHooks, Device):
         `place_comm`); its torch ops are not placed, their accesses are the comm op's."""
         state = self.thread_state()
         region = open_region(self.profile, state, kind, nbytes, mode, ep_size, link)
-        handle = CommHandle(kind=kind, nbytes=region.nbytes, mode=mode, event=self.Event())
+        nbytes = region.nbytes
+        event = self.Event()
         state.comm = region
         try:
-            yield handle
+            yield CommHandle(kind=kind, nbytes=nbytes, mode=mode, event=event)
         finally:
             state.comm = None
-        self.place_comm(region, handle.event, peers)  # type: ignore[arg-type]
+        self.place_comm(region, event, peers)
 
     def place_comm(self, region: CommRegion, event: SimEvent, peers: Any = None) -> None:
         """Place a finished comm region as `dbo.sim.regions.region_ops` plans it; `event`
@@ -500,8 +465,8 @@ class SimDevice(SmControlHooks, Device):
         `dbo.sim.alltoall.couple_to_peers`."""
         replaying, shares = self.thread_state().replaying, (self.ht_rdma_share, self.ht_nvl_share)
         ops = region_ops(self.profile, region, shares[0], replaying, shares[1])
-        stream_track = region.stream.track  # type: ignore[attr-defined]
         coupled = peers is not None and region.ep_size > 1 and region.link is None
+        stream_track = region.stream.track
         with self._lock:
             track, placed = stream_track, None
             for k, op in enumerate(ops):
@@ -510,15 +475,10 @@ class SimDevice(SmControlHooks, Device):
                     # The transfer leaves after the send: order it after the sending stream.
                     join(track.vc, stream_track.vc)
                 not_before = placed.end_us if op.after_send and placed else 0.0
-                cost, args = op.cost_us, op.args
+                op = replace(op, track=track, not_before=not_before)
                 if coupled and k == len(ops) - 1:  # the transfer itself (after an LL send)
-                    cost, args = self._coupled_cost(region.mode, op, track, not_before, peers)
-                placed = self.place_op(
-                    op.name, cost, kind=COMM, track=track, nbytes=op.nbytes,
-                    reads=op.reads, writes=op.writes, fresh=op.fresh, args=args,
-                    launch=op.launch, sm_share=op.sm_share, host_us=op.host_us,
-                    full_grid=op.full_grid, not_before=not_before,
-                )  # fmt: skip
+                    op = self._coupled(region.mode, op, peers)
+                placed = self.place_op(op)
             self._record_on_track(event, track)
         if self._graph is not None and not replaying:
             self._graph.on_comm(region, event)
@@ -545,7 +505,7 @@ class SimDevice(SmControlHooks, Device):
             return
         state = self.thread_state()
         stream = state.comm.stream if state.comm is not None else state.stream
-        stack = user_stack() if self.capture_stacks else None
+        stack = user_stack() if self.options.capture_stacks else None
         with self._lock:
             self._checker.allocated(tensor, stream.track, stack)
 
@@ -553,7 +513,7 @@ class SimDevice(SmControlHooks, Device):
         """`Tensor.record_stream` for the simulated device: the caching allocator will not
         hand `tensor`'s memory to a new tensor before the work issued on `stream` up to the
         moment the memory is freed. (torch's own method only accepts CUDA streams.)"""
-        track = self.check_stream(stream).track  # type: ignore[attr-defined]
+        track = self.check_stream(stream).track
         if self._checker is not None and tensor.device.type != "meta":
             with self._lock:
                 self._checker.record_stream(tensor, track)

@@ -26,9 +26,11 @@ from typing import Any
 import torch
 
 from dbo.sim.calls import CapturedCall, OpModes, rerun_op
+from dbo.sim.cost import OpCall
+from dbo.sim.handles import SimEvent, SimStream
 from dbo.sim.records import Access, OpRecord
-from dbo.sim.state import CommRegion, SimDeviceProtocol
-from dbo.streams import Event, GraphCapture, Stream
+from dbo.sim.state import CommRegion, PlannedOp, SimDeviceProtocol
+from dbo.streams import GraphCapture
 
 __all__ = [
     "rerun_op",
@@ -60,7 +62,7 @@ class GraphOp:
     kwargs: dict
     out: Any
     name: str
-    stream: Stream
+    stream: SimStream
     ubatch: int | None
     cost_us: float
     flops: float
@@ -70,21 +72,36 @@ class GraphOp:
     trace_args: dict
     modes: OpModes
 
+    def planned(self) -> PlannedOp:
+        """The op as a replay places it again: on its stream, for its ubatch, with the trace
+        args of its capture."""
+        return PlannedOp(
+            self.name,
+            self.cost_us,
+            track=self.stream.track,
+            flops=self.flops,
+            nbytes=self.nbytes,
+            reads=self.reads,
+            writes=self.writes,
+            args=dict(self.trace_args),
+            ubatch=self.ubatch,
+        )
+
 
 @dataclass
 class GraphEventRecord:
     """A captured `event.record(stream)`."""
 
-    event: Event
-    stream: Stream
+    event: SimEvent
+    stream: SimStream
 
 
 @dataclass
 class GraphEventWait:
     """A captured `stream.wait_event(event)`."""
 
-    stream: Stream
-    event: Event
+    stream: SimStream
+    event: SimEvent
 
 
 @dataclass
@@ -93,7 +110,7 @@ class GraphComm:
     usable, its ubatch, and the torch calls of its block."""
 
     region: CommRegion
-    event: Event
+    event: SimEvent
     ubatch: int | None
     ops: list[CapturedCall] = field(default_factory=list)
 
@@ -162,38 +179,35 @@ class SimGraph(GraphCapture):
         self._capturing = False
         self._pointers = self._collect_pointers()
 
-    def on_op(
-        self, func: Any, args: tuple, kwargs: dict, out: Any, record: OpRecord, cost_us: float,
-        reads: list[Access], writes: list[Access],
-    ) -> None:  # fmt: skip
-        if record.kind == "compute" and func._schema.name.endswith("_local_scalar_dense"):
+    def on_op(self, call: OpCall, op: PlannedOp, record: OpRecord) -> None:
+        """`call` ran and was placed as `op` (`record`, with its slowdowns at capture)."""
+        if record.kind == "compute" and call.func._schema.name.endswith("_local_scalar_dense"):
             self.notes.append(f"host read {record.name} during capture (not replayed as a sync)")
-        self.items.append(
-            GraphOp(
-                func,
-                args,
-                kwargs,
-                out,
-                record.name,
-                self.device.current_stream(),
-                record.ubatch,
-                cost_us,
-                record.flops,
-                record.bytes,
-                list(reads),
-                list(writes),
-                dict(record.args),
-                OpModes.current(),  # this thread's: on_op runs where the op ran
-            )  # fmt: skip
+        captured = GraphOp(
+            func=call.func,
+            args=call.args,
+            kwargs=call.kwargs,
+            out=call.out,
+            name=record.name,
+            stream=self.device.current_stream(),
+            ubatch=record.ubatch,
+            cost_us=op.cost_us,
+            flops=record.flops,
+            nbytes=record.bytes,
+            reads=list(op.reads),
+            writes=list(op.writes),
+            trace_args=dict(record.args),
+            modes=OpModes.current(),  # this thread's: on_op runs where the op ran
         )
+        self.items.append(captured)
 
-    def on_record(self, event: Event, stream: Stream) -> None:
+    def on_record(self, event: SimEvent, stream: SimStream) -> None:
         self.items.append(GraphEventRecord(event, stream))
 
-    def on_wait(self, stream: Stream, event: Event) -> None:
+    def on_wait(self, stream: SimStream, event: SimEvent) -> None:
         self.items.append(GraphEventWait(stream, event))
 
-    def on_comm(self, region: CommRegion, event: Event) -> None:
+    def on_comm(self, region: CommRegion, event: SimEvent) -> None:
         self.items.append(
             GraphComm(region, event, self.device.current_ubatch(), list(region.graph_ops))
         )
@@ -262,11 +276,7 @@ class SimGraph(GraphCapture):
             for item in self.items:
                 if isinstance(item, GraphOp):
                     rerun_op(item.func, item.args, item.kwargs, item.out, item.modes)
-                    device.place_op(
-                        item.name, item.cost_us, stream=item.stream, flops=item.flops,
-                        nbytes=item.nbytes, reads=item.reads, writes=item.writes,
-                        args=dict(item.trace_args), ubatch=item.ubatch,
-                    )  # fmt: skip
+                    device.place_op(item.planned())
                 elif isinstance(item, GraphEventRecord):
                     item.event.record(item.stream)
                 elif isinstance(item, GraphEventWait):

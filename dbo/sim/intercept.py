@@ -42,12 +42,26 @@ HOST_READ = 3  # a kernel whose result the host reads (item, equal): placed, the
 # Ops that only produce aliases or metadata although their schema does not say "view".
 _FREE_NAMES = frozenset(
     {
-        "_unsafe_view", "_reshape_alias", "lift_fresh", "alias", "detach", "record_stream",
-        "resolve_conj", "resolve_neg", "set_", "resize_", "sym_size", "sym_stride",
-        "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type",
-        "_nested_tensor_size", "_nested_tensor_strides",
+        "_unsafe_view",
+        "_reshape_alias",
+        "lift_fresh",
+        "alias",
+        "detach",
+        "record_stream",
+        "resolve_conj",
+        "resolve_neg",
+        "set_",
+        "resize_",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "is_same_size",
+        "_has_compatible_shallow_copy_type",
+        "_nested_tensor_size",
+        "_nested_tensor_strides",
     }
-)  # fmt: skip
+)
 _ALLOC_NAMES = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"})
 _HOST_READ_NAMES = frozenset({"_local_scalar_dense", "equal", "is_nonzero", "allclose"})
 
@@ -137,7 +151,7 @@ class SimDispatchMode(TorchDispatchMode):
         # process. Nothing here runs under torch.compile, so the guard has nothing to guard.
         return False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         info = _INFO.get(func) or op_info(func)
         kind = info.kind
@@ -204,7 +218,7 @@ class HostReadMode(TorchFunctionMode):
         super().__init__()
         self.device = device
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         _carry_profiler_range(self.device, func, args)
         what = _HOST_FUNCS.get(func)

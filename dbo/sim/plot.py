@@ -47,13 +47,27 @@ _NO_UBATCH_COLOR = "#8c8c8c"
 _RACE_COLOR = "#e41a1c"
 
 
+_LINK_LABEL = (
+    "link: low-latency transfers in flight,\nfrom the send kernel to arrival (no SMs held;\n"
+    "the recv hook waits on it)"
+)
+
+
 def _ubatch_color(ubatch: int | None) -> str:
     if ubatch is None:
         return _NO_UBATCH_COLOR
     palette = (
-        "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-        "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f",
-    )  # fmt: skip
+        "#1f77b4",
+        "#ff7f0e",
+        "#2ca02c",
+        "#d62728",
+        "#9467bd",
+        "#8c564b",
+        "#e377c2",
+        "#17becf",
+        "#bcbd22",
+        "#7f7f7f",
+    )
     return palette[ubatch % len(palette)]
 
 
@@ -274,10 +288,13 @@ def legend_handles(runs: Sequence[TraceRun], lanes: list[Lane]) -> list[Any]:
             Patch(facecolor="#cccccc", alpha=0.6, label="host sync / handoff (half height)")
         )
     if any(track.startswith("link") for *_, track in lanes):
-        handles.append(Patch(facecolor="white", edgecolor="white", label=(
-            "link: low-latency transfers in flight,\nfrom the send kernel to arrival (no SMs "
-            "held;\nthe recv hook waits on it)"
-        )))  # fmt: skip
+        handles.append(
+            Patch(
+                facecolor="white",
+                edgecolor="white",
+                label=_LINK_LABEL,
+            )
+        )
     if any(run.races for run in runs):
         handles.append(
             Line2D(

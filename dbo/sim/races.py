@@ -43,10 +43,20 @@ from typing import Any
 
 import torch
 
-from dbo.sim.footprints import Dims, canonical_footprint, footprint, footprints_meet
+from dbo.sim.footprints import canonical_footprint, footprint, footprints_meet
+from dbo.sim.race_memory import (
+    Block,
+    Entry,
+    Freed,
+    Placed,
+    Storage,
+    on_death,
+    ordered,
+    rounded,
+)
 from dbo.sim.records import Access, OpRecord, OpSite, RaceReport
 from dbo.sim.stacks import format_stack, user_stack
-from dbo.sim.state import Track
+from dbo.sim.tracks import Track
 from dbo.switch_notes import last_plain_switch
 
 __all__ = [
@@ -60,7 +70,6 @@ __all__ = [
 ]
 
 MAX_REPORTS = 1000  # a broken schedule races on every layer; the first reports say enough
-ALLOC_ROUND = 512  # the caching allocator rounds every request up to this many bytes
 POOL_DEPTH = 8  # freed blocks with pending hazards kept per (stream, size); older ones drop
 
 # Where the checker hands each race it finds (the device keeps, raises or warns).
@@ -76,92 +85,6 @@ class RaceError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ memory
-
-
-class _Entry:
-    __slots__ = (
-        "argument",
-        "dims",
-        "end",
-        "epoch",
-        "freed_alloc",
-        "is_write",
-        "record",
-        "run",
-        "stack",
-        "start",
-        "track",
-    )  # fmt: skip
-
-    def __init__(
-        self, start: int, end: int, run: int, dims: Dims, is_write: bool, track: int,
-        epoch: int, record: OpRecord, stack: Any, argument: str, freed_alloc: Any = None,
-    ) -> None:  # fmt: skip
-        self.start = start
-        self.end = end
-        self.run = run
-        self.dims = dims
-        self.is_write = is_write
-        self.track = track
-        self.epoch = epoch
-        self.record = record
-        self.stack = stack
-        self.argument = argument
-        self.freed_alloc = freed_alloc  # set on a hazard inherited from a freed block
-
-    def moved(self, delta: int, freed_alloc: Any) -> _Entry:
-        return _Entry(
-            self.start + delta, self.end + delta, self.run, self.dims, self.is_write,
-            self.track, self.epoch, self.record, self.stack, self.argument, freed_alloc,
-        )  # fmt: skip
-
-
-class _Block:
-    """A range of addresses and the accesses to it; shared by storages over its bytes."""
-
-    __slots__ = ("alloc_stack", "alloc_track", "end", "entries", "recorded", "start", "storages")
-
-    def __init__(self, start: int, end: int) -> None:
-        self.start = start
-        self.end = end
-        self.entries: list[_Entry] = []
-        self.storages: set[_Storage] = set()  # by identity: a dead one's key may be reused
-        self.alloc_track: Track | None = None  # set when the allocation was seen
-        self.alloc_stack: Any = None
-        self.recorded: list[Track] = []  # streams named by record_stream
-
-
-class _Storage:
-    """One live storage object. `key` (the StorageImpl's address) is reused as soon as the
-    storage dies, so a record found by key counts only while `ref` still names the object."""
-
-    __slots__ = ("base", "block", "finalizer", "key", "nbytes", "ref")
-
-    def __init__(self, key: int, base: int, nbytes: int, block: _Block, st: Any) -> None:
-        self.key = key
-        self.base = base
-        self.nbytes = nbytes
-        self.block = block
-        self.ref = weakref.ref(st)
-        self.finalizer: Any = None
-
-    def names(self, st: Any) -> bool:
-        """True while this record describes the storage object `st`."""
-        return self.ref() is st and self.base == st.data_ptr() and self.nbytes == st.nbytes()
-
-
-class _Freed:
-    """A freed block whose history still holds accesses no later work is ordered after."""
-
-    __slots__ = ("alloc_stack", "entries")
-
-    def __init__(self, entries: list[_Entry], alloc_stack: Any) -> None:
-        self.entries = entries  # addresses relative to the block's start
-        self.alloc_stack = alloc_stack
-
-
-def _ordered(e: _Entry, track_index: int, vc: Sequence[int]) -> bool:
-    return e.track == track_index or (e.track < len(vc) and vc[e.track] >= e.epoch)
 
 
 class _ArgSpec:
@@ -205,11 +128,11 @@ class RaceChecker:
         # Timelines of data in flight between GPUs (low-latency transfers): their writes land
         # in registered communication buffers, which the caching allocator never hands on.
         self._transfer_tracks = frozenset(transfer_tracks)
-        self._storages: dict[int, _Storage] = {}  # StorageImpl address -> live storage
+        self._storages: dict[int, Storage] = {}  # StorageImpl address -> live storage
         self._starts: list[int] = []  # sorted block starts (blocks are disjoint)
-        self._blocks: list[_Block] = []
-        self._dead: list[tuple[_Storage, Any]] = []  # appended by finalizers, any thread
-        self._pool: dict[tuple[int, int], list[_Freed]] = {}
+        self._blocks: list[Block] = []
+        self._dead: list[tuple[Storage, Any]] = []  # appended by finalizers, any thread
+        self._pool: dict[tuple[int, int], list[Freed]] = {}
         self._reported: set[tuple[int, int, int]] = set()
         self.notes: list[str] = []  # tensors placed without a check, one line per kind
 
@@ -242,7 +165,7 @@ class RaceChecker:
 
     # ------------------------------------------------------------------ storages, blocks
 
-    def _storage(self, st: Any) -> tuple[_Storage, bool]:
+    def _storage(self, st: Any) -> tuple[Storage, bool]:
         """The live record of a storage object, registering it on first sight."""
         # Reap first: a new storage can take the address (and so the key) of one that died
         # since the last reap, and that dead record must not answer for it.
@@ -256,26 +179,26 @@ class RaceChecker:
             # The object's memory changed under it (`resize_` reallocates in place): the old
             # memory was freed, so the record dies now, as its finalizer would have said.
             rec.finalizer.detach()
-            _on_death(self._dead, rec)
+            on_death(self._dead, rec)
             self._reap()
         base, nbytes = st.data_ptr(), st.nbytes()
         block = self._block_for(base, base + max(nbytes, 1))
-        rec = _Storage(key, base, nbytes, block, st)
+        rec = Storage(key, base, nbytes, block, st)
         block.storages.add(rec)
         self._storages[key] = rec
         # The callback holds the dead list, not the checker: a long-lived tensor must not
         # keep its device alive.
-        rec.finalizer = weakref.finalize(st, _on_death, self._dead, rec)
+        rec.finalizer = weakref.finalize(st, on_death, self._dead, rec)
         return rec, True
 
-    def _block_for(self, start: int, end: int) -> _Block:
+    def _block_for(self, start: int, end: int) -> Block:
         """The block over [start, end): new, or the union of the live blocks it overlaps."""
         i = bisect.bisect_left(self._starts, end)
         j = i
         while j > 0 and self._blocks[j - 1].end > start:
             j -= 1
         if i == j:
-            block = _Block(start, end)
+            block = Block(start, end)
             self._starts.insert(i, start)
             self._blocks.insert(i, block)
             return block
@@ -311,7 +234,7 @@ class RaceChecker:
             if snap is not None and block.entries:
                 self._free(block, snap)
 
-    def _free(self, block: _Block, snap: Any) -> None:
+    def _free(self, block: Block, snap: Any) -> None:
         """Pool a freed block's accesses that nothing orders before a reuse."""
         track = block.alloc_track
         assert track is not None
@@ -320,14 +243,14 @@ class RaceChecker:
             e.moved(-block.start, None)
             for e in block.entries
             if e.track not in self._transfer_tracks
-            and not _ordered(e, track.index, alloc_vc)
-            and not any(_ordered(e, i, vc) for i, vc in recorded)
+            and not ordered(e, track.index, alloc_vc)
+            and not any(ordered(e, i, vc) for i, vc in recorded)
         ]
         if not pending:
             return
-        key = (track.index, _rounded(block.end - block.start))
+        key = (track.index, rounded(block.end - block.start))
         pool = self._pool.setdefault(key, [])
-        pool.append(_Freed(pending, block.alloc_stack))
+        pool.append(Freed(pending, block.alloc_stack))
         del pool[:-POOL_DEPTH]
 
     def allocated(self, t: torch.Tensor, track: Track, stack: Any) -> None:
@@ -445,30 +368,26 @@ class RaceChecker:
             rec = self._storages.get(key)
             if rec is not None and rec.block.alloc_track is None:
                 self._take_from_pool(rec, track, stack)
-        vc = track.vc
-        me = track.index
+        here = Placed(record, track.index, track.vc, epoch, stack)
         for access in (*reads, *writes):
             rec = self._storages.get(access.storage)
             if rec is not None:
-                self._check(access, rec, record, me, vc, epoch, stack)
+                self._check(access, rec, here)
 
-    def _take_from_pool(self, rec: _Storage, track: Track, stack: Any) -> None:
+    def _take_from_pool(self, rec: Storage, track: Track, stack: Any) -> None:
         """A new allocation on `track`: the allocator may hand it a freed block of the same
         rounded size from that stream's pool, and with it the block's pending accesses."""
         block = rec.block
         block.alloc_track, block.alloc_stack = track, stack
-        pool = self._pool.get((track.index, _rounded(rec.nbytes)))
+        pool = self._pool.get((track.index, rounded(rec.nbytes)))
         if pool:
             freed = pool.pop()
             block.entries.extend(e.moved(block.start, freed.alloc_stack) for e in freed.entries)
 
-    def _check(
-        self, access: Access, rec: _Storage, record: OpRecord, me: int, vc: Sequence[int],
-        epoch: int, stack: Any,
-    ) -> None:  # fmt: skip
-        block = rec.block
+    def _check(self, access: Access, rec: Storage, here: Placed) -> None:
+        block, me, vc = rec.block, here.track, here.vc
         s, e, w, dims = access.start, access.end, access.is_write, access.dims
-        keep: list[_Entry] = []
+        keep: list[Entry] = []
         for old in block.entries:
             if old.end <= s or e <= old.start:
                 keep.append(old)
@@ -487,14 +406,13 @@ class RaceChecker:
                     (s, e, access.run, dims), (old.start, old.end, old.run, old.dims)
                 )
             ):
-                self._report(access, rec, old, record, stack)
+                self._report(access, rec, old, here)
             keep.append(old)
-        keep.append(_Entry(s, e, access.run, dims, w, me, epoch, record, stack, access.argument))
+        keep.append(Entry.of(access, here))
         block.entries = keep
 
-    def _report(
-        self, access: Access, rec: _Storage, old: _Entry, record: OpRecord, stack: Any
-    ) -> None:
+    def _report(self, access: Access, rec: Storage, old: Entry, here: Placed) -> None:
+        record, stack = here.record, here.stack
         key = (access.storage, old.record.seq, record.seq)
         if key in self._reported:
             return
@@ -529,21 +447,6 @@ class RaceChecker:
             freed_allocation=None if old.freed_alloc is None else format_stack(old.freed_alloc),
         )
         self._on_race(report)
-
-
-def _on_death(dead: list, rec: _Storage) -> None:
-    # Runs when a storage object dies (any thread, any moment): only snapshot the clocks
-    # that say what the free is ordered after; RaceChecker._reap does the rest.
-    block = rec.block
-    snap = None
-    if block.alloc_track is not None:
-        track = block.alloc_track
-        snap = (list(track.vc), [(t.index, list(t.vc)) for t in block.recorded])
-    dead.append((rec, snap))
-
-
-def _rounded(nbytes: int) -> int:
-    return -(-max(nbytes, 1) // ALLOC_ROUND) * ALLOC_ROUND
 
 
 def _switched_at(stream: str) -> str:

@@ -13,6 +13,7 @@ range instead of calling NVTX (a CPU build has none); every other thread calls t
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -110,8 +111,8 @@ def _wrap_push(original: Callable[..., Any]) -> Callable[..., Any]:
         ranges.open(str(msg), "nvtx")
         return ranges.depth - 1  # NVTX's answer: the depth of the range
 
-    range_push.__doc__ = original.__doc__
-    range_push.__wrapped__ = original  # type: ignore[attr-defined]
+    # Its docstring, and `__wrapped__`, which marks the function patched (and unwraps it).
+    functools.update_wrapper(range_push, original, assigned=("__doc__",), updated=())
     return range_push
 
 
@@ -123,8 +124,8 @@ def _wrap_pop(original: Callable[..., Any]) -> Callable[..., Any]:
         ranges.close()
         return ranges.depth
 
-    range_pop.__doc__ = original.__doc__
-    range_pop.__wrapped__ = original  # type: ignore[attr-defined]
+    # Its docstring, and `__wrapped__`, which marks the function patched (and unwraps it).
+    functools.update_wrapper(range_pop, original, assigned=("__doc__",), updated=())
     return range_pop
 
 

@@ -13,22 +13,29 @@ in either mode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from dbo.checks import as_int
-from dbo.sim.cost import COMM_MODES, comm_link, comm_time_us, ep_traffic, host_family
+from dbo.sim.cost import COMM_MODES, comm_link, comm_time_us, ep_traffic
+from dbo.sim.families import host_family
 from dbo.sim.hardware import HardwareProfile
-from dbo.sim.records import Access
-from dbo.sim.state import CommRegion, ThreadState
+from dbo.sim.records import COMM
+from dbo.sim.state import CommRegion, PlannedOp, ThreadState
 
-__all__ = ["RegionOp", "open_region", "region_ops"]
+__all__ = ["open_region", "region_ops"]
 
 
 def open_region(
-    profile: HardwareProfile, state: ThreadState, kind: str, nbytes: int, mode: str,
-    ep_size: int, link: str | None,
-) -> CommRegion:  # fmt: skip
+    profile: HardwareProfile,
+    state: ThreadState,
+    kind: str,
+    nbytes: int,
+    mode: str,
+    ep_size: int,
+    link: str | None,
+) -> CommRegion:
     """A checked comm region entered by the thread whose state is `state`, on its current
     stream (not yet made the thread's: the caller does that around the block)."""
     if mode not in COMM_MODES:
@@ -44,32 +51,13 @@ def open_region(
     return CommRegion(kind, nbytes, mode, ep_size, link, state.stream, [], [], [], [])
 
 
-@dataclass(frozen=True)
-class RegionOp:
-    """One op a comm region is placed as (arguments of `SimDevice.place_op`)."""
-
-    name: str
-    cost_us: float
-    on_link: bool = False  # on the link track (a low-latency transfer), not the region's stream
-    after_send: bool = False  # leaves once the op before it (its send) has ended
-    nbytes: float = 0.0
-    reads: list[Access] = field(default_factory=list)
-    writes: list[Access] = field(default_factory=list)
-    fresh: list[int] = field(default_factory=list)
-    args: dict[str, Any] = field(default_factory=dict)
-    sm_share: float = 0.0
-    launch: bool = True
-    host_us: float | None = None
-    full_grid: bool = False
-
-
 def region_ops(
     profile: HardwareProfile,
     region: CommRegion,
     ht_rdma_share: float,
     replaying: bool,
     ht_nvl_share: float | None = None,
-) -> list[RegionOp]:
+) -> list[PlannedOp]:
     """The ops `region` is placed as, in order (see the module docstring)."""
     # A replayed graph writes the storages it captured: nothing is freshly allocated.
     fresh = [] if replaying else region.fresh
@@ -82,37 +70,48 @@ def region_ops(
     if region.mode == "ht" and region.link is None and ht_nvl_share is not None:
         wire = nbytes * ht_nvl_share + (rdma_bytes or 0.0)  # NVLink and RDMA as DeepEP's kernels
     cost = comm_time_us(
-        profile, region.kind, wire, region.ep_size, region.mode, region.link,
+        profile,
+        region.kind,
+        wire,
+        region.ep_size,
+        region.mode,
+        region.link,
         rdma_bytes=rdma_bytes,
-    )  # fmt: skip
+    )
     which = comm_link(profile, region.ep_size, region.link)
     args: dict[str, Any] = {"mode": region.mode, "ep_size": region.ep_size, "link": which}
     name = f"comm::{region.kind}"
     if region.mode == "ht":
         share = profile.comm_sms / profile.num_sms
         args["sm_share"] = share
-        return [
-            RegionOp(
-                name, cost, nbytes=nbytes, reads=region.reads, writes=region.writes,
-                fresh=fresh, args=args, sm_share=share,
-            )
-        ]  # fmt: skip
-    send = RegionOp(
-        f"{name}.send", profile.ll_send_us, reads=region.reads, fresh=fresh, args=dict(args)
-    )
-    transfer = RegionOp(
-        name, cost, on_link=True, after_send=True, nbytes=nbytes, writes=region.writes,
-        args=args, launch=False,
-    )  # fmt: skip
-    return [send, transfer]
+        held = PlannedOp(name, cost, COMM, nbytes=nbytes, args=args, sm_share=share)
+        return [_touching(held, region, fresh)]
+    # The send reads the region's inputs; the transfer, on the link, writes its outputs.
+    send = PlannedOp(f"{name}.send", profile.ll_send_us, COMM, reads=region.reads, fresh=fresh)
+    transfer = PlannedOp(name, cost, COMM, nbytes=nbytes, writes=region.writes, launch=False)
+    return [
+        replace(send, args=dict(args)),
+        replace(transfer, args=args, on_link=True, after_send=True),
+    ]
 
 
-def _local_op(profile: HardwareProfile, region: CommRegion, fresh: list[int]) -> RegionOp:
+def _touching(op: PlannedOp, region: CommRegion, fresh: Sequence[int]) -> PlannedOp:
+    """`op` with all of the region's accesses."""
+    return replace(op, reads=region.reads, writes=region.writes, fresh=fresh)
+
+
+def _local_op(profile: HardwareProfile, region: CommRegion, fresh: list[int]) -> PlannedOp:
     args: dict[str, Any] = {"mode": region.mode, "ep_size": 1, "link": "local"}
     if region.op_fallback_us:
         args["fallback_us"] = region.op_fallback_us
     host = sum(profile.eager_host_us(host_family(n)) for n in region.op_names)
-    return RegionOp(
-        f"comm::{region.kind}", region.op_us, nbytes=region.op_bytes, reads=region.reads,
-        writes=region.writes, fresh=fresh, args=args, host_us=host, full_grid=True,
-    )  # fmt: skip
+    local = PlannedOp(
+        f"comm::{region.kind}",
+        region.op_us,
+        COMM,
+        nbytes=region.op_bytes,
+        args=args,
+        host_us=host,
+        full_grid=True,
+    )
+    return _touching(local, region, fresh)

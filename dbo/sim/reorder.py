@@ -148,7 +148,7 @@ def _comm_tasks(graph: SimGraph, item: GraphComm, start: int) -> list[_Task]:
                 item.ubatch,
                 [*op.reads, *op.writes],
                 tuple(item.ops) if last else (),
-            )  # fmt: skip
+            )
         )
         if k:
             tasks[-1].deps.add(start + k - 1)
@@ -291,9 +291,17 @@ def _storages(graph: SimGraph) -> tuple[dict[int, torch.UntypedStorage], dict[in
 # In-place ops that overwrite the bytes they write without reading them first; any other op
 # that writes through one of its inputs (add_, mul_) reads them too.
 _OVERWRITES = frozenset(
-    {"aten::fill_", "aten::zero_", "aten::copy_", "aten::normal_", "aten::uniform_",
-     "aten::random_", "aten::bernoulli_", "aten::exponential_"}
-)  # fmt: skip
+    {
+        "aten::fill_",
+        "aten::zero_",
+        "aten::copy_",
+        "aten::normal_",
+        "aten::uniform_",
+        "aten::random_",
+        "aten::bernoulli_",
+        "aten::exponential_",
+    }
+)
 
 
 def _overwrites(task: _Task, access: Access) -> bool:

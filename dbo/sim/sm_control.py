@@ -23,12 +23,15 @@ class SmControlHooks:
     `dbo_gemm_sms`)."""
 
     profile: Any
-    dbo_gemm_sms: int | None
-    own_sm_settings: tuple[int, int | None] | None = None  # before the first setter call
+    dbo_gemm_sms: int | None  # the device's property: `compute_sms` when set
+    compute_sms: int | None = None  # set by `set_compute_sms`; None: the device's own
+    own_comm_sms: int | None = None  # the profile's, before the first `set_comm_sms`
 
     def set_comm_sms(self, sms: int) -> None:
         """From now, high-throughput comm kernels run on `sms` SMs (their share of the GPU)."""
-        own_comm, _ = self._own_settings()
+        if self.own_comm_sms is None:
+            self.own_comm_sms = self.profile.comm_sms
+        own_comm = self.own_comm_sms
         sms = self._checked_sms("comm", sms)
         self.profile = replace(
             self.profile, comm_sms=own_comm if sms == self.profile.num_sms else sms
@@ -37,14 +40,8 @@ class SmControlHooks:
     def set_compute_sms(self, sms: int) -> None:
         """From now, a ubatch's GEMMs run on `sms` SMs of their own, never stretched by comm
         kernels (the `dbo_gemm_sms` pricing)."""
-        _, own_gemm = self._own_settings()
         sms = self._checked_sms("compute", sms)
-        self.dbo_gemm_sms = own_gemm if sms == self.profile.num_sms else sms
-
-    def _own_settings(self) -> tuple[int, int | None]:
-        if self.own_sm_settings is None:
-            self.own_sm_settings = (self.profile.comm_sms, self.dbo_gemm_sms)
-        return self.own_sm_settings
+        self.compute_sms = None if sms == self.profile.num_sms else sms
 
     def _checked_sms(self, what: str, sms: Any) -> int:
         total = self.profile.num_sms

@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 import torch
 
 from dbo.frames import runtime_files
 
-__all__ = ["user_stack", "format_stack"]
+__all__ = ["Stack", "format_stack", "user_stack"]
+
+# Raw frames, innermost last: (file, line, function).
+Stack = tuple[tuple[str, int, str], ...]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SKIP_FILES = ("threading.py", "contextlib.py", "weakref.py")
 
 
-def user_stack(depth: int = 4, skip: int = 1) -> tuple[tuple[str, int, str], ...]:
+def user_stack(depth: int = 4, skip: int = 1) -> Stack:
     """The innermost `depth` frames of the user's code (outside torch, dbo.sim, the ubatch
     runtime and stdlib context plumbing), as raw (file, line, function) tuples, innermost
     last; the innermost runtime frame alone when no user frame is on the stack. Raw so that
@@ -46,7 +48,7 @@ def user_stack(depth: int = 4, skip: int = 1) -> tuple[tuple[str, int, str], ...
     return tuple(frames)
 
 
-def format_stack(raw: Any) -> tuple[str, ...]:
+def format_stack(raw: Stack | None) -> tuple[str, ...]:
     """Raw frames as "file:line:function", files under the working directory made relative."""
     cwd = os.getcwd()
     return tuple(

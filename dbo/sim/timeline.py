@@ -22,8 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = [
+    "GpuLoad",
+    "Kernel",
     "SmBusy",
     "Span",
     "Turns",
@@ -47,6 +50,28 @@ class Turns:
 
     compute_end: float = 0.0
     grid_end: float = 0.0
+
+
+class Kernel(NamedTuple):  # a tuple: made for every op placed, so it must be cheap
+    """What placement needs of one op: its cost alone on the GPU, whether it is compute or a
+    full-grid kernel (each takes the GPU in turn with the other), and `reserved_sms` =
+    (num_sms, sms) when it runs on its own `sms` of the GPU's SMs."""
+
+    cost_us: float
+    compute: bool
+    full_grid: bool = False
+    reserved_sms: tuple[int, int] | None = None
+
+
+class GpuLoad(NamedTuple):  # as cheap as `Kernel`
+    """What holds the GPU where an op is placed: the turns, the comm kernels holding SMs (a
+    share of at most `max_share` counts), and the profile's `overlap_rates` (None or empty:
+    turns cost nothing extra)."""
+
+    turns: Turns
+    busy: Sequence[SmBusy]
+    max_share: float
+    rates: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -111,42 +136,33 @@ def contention_us(
     return loss * min(waited / other, work / own)
 
 
-def place_span(
-    ready: float,
-    cost_us: float,
-    *,
-    compute: bool,
-    full_grid: bool,
-    turns: Turns,
-    busy: Sequence[SmBusy],
-    max_share: float,
-    rates: Mapping[str, float] | None,
-    reserved_sms: tuple[int, int] | None = None,
-) -> Span:
-    """Where an op ready at `ready` runs. A full-grid kernel waits for compute and compute
-    for full-grid kernels (turns); compute is stretched by the comm kernels in `busy`, unless
-    `reserved_sms` = (num_sms, sms) runs it on its own `sms` of the GPU's SMs (never
-    stretched, but slower); an op that waited for its turn carries the contention charge."""
-    start = ready
-    if full_grid:
-        start = max(start, turns.compute_end)
-    elif compute:
-        start = max(start, turns.grid_end)
-    if reserved_sms is not None:
-        num_sms, sms = reserved_sms
+def place_span(ready: float, kernel: Kernel, load: GpuLoad) -> Span:
+    """Where `kernel`, ready at `ready`, runs under `load`. A full-grid kernel waits for
+    compute and compute for full-grid kernels (turns); compute is stretched by the comm
+    kernels holding SMs, unless it runs on reserved SMs (never stretched, but slower); an op
+    that waited for its turn carries the contention charge."""
+    start, cost_us = ready, kernel.cost_us
+    if kernel.full_grid:
+        start = max(start, load.turns.compute_end)
+    elif kernel.compute:
+        start = max(start, load.turns.grid_end)
+    if kernel.reserved_sms is not None:
+        num_sms, sms = kernel.reserved_sms
         cost_us = cost_us * num_sms / sms
         end = start + cost_us
+    elif kernel.compute:
+        end = stretch(load.busy, start, cost_us, load.max_share)
     else:
-        end = stretch(busy, start, cost_us, max_share) if compute else start + cost_us
-    contention = contention_us(rates, full_grid, start - ready, cost_us)
+        end = start + cost_us
+    contention = contention_us(load.rates, kernel.full_grid, start - ready, cost_us)
     return Span(ready, start, end + contention, cost_us, contention)
 
 
-def after(turns: Turns, span: Span, *, compute: bool, full_grid: bool) -> Turns:
-    """The turns once `span` is placed."""
-    if full_grid:
+def after(turns: Turns, span: Span, kernel: Kernel) -> Turns:
+    """The turns once `kernel` is placed at `span`."""
+    if kernel.full_grid:
         return Turns(turns.compute_end, max(turns.grid_end, span.end))
-    if compute:
+    if kernel.compute:
         return Turns(max(turns.compute_end, span.end), turns.grid_end)
     return turns
 

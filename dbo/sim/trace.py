@@ -40,9 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from dbo.sim.records import (
-    COMM,
-    COMPUTE,
-    GRAPH_LAUNCH,
     HANDOFF,
     SYNC,
     EventWait,
@@ -56,6 +53,7 @@ from dbo.sim.window import TraceRun, Window, WindowSpec, layer_starts, parse_win
 
 __all__ = [
     "HOST_TRACK",
+    "STANDARD_ARGS",
     "TraceRun",
     "Window",
     "WindowSpec",
@@ -65,7 +63,6 @@ __all__ = [
     "merge_traces",
     "parse_window",
     "race_sites",
-    "runs_from_trace",
     "track_of",
     "track_order",
     "windowed",
@@ -77,7 +74,7 @@ HOST_TRACK = "host"
 
 # Keys every op event carries in `args`; a record arg with one of these names is kept under
 # "record.<name>" rather than silently overwritten.
-_STANDARD_ARGS = ("rank", "ubatch", "stream", "seq", "flops", "bytes", "issue_us", "replayed")
+STANDARD_ARGS = ("rank", "ubatch", "stream", "seq", "flops", "bytes", "issue_us", "replayed")
 
 _TID_STRIDE = 1000
 
@@ -123,7 +120,7 @@ def _op_args(r: OpRecord) -> dict[str, Any]:
     args: dict[str, Any] = {}
     for k, v in (r.args or {}).items():
         key = str(k)
-        args[f"record.{key}" if key in _STANDARD_ARGS else key] = _json_safe(v)
+        args[f"record.{key}" if key in STANDARD_ARGS else key] = _json_safe(v)
     args.update(
         rank=r.rank,
         ubatch=r.ubatch,
@@ -297,21 +294,36 @@ class _Layout:
             args = _op_args(r)
             if r.seq in self.race_args:
                 args["races"] = self.race_args[r.seq]
-            out.append({
-                "ph": "X", "name": r.name, "cat": r.kind, "pid": pid, "tid": tid,
-                "ts": float(r.start_us), "dur": float(r.end_us - r.start_us), "args": args,
-            })  # fmt: skip
+            out.append(
+                {
+                    "ph": "X",
+                    "name": r.name,
+                    "cat": r.kind,
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": float(r.start_us),
+                    "dur": float(r.end_us - r.start_us),
+                    "args": args,
+                }
+            )
         return out
 
     def range_events(self) -> list[dict[str, Any]]:
         out = []
         for k, g in enumerate(self.run.ranges):
             pid, tid = self.where[(g.rank, -1 - k)]
-            out.append({
-                "ph": "X", "name": g.name, "cat": f"range.{g.source}", "pid": pid, "tid": tid,
-                "ts": float(g.start_us), "dur": float(g.end_us - g.start_us),
-                "args": {"rank": g.rank, "ubatch": g.ubatch, "source": g.source},
-            })  # fmt: skip
+            out.append(
+                {
+                    "ph": "X",
+                    "name": g.name,
+                    "cat": f"range.{g.source}",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": float(g.start_us),
+                    "dur": float(g.end_us - g.start_us),
+                    "args": {"rank": g.rank, "ubatch": g.ubatch, "source": g.source},
+                }
+            )
         return out
 
     # -- flow arrows: an event's record to its waits ----------------------------------------
@@ -374,17 +386,24 @@ class _Layout:
             else:
                 pid = self.pid(self.ranks[0] if self.ranks else 0)
                 ts, tid = float(trace_end), pid * _TID_STRIDE
-            out.append({
-                "ph": "i", "s": "g", "name": "race", "cat": "race", "pid": pid, "tid": tid,
-                "ts": ts,
-                "args": {
-                    "description": race.describe(),
-                    "storage": f"{race.storage:#x}",
-                    "first": _site_args(race.first),
-                    "second": _site_args(race.second),
-                    "placed_at_matching_op": match is not None,
-                },
-            })  # fmt: skip
+            out.append(
+                {
+                    "ph": "i",
+                    "s": "g",
+                    "name": "race",
+                    "cat": "race",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": ts,
+                    "args": {
+                        "description": race.describe(),
+                        "storage": f"{race.storage:#x}",
+                        "first": _site_args(race.first),
+                        "second": _site_args(race.second),
+                        "placed_at_matching_op": match is not None,
+                    },
+                }
+            )
         return out
 
 
@@ -478,74 +497,3 @@ def write_chrome_trace_runs(
     text = json.dumps(trace, allow_nan=False, separators=(",", ":"))
     path.write_text(text, encoding="utf-8")
     return path
-
-
-# Op kinds a trace's complete events carry in "cat" (named ranges are "range.<source>").
-_OP_KINDS = frozenset({COMPUTE, COMM, SYNC, HANDOFF, GRAPH_LAUNCH})
-
-
-def runs_from_trace(trace: Mapping[str, Any]) -> list[TraceRun]:
-    """The runs a trace written by this module holds, read back (ops, ranges, races), one
-    per label in process order: what re-drawing a written trace, windowed, needs."""
-    labels: dict[int, str | None] = {}
-    for e in trace.get("traceEvents", ()):
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            name = str(e["args"]["name"])
-            labels[e["pid"]] = name.rsplit(" · rank ", 1)[0] if " · rank " in name else None
-    order = list(dict.fromkeys(labels[pid] for pid in sorted(labels)))
-    records: dict[str | None, list[OpRecord]] = {label: [] for label in order}
-    ranges: dict[str | None, list[HostRange]] = {label: [] for label in order}
-    races: dict[str | None, list[RaceReport]] = {label: [] for label in order}
-    for e in trace.get("traceEvents", ()):
-        label = labels.get(e.get("pid"))
-        if label not in records:
-            continue
-        args = e.get("args", {})
-        if e["ph"] == "X" and e.get("cat") in _OP_KINDS:
-            records[label].append(_record_from_event(e))
-        elif e["ph"] == "X" and str(e.get("cat", "")).startswith("range."):
-            ranges[label].append(
-                HostRange(
-                    args["rank"],
-                    args["ubatch"],
-                    e["name"],
-                    e["ts"],
-                    e["ts"] + e["dur"],
-                    args["source"],
-                )
-            )
-        elif e["ph"] == "i" and e.get("cat") == "race":
-            races[label].append(
-                RaceReport(int(args["storage"], 16), _site(args["first"]), _site(args["second"]))
-            )
-    return [
-        TraceRun(
-            label, sorted(records[label], key=lambda r: r.seq), races[label], (), ranges[label]
-        )
-        for label in order
-    ]
-
-
-def _record_from_event(e: Mapping[str, Any]) -> OpRecord:
-    args = dict(e["args"])
-    standard = {k: args.pop(k) for k in _STANDARD_ARGS}
-    extra = {k.removeprefix("record."): v for k, v in args.items() if k != "races"}
-    return OpRecord(
-        seq=standard["seq"], name=e["name"], kind=e["cat"], rank=standard["rank"],
-        ubatch=standard["ubatch"], stream=standard["stream"], issue_us=standard["issue_us"],
-        start_us=e["ts"], end_us=e["ts"] + e["dur"], flops=standard["flops"],
-        bytes=standard["bytes"], replayed=standard["replayed"], args=extra,
-    )  # fmt: skip
-
-
-def _site(args: Mapping[str, Any]) -> OpSite:
-    start, end = args["byte_range"]
-    return OpSite(
-        args["op"],
-        args["ubatch"],
-        args["stream"],
-        start,
-        end,
-        args["is_write"],
-        tuple(args["stack"]),
-    )

@@ -101,9 +101,13 @@ class LayerBytes:
 
     def reversed(self) -> LayerBytes:
         return LayerBytes(
-            self.nvl_recv, self.nvl_send, self.rdma_recv, self.rdma_send, self.sends_to.T,
+            self.nvl_recv,
+            self.nvl_send,
+            self.rdma_recv,
+            self.rdma_send,
+            self.sends_to.T,
             self.rdma_counted,
-        )  # fmt: skip
+        )
 
 
 def layer_bytes(
@@ -135,8 +139,9 @@ def layer_bytes(
     e = placement.shape[0]
     to_rank = token_bytes * (1.0 - miss_probability(c, top_k, e, ranks, groups))  # [p, r]
     if nodes == 1:
-        return LayerBytes(to_rank.sum(1), to_rank.sum(0), np.zeros(ranks), np.zeros(ranks),
-                          sends_to)  # fmt: skip
+        return LayerBytes(
+            to_rank.sum(1), to_rank.sum(0), np.zeros(ranks), np.zeros(ranks), sends_to
+        )
     node_c = np.stack([c[:, node == n].sum(axis=1) for n in range(nodes)], axis=1)  # [p, n]
     counted = token_bytes * (1.0 - miss_probability(node_c, top_k, e, nodes, groups))
     to_node = counted * (node[:, None] != np.arange(nodes)[None, :])  # the NIC: remote nodes

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.sim.records import COMPUTE
 from dbo.split import UBatchSlice, maybe_create_ubatch_slices
 from scenarios.bugs.registry import Verdict, bug_pair
@@ -64,7 +65,7 @@ def simulated_timeline(buggy: bool) -> Timeline:
     batch = Batch((0, PROMPTS[0], sum(PROMPTS)), (0, 0))
     model = MoEModel(config, batch)
     x = model.inputs()
-    device = SimDevice("h200", tensor_device="meta")
+    device = SimDevice(SimOptions("h200", tensor_device="meta"))
     serial = serial_step(model, x, device, mode="ht")
     dbo_step = ubatched_step(model, x, device, mode="ht", slices=_slices(buggy))
     prepare(device.torch_device, 2, [serial.output, dbo_step.output])

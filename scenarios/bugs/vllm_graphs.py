@@ -67,7 +67,7 @@ def mixed_batch() -> dict:
 
 def graph_runner(key=None) -> CUDAGraphRunner:
     """The engine's graphs, captured on its dummy decode batches."""
-    runner = CUDAGraphRunner(attention, dispatcher(), device=SimDevice("h200"), key=key)
+    runner = CUDAGraphRunner(attention, dispatcher(), device=SimDevice(), key=key)
     runner.capture_all(lambda k: decode_batch(k.num_tokens))
     return runner
 

@@ -33,6 +33,7 @@ from dbo.comm import EPGroup
 from dbo.sim import SimDevice
 from dbo.sim.cluster import ClusterResult, simulate_cluster
 from dbo.sim.cluster_program import StreamProgram, record_program
+from dbo.sim.options import ProfileOverrides, SimOptions
 from dbo.sim.routing import Routing, assign_experts, balanced, contiguous, routed_counts, zipf
 from dbo.split import UBatchSlice, split_batch
 from scenarios.harness import RunOptions
@@ -57,7 +58,7 @@ TOKENS = 256  # per rank, every rank the same (the DP ranks' agreed, padded coun
 NUM_EXPERTS, TOP_K, HIDDEN, INTER, NUM_LAYERS = 8, 2, 512, 1024, 2
 # A fast host, so that the step is device-bound and the routing moves it: on the calibrated
 # H200 host one baton pass costs more than this small model's expert GEMMs.
-HOST_COSTS = {"launch_us": 1.0, "handoff_us": 1.0}
+HOST_COSTS = ProfileOverrides(launch_us=1.0, handoff_us=1.0)
 MODE = "ht"
 # Values: the processes' output against the one-process run of the same batch.
 VALUE_TOLERANCE = 1e-4
@@ -177,7 +178,7 @@ def crosscheck_program(
         [TOKENS // num_ubatches],
         priced_as_rank=True,
     )
-    device = SimDevice(profile, **HOST_COSTS)
+    device = SimDevice(SimOptions(profile, overrides=HOST_COSTS))
     step = ubatched_step(model, model.inputs(), device, mode=MODE, slices=_slices(num_ubatches))  # type: ignore[arg-type]
     try:
         prepare(device.torch_device, step.num_ubatches, [step])
@@ -203,7 +204,7 @@ def _reference_output(
     n = opts.num_ubatches
     ep = EPGroup(num_experts=NUM_EXPERTS, ep_size=world)
     model = CrossCheckModel(ep, routing, [TOKENS // n])
-    device = SimDevice(opts.profile, **HOST_COSTS)
+    device = SimDevice(SimOptions(opts.profile, overrides=HOST_COSTS))
     step = ubatched_step(model, x, device, mode=MODE, slices=_slices(n))  # type: ignore[arg-type]
     prepare(device.torch_device, n, [])
     try:
@@ -224,7 +225,7 @@ def _crosscheck_rank(env: RankEnv, opts: RunOptions, *, skew: str) -> RankOutcom
     run = run_rank_step(
         model,  # type: ignore[arg-type]
         x,
-        device=SimDevice(opts.profile, rank=env.rank, **HOST_COSTS),
+        device=SimDevice(SimOptions(opts.profile, overrides=HOST_COSTS, rank=env.rank)),
         ep=ep,
         slices=_slices(n),
         mode=MODE,

@@ -10,6 +10,7 @@ import torch
 
 from dbo.comm import EPStepMismatchError, use_ep_group
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.split import (
     UBatchDecision,
     UBatchSlice,
@@ -57,7 +58,7 @@ def _single_process_run(
     device = (
         rank_device(env, opts)
         if config.tensor_device.startswith("cuda")
-        else SimDevice(opts.profile)
+        else SimDevice(SimOptions(opts.profile))
     )
     return run_step(
         MoEModel(config, batch),
@@ -261,7 +262,7 @@ def _dp_disagreement_rank(env: RankEnv, opts: RunOptions) -> RankOutcome:
     reference = run_step(
         MoEModel(config, batch),
         x,
-        device=SimDevice(opts.profile),
+        device=SimDevice(SimOptions(opts.profile)),
         num_ubatches=None,
         mode="ht",
         timeout_s=opts.timeout_s,

@@ -8,6 +8,7 @@ import torch
 
 from dbo.comm import EPGroup
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.split import UBatchSlice
 from dbo.streams import CudaDevice, Device
 from scenarios.harness import RunOptions, StepRun, measure
@@ -24,7 +25,7 @@ TOLERANCE = 1e-9
 def rank_device(env: RankEnv, opts: RunOptions, tensor_device: str = "cpu") -> Device:
     """This rank's device: a simulated GPU labelled with the rank, or its own CUDA device."""
     if opts.device == "sim":
-        return SimDevice(opts.profile, rank=env.rank, tensor_device=tensor_device)
+        return SimDevice(SimOptions(opts.profile, rank=env.rank, tensor_device=tensor_device))
     return CudaDevice(env.local_rank)
 
 

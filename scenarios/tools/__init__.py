@@ -1,5 +1,7 @@
 """The `dbo-sim` verbs, one tool module each (`add_arguments(parser)`, `run(args)`): list, run,
-sweep, stress, bench, fidelity, profile, verify, gpu-check, calibrate-host and race-check,
-with what they share (the options of run and sweep, the `UsageError` refusals, the progress
-bar). Each is reached through the one CLI (`scenarios.cli`); none is imported by the
-workloads themselves."""
+sweep, stress, plan, bench, fidelity, profile, verify, gpu-check, calibrate-host, race-check,
+bugs and analyze. A verb may keep helpers of its own beside it (`plan_output`, `run_table`,
+`fidelity_*`, `analyze_sim`) and the options `run` and `sweep` share (`common`); what several
+verbs share lives in `scenarios.lib`. No verb imports another; each is reached through the one
+CLI (`scenarios.cli`), which imports only the verb it runs.
+"""

@@ -23,7 +23,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from scenarios.tools.usage import UsageError, int_in, writable_dir
+from scenarios.lib.usage import UsageError, int_in, writable_dir
 
 __all__ = ["MAX_STEPS", "add_arguments", "run"]
 

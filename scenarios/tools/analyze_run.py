@@ -20,18 +20,27 @@ from dbo.analysis.timeline import DeviceTimeline, Step
 from dbo.sim.plot import plot_timeline
 from dbo.sim.records import SYNC, HostRange, OpRecord
 from dbo.sim.trace import Window, WindowSpec, chrome_trace, parse_window
+from scenarios.lib.usage import UsageError
 from scenarios.tools import analyze_sim
-from scenarios.tools.usage import UsageError
 
 __all__ = ["CLASS_COLORS", "analyze", "artifact_records", "write_artifacts"]
 
 # Chrome's reserved colour names (trace viewer `cname`), one per kernel class.
 CLASS_COLORS = {
-    "gemm": "thread_state_running", "grouped_gemm": "good", "attention": "rail_animation",
-    "norm": "olive", "elementwise": "yellow", "copy": "grey", "gather": "rail_idle",
-    "scatter": "rail_load", "sort_topk": "rail_response", "comm": "terrible",
-    "memcpy": "generic_work", "memset": "white", "other": "black",
-}  # fmt: skip
+    "gemm": "thread_state_running",
+    "grouped_gemm": "good",
+    "attention": "rail_animation",
+    "norm": "olive",
+    "elementwise": "yellow",
+    "copy": "grey",
+    "gather": "rail_idle",
+    "scatter": "rail_load",
+    "sort_topk": "rail_response",
+    "comm": "terrible",
+    "memcpy": "generic_work",
+    "memset": "white",
+    "other": "black",
+}
 
 
 def _window(timeline: DeviceTimeline, step: Step, text: str | None) -> Window | None:
@@ -81,9 +90,18 @@ def artifact_records(
     for h in timeline.host_between(step.start_us, step.end_us):
         if h.cat == "sync":
             records.append(
-                OpRecord(seq, h.name, SYNC, 0, ubatch_of.get(h.thread), "host",
-                         h.start_us - t0, h.start_us - t0, h.end_us - t0)
-            )  # fmt: skip
+                OpRecord(
+                    seq,
+                    h.name,
+                    SYNC,
+                    0,
+                    ubatch_of.get(h.thread),
+                    "host",
+                    h.start_us - t0,
+                    h.start_us - t0,
+                    h.end_us - t0,
+                )
+            )
             seq += 1
         elif h.thread in ubatch_of and h.cat in ("cuda_runtime", "cuda_driver"):
             ranges.append(
@@ -94,9 +112,20 @@ def artifact_records(
 
 def _shifted(r: OpRecord, t0: float) -> OpRecord:
     return OpRecord(
-        r.seq, r.name, r.kind, r.rank, r.ubatch, r.stream, r.issue_us - t0, r.start_us - t0,
-        r.end_us - t0, r.flops, r.bytes, r.replayed, r.args,
-    )  # fmt: skip
+        r.seq,
+        r.name,
+        r.kind,
+        r.rank,
+        r.ubatch,
+        r.stream,
+        r.issue_us - t0,
+        r.start_us - t0,
+        r.end_us - t0,
+        r.flops,
+        r.bytes,
+        r.replayed,
+        r.args,
+    )
 
 
 def write_artifacts(
@@ -104,8 +133,11 @@ def write_artifacts(
 ) -> tuple[Path, Path]:
     """`<stem>.analyze.png` and `<stem>.analyze.trace.json` of one step in `out`."""
     records, ranges = artifact_records(report.timeline, step)
-    local = None if window is None else Window(window.start_us - step.start_us,
-                                               window.end_us - step.start_us)  # fmt: skip
+    local = (
+        None
+        if window is None
+        else Window(window.start_us - step.start_us, window.end_us - step.start_us)
+    )
     stem = out / f"{_stem(report.path)}.analyze"
     figures = next(s for s in report.steps if s.figures.label == step.label).figures.summary
     title = (

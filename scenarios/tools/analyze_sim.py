@@ -19,15 +19,15 @@ from typing import Any
 from dbo.analysis import StepReport, TraceReport
 from dbo.analysis.kernels import class_of_sim_op
 from dbo.sim import PROFILES, SimDevice
+from dbo.sim.options import SimOptions
 from dbo.sim.records import COMM, COMPUTE, OpRecord
 from dbo.sim.summary import summarize
+from scenarios.lib.configs import GPU_CHECK, CheckCase, config_names, plan_cases
+from scenarios.lib.usage import UsageError, read_json_file
 from scenarios.model import MoEModel
 from scenarios.model_config import config_changes
 from scenarios.model_presets import torch_dtypes
 from scenarios.steps import prepare, serial_step, ubatched_step
-from scenarios.tools.gpu_check import CheckCase
-from scenarios.tools.profile import GPU_CHECK, config_names, plan_cases
-from scenarios.tools.usage import UsageError, read_json_file
 from workspace import reset_workspace_manager
 
 __all__ = ["Row", "SimRequest", "compare", "format_rows", "plan", "profile_for", "simulate"]
@@ -106,7 +106,7 @@ def simulate(case: CheckCase, profile: str, num_ubatches: int | None) -> list[Op
     """One eager step of the case on a fresh simulated device (meta tensors), after a warm-up
     and the workspace lock, as the traces were taken; its records."""
     config = case.config.with_(tensor_device="meta")
-    device = SimDevice(profile, tensor_device="meta")
+    device = SimDevice(SimOptions(profile, tensor_device="meta"))
     model = MoEModel(config, case.batch)
     x = model.inputs()
     if num_ubatches is None:

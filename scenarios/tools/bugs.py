@@ -12,7 +12,7 @@ import argparse
 import json
 
 from scenarios.bugs.catalog import BUGS, Bug, BugResult, run_bug
-from scenarios.tools.usage import UsageError
+from scenarios.lib.usage import UsageError
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 

@@ -12,7 +12,8 @@ simulated device (`--device sim`), which has no real launches to time (its launc
 so). The H200 profile's host costs came from this measurement on an H200 host (the values are
 in `dbo.sim.hardware`). The result is written as JSON to `--out` (default
 `out/host-costs.json`, checked writable before anything is measured); use it with
-`dataclasses.replace(profile, launch_us=..., handoff_us=...)` or the `SimDevice` options.
+`dataclasses.replace(profile, launch_us=..., handoff_us=...)` or a device's
+`SimOptions(overrides=ProfileOverrides(launch_us=..., handoff_us=...))`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 import dbo
 from dbo.devices import resolve_device
 from dbo.streams import Device
-from scenarios.tools.usage import UsageError, writable_file
+from scenarios.lib.usage import UsageError, writable_file
 
 DESCRIPTION = __doc__.splitlines()[0] + " Needs a CUDA GPU unless --device sim."
 DEFAULT_OUT = "out/host-costs.json"

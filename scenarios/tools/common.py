@@ -12,7 +12,7 @@ from pathlib import Path
 from dbo.sim import profile_from_name
 from dbo.sim.hardware import PROFILES
 from scenarios.harness import RunOptions
-from scenarios.tools.usage import UsageError, int_in, timeout_seconds, writable_dir
+from scenarios.lib.usage import UsageError, int_in, timeout_seconds, writable_dir
 
 __all__ = ["MAX_UBATCHES", "add_run_options", "clock_line", "run_options"]
 

@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable
 
 from dbo.sim.hardware import H800
+from scenarios.lib.progress import advance, progress_bar
+from scenarios.lib.usage import Interrupted
 from scenarios.tools.fidelity_kernels import deepep_ll_us, deepep_rows, normal_bandwidth_gbps
 from scenarios.tools.fidelity_rows import (
     DEEPEP_LL_PUBLISHED,
@@ -45,14 +47,10 @@ from scenarios.tools.fidelity_rows import (
     DEEPEP_RDMA_PUBLISHED,
     FidelityReport,
     FidelityRow,
-    StepTimes,
     describe_profile,
-    simulate_step,
 )
 from scenarios.tools.fidelity_scale import scale_rows
 from scenarios.tools.fidelity_steps import sglang_rows, vllm_rows
-from scenarios.tools.progress import advance, progress_bar
-from scenarios.tools.usage import Interrupted
 
 __all__ = [
     "DEEPEP_LL_PUBLISHED",
@@ -60,8 +58,6 @@ __all__ = [
     "DEEPEP_RDMA_PUBLISHED",
     "FidelityRow",
     "FidelityReport",
-    "StepTimes",
-    "simulate_step",
     "deepep_ll_us",
     "normal_bandwidth_gbps",
     "deepep_rows",

@@ -91,7 +91,7 @@ def _ll_rows(profile: HardwareProfile) -> list[FidelityRow]:
                     DEEPEP_README,
                     note,
                     calibration=bool(note),
-                )  # fmt: skip
+                )
             )
     return rows
 
@@ -112,7 +112,7 @@ def _normal_rows(profile: HardwareProfile) -> list[FidelityRow]:
                 "calibration: nvlink_efficiency 0.8 comes from DeepEP's '~160 GB/s NVLink "
                 "maximum', stated beside this figure",
                 calibration=True,
-            )  # fmt: skip
+            )
         )
     lo, hi = DEEPEP_RDMA_PUBLISHED
     bw, _ = normal_bandwidth_gbps("dispatch", 32, profile)
@@ -135,6 +135,6 @@ def _normal_rows(profile: HardwareProfile) -> list[FidelityRow]:
             "calibration, not a check: rdma_efficiency 0.92 was taken inside this range (mid "
             f"{mid:g})",
             calibration=True,
-        )  # fmt: skip
+        )
     )
     return rows

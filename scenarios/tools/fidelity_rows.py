@@ -1,30 +1,20 @@
 """Fidelity's common parts: the published sources and figures, the row records and their
-acceptance rules, the profile description every assumption set starts with, and one simulated
-whole step (`simulate_step`), which the kernel, step and scale rows all build on."""
+acceptance rules, and the profile description every assumption set starts with. The kernel,
+step and scale rows all build on one simulated whole step (`scenarios.lib.simulate`)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dbo.jsonsafe import json_safe
-from dbo.sim import SimDevice
-from dbo.sim.cost import GEMM_OPS
 from dbo.sim.hardware import H100, H200, HardwareProfile
-from dbo.sim.records import COMM, COMPUTE, OpRecord
-from dbo.sim.report import summarize
-from scenarios.model import Batch, ModelConfig, MoEModel, preset
-from scenarios.steps import prepare, serial_step, ubatched_step
-from workspace import reset_workspace_manager
+from scenarios.model import ModelConfig, preset
 
 __all__ = [
     "FidelityRow",
     "FidelityReport",
-    "StepTimes",
-    "simulate_step",
-    "step_gain",
     "deepseek_config",
     "pp_row",
     "range_pp_row",
@@ -150,10 +140,19 @@ def pp_row(
         1, published
     )
     return FidelityRow(
-        key, what, f"{published:+.1f}%", simulated, "%", delta, "pp",
-        f"within {GAIN_TOLERANCE_PP:g} pp, same sign", met, assumptions, source,
+        key,
+        what,
+        f"{published:+.1f}%",
+        simulated,
+        "%",
+        delta,
+        "pp",
+        f"within {GAIN_TOLERANCE_PP:g} pp, same sign",
+        met,
+        assumptions,
+        source,
         "" if met else note,
-    )  # fmt: skip
+    )
 
 
 def range_pp_row(
@@ -169,10 +168,19 @@ def range_pp_row(
     delta = 0.0 if lo <= simulated <= hi else (simulated - hi if simulated > hi else simulated - lo)
     met = abs(delta) <= GAIN_TOLERANCE_PP and simulated > 0
     return FidelityRow(
-        key, what, f"+{lo:g}% to +{hi:g}%", simulated, "%", delta, "pp",
-        f"within {GAIN_TOLERANCE_PP:g} pp of the range, positive", met, assumptions, source,
+        key,
+        what,
+        f"+{lo:g}% to +{hi:g}%",
+        simulated,
+        "%",
+        delta,
+        "pp",
+        f"within {GAIN_TOLERANCE_PP:g} pp of the range, positive",
+        met,
+        assumptions,
+        source,
         "" if met else note,
-    )  # fmt: skip
+    )
 
 
 def rel_row(
@@ -189,9 +197,20 @@ def rel_row(
     delta = (simulated / published - 1.0) * 100.0
     met = abs(delta) <= KERNEL_TOLERANCE * 100
     return FidelityRow(
-        key, what, f"{published:g} {unit}", simulated, unit, delta, "%",
-        f"within {KERNEL_TOLERANCE:.0%}", met, assumptions, source, note, calibration,
-    )  # fmt: skip
+        key,
+        what,
+        f"{published:g} {unit}",
+        simulated,
+        unit,
+        delta,
+        "%",
+        f"within {KERNEL_TOLERANCE:.0%}",
+        met,
+        assumptions,
+        source,
+        note,
+        calibration,
+    )
 
 
 def describe_profile(profile: HardwareProfile) -> str:
@@ -217,101 +236,6 @@ def _kernels(p: HardwareProfile) -> str:
 def _scales(p: HardwareProfile) -> str:
     scaled = [f"{k} x{v:g}" for k, v in sorted(p.host_op_scale.items()) if v != 1]
     return f" ({', '.join(scaled)})" if scaled else ""
-
-
-# --------------------------------------------------------------------------------------------
-# Whole steps on the simulated device
-
-
-@dataclass(frozen=True)
-class StepTimes:
-    """One simulated step (a summary of its records)."""
-
-    step_us: float
-    compute_us: float
-    comm_us: float
-    exposed_comm_us: float
-    host_bound_fraction: float
-    gemm_us: float  # summed device time of the GEMM kernels
-    num_ops: int
-    # Host time the step itself took to issue (launches, baton passes, one graph launch when
-    # replayed), without the final wait for the device: when it is under step_us the host
-    # stays ahead of the device, and removing launch costs (graph replay) cannot shorten it.
-    host_us: float = 0.0
-    fallback_fraction: float = 0.0  # share of device-op time priced by the roofline
-
-
-def step_times(records: Sequence[OpRecord], host_us: float = 0.0) -> StepTimes:
-    s = summarize(records)
-    gemm = sum(r.end_us - r.start_us for r in records if r.kind == COMPUTE and r.name in GEMM_OPS)
-    ops = sum(1 for r in records if r.kind in (COMPUTE, COMM))
-    return StepTimes(
-        s.step_us,
-        s.compute_us,
-        s.comm_us,
-        s.exposed_comm_us,
-        s.host_bound_fraction,
-        gemm,
-        ops,
-        host_us,
-        s.fallback_fraction,
-    )
-
-
-def simulate_step(
-    config: ModelConfig,
-    batch: Batch,
-    mode: str,
-    *,
-    profile: str | HardwareProfile,
-    num_ubatches: int | None,
-    graph: bool = False,
-    timeout_s: float = 300.0,
-    **device_options: Any,
-) -> StepTimes:
-    """One step of `config` (shapes only) on a fresh simulated device: serial when
-    `num_ubatches` is None, else DBO. As an engine runs it: an eager warm-up, the workspace
-    locked, then the measured step, eager or (graph=True) captured once and replayed."""
-    if config.tensor_device != "meta":
-        config = config.with_(tensor_device="meta")
-    device = SimDevice(profile, tensor_device="meta", **device_options)
-    model = MoEModel(config, batch)
-    x = model.inputs()
-    if num_ubatches is None:
-        step = serial_step(model, x, device, mode=mode)
-    else:
-        step = ubatched_step(
-            model, x, device, mode=mode, num_ubatches=num_ubatches, timeout_s=timeout_s
-        )
-    try:
-        prepare(device.torch_device, step.num_ubatches, [step])
-        device.synchronize()
-        if graph:
-            g = device.graph()
-            step.capture(g)
-            device.synchronize()
-            device.reset()
-            g.replay()
-        else:
-            device.reset()
-            step()
-        host_us = device.host_time_us  # the clocks started at 0 with the reset
-        device.synchronize()
-        return step_times(device.timeline, host_us)
-    finally:
-        reset_workspace_manager()
-
-
-def step_gain(
-    config: ModelConfig, batch: Batch, mode: str, *, profile: Any, graph: bool, **opts: Any
-) -> tuple[float, StepTimes, StepTimes]:
-    serial = simulate_step(
-        config, batch, mode, profile=profile, num_ubatches=None, graph=graph, **opts
-    )
-    ubatched = simulate_step(
-        config, batch, mode, profile=profile, num_ubatches=2, graph=graph, **opts
-    )
-    return (serial.step_us / ubatched.step_us - 1.0) * 100.0, serial, ubatched
 
 
 def deepseek_config(ep_size: int, quick: bool) -> ModelConfig:

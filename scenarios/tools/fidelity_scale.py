@@ -25,9 +25,10 @@ from dbo.sim import SimDevice
 from dbo.sim.cluster import simulate_cluster
 from dbo.sim.cluster_program import record_program
 from dbo.sim.hardware import H800, HardwareProfile
+from dbo.sim.options import EngineKnobs, SimOptions
 from dbo.sim.routing import balanced, contiguous, eplb, sampled
 from dbo.sim.traffic import balanced_dedup, layer_bytes
-from scenarios.tools.cluster_step import ROUTING_GROUPS, StepSpec, moe_layers, record_step
+from scenarios.lib.cluster_step import ROUTING_GROUPS, StepSpec, moe_layers, record_step
 from scenarios.tools.fidelity_kernels import DEEPEP_BYTES
 from scenarios.tools.fidelity_rows import (
     DEEPEP_LL_PUBLISHED,
@@ -72,8 +73,15 @@ def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, 
     placement = eplb(routing.expert_load(), ep, SGLANG_REDUNDANT_EXPERTS)
     steps, facts = {}, {}
     for n in (None, 2):
-        spec = StepSpec(physical, phase, tokens, n, STEP_PROFILE, context=SGLANG_DECODE_CONTEXT,
-                        prompt=SGLANG_PROMPT)  # fmt: skip
+        spec = StepSpec(
+            physical,
+            phase,
+            tokens,
+            n,
+            STEP_PROFILE,
+            context=SGLANG_DECODE_CONTEXT,
+            prompt=SGLANG_PROMPT,
+        )
         result = simulate_cluster(record_step(spec), routing, placement)
         steps[n] = float(result.step_us.max())
         facts[f"{'serial' if n is None else 'tbo'}_peer_wait_us"] = float(result.peer_wait_us.max())
@@ -85,7 +93,7 @@ def deepep_ll_cluster_us(kind: str, ep: int, profile: HardwareProfile = H800) ->
     """DeepEP's low-latency benchmark on the virtual group: one dispatch and one combine of
     128 random-routed tokens on each rank (its own draw); the mean over ranks of the
     kernel's time."""
-    device = SimDevice(profile, tensor_device="meta")
+    device = SimDevice(SimOptions(profile, tensor_device="meta"))
     sent = {
         k: int(DEEPEP_LL_TOKENS * DEEPEP_TOPK * DEEPEP_BYTES[k] * (ep - 1) / ep)
         for k in ("dispatch", "combine")
@@ -117,7 +125,8 @@ def deepep_normal_cluster_gbps(
     nodes = max(ep // profile.gpus_per_node, 1)
     groups = (nodes, min(nodes, 4)) if nodes > 1 else None
     nvl, rdma = balanced_dedup(DEEPEP_TOPK, 256, ep, profile.gpus_per_node, groups)
-    device = SimDevice(profile, tensor_device="meta", ht_nvl_share=nvl, ht_rdma_share=rdma)
+    engine = EngineKnobs(ht_rdma_share=rdma, ht_nvl_share=nvl)
+    device = SimDevice(SimOptions(profile, tensor_device="meta", engine=engine))
     sent = int(DEEPEP_NORMAL_TOKENS * DEEPEP_TOPK * DEEPEP_BYTES[kind] * (ep - 1) / ep)
 
     def step() -> None:
@@ -135,8 +144,15 @@ def deepep_normal_cluster_gbps(
     seconds = result.end[collective.op] - result.start[collective.op]
     if nodes == 1:  # NVLink: the rows each rank receives, its own included
         return float(np.mean(collective.recv_mb / seconds)) * 1e3
-    moved = layer_bytes(routing.sources(0, ep), contiguous(256, ep).share, sent * ep / (ep - 1),
-                        DEEPEP_TOPK, "ht", profile.gpus_per_node, groups)  # fmt: skip
+    moved = layer_bytes(
+        routing.sources(0, ep),
+        contiguous(256, ep).share,
+        sent * ep / (ep - 1),
+        DEEPEP_TOPK,
+        "ht",
+        profile.gpus_per_node,
+        groups,
+    )
     return float(np.mean(moved.rdma_counted * 1e-6 / seconds)) * 1e3
 
 
@@ -153,7 +169,7 @@ def _deepep_normal_rows() -> list[FidelityRow]:
             "calibration: the one-rank row's nvlink_efficiency came off the '~160 GB/s NVLink "
             "maximum' stated beside this figure",
             calibration=True,
-        )  # fmt: skip
+        )
         for kind, published in DEEPEP_NVLINK_PUBLISHED.items()
     ]
     lo, hi = DEEPEP_RDMA_PUBLISHED
@@ -175,7 +191,7 @@ def _deepep_normal_rows() -> list[FidelityRow]:
             DEEPEP_README,
             "calibration: the one-rank row's rdma_efficiency was taken inside this range",
             calibration=True,
-        )  # fmt: skip
+        )
     )
     return rows
 
@@ -199,7 +215,7 @@ def _deepep_rows() -> list[FidelityRow]:
                     if calibration
                     else "each rank waits for the most loaded rank's rows (its own draw)",
                     calibration=calibration,
-                )  # fmt: skip
+                )
             )
     return rows
 
@@ -222,7 +238,7 @@ def scale_rows(
             "each rank's own 16K-token batch leaves the busiest rank within a fraction of a "
             "percent of the mean: the replay's gain is the one-rank gain (see its note), not "
             "stragglers",
-        )  # fmt: skip
+        )
     ]
     if on_point:
         on_point("scale prefill")
@@ -239,7 +255,7 @@ def scale_rows(
                 SGLANG_BLOG,
                 "the group's imbalance is small and gates both runs alike; the miss is "
                 "per-ubatch cost, as in the one-rank row",
-            )  # fmt: skip
+            )
         )
         if on_point:
             on_point(f"scale decode {tokens}")

@@ -11,6 +11,8 @@ from typing import Any
 
 from dbo.sim.cost import node_dedup_share
 from dbo.sim.hardware import HardwareProfile
+from dbo.sim.options import EngineKnobs
+from scenarios.lib.simulate import simulate_step, step_gain
 from scenarios.model import Batch, ModelConfig
 from scenarios.tools.fidelity_rows import (
     DSV3_GROUPS,
@@ -33,8 +35,6 @@ from scenarios.tools.fidelity_rows import (
     describe_profile,
     pp_row,
     range_pp_row,
-    simulate_step,
-    step_gain,
 )
 
 __all__ = ["sglang_rows", "vllm_rows"]
@@ -80,12 +80,12 @@ def _sglang_prefill_rows(
     quick: bool, share: float, extra: dict[str, Any], on_point: Callable[[str], None] | None
 ) -> list[FidelityRow]:
     profile, rows = STEP_PROFILE, []
-    prefill_opts = {"dbo_gemm_sms": profile.num_sms - profile.comm_sms, "ht_rdma_share": share}
+    engine = EngineKnobs(dbo_gemm_sms=profile.num_sms - profile.comm_sms, ht_rdma_share=share)
     prefill = deepseek_config(SGLANG_PREFILL_EP, quick)
     for tokens in SGLANG_PREFILL_TOKENS:
         batch = Batch.prefill(tokens // SGLANG_PROMPT, SGLANG_PROMPT)
         gain, serial, ubatched = step_gain(
-            prefill, batch, "ht", profile=profile, graph=False, **prefill_opts
+            prefill, batch, "ht", profile=profile, graph=False, engine=engine
         )
         ratio = serial.comm_us / max(serial.compute_us, 1e-9)
         hidden = 1 - ubatched.exposed_comm_us / max(ubatched.comm_us, 1e-9)
@@ -106,7 +106,7 @@ def _sglang_prefill_rows(
                 "what the model leaves out (FP8 quantization passes, EP load imbalance under "
                 "real routing, DeepEP's host sync per dispatch, HBM contention between the "
                 "comm kernels and the GEMMs) would all lower the gain",
-            )  # fmt: skip
+            )
         )
         if on_point:
             on_point(f"prefill {tokens}")
@@ -134,7 +134,7 @@ def _sglang_decode_rows(
                 f"TBO multiplies compute by {growth:.2f} (weights read twice, twice the kernels); "
                 f"the published loss implies more per-ubatch cost than the roofline and a fixed "
                 f"{profile.kernel_fixed_us:g} us per kernel give",
-            )  # fmt: skip
+            )
         )
         if on_point:
             on_point(f"decode {tokens}")
@@ -179,28 +179,28 @@ def _host_bound_row(decode: ModelConfig, extra: dict[str, Any]) -> FidelityRow:
     # graph launch): shown as a figure in `extra`, never as a row that cannot miss.
     extra["replayed_host_bound_pct"] = replayed.host_bound_fraction * 100
     return FidelityRow(
-            "vllm-eager-host-bound",
-            "vLLM: eager DBO decode host-bound share",
-            f"{published:.1f}% (11.8 of 55.6 ms busy)",
-            sim_eager,
-            "%",
-            sim_eager - published,
-            "pp",
-            "> 50% (launch bound)",
-            sim_eager > 50.0,
-            "V",
-            VLLM_DBO,
-            ""
-            if sim_eager > 50.0
-            else (
-                f"at {profile.launch_us:g} us of host time per launched op the host just keeps "
-                "up with "
-                f"DeepSeek-V3's per-GPU decode work ({busy_us / 1e3:.1f} ms busy per step); vLLM's "
-                f"ratio on this step would need ~{implied_us:.0f} us per op (Python layers "
-                "around each "
-                f"kernel), or a lighter per-GPU step than theirs is known to be"
-            ),
-        )  # fmt: skip
+        "vllm-eager-host-bound",
+        "vLLM: eager DBO decode host-bound share",
+        f"{published:.1f}% (11.8 of 55.6 ms busy)",
+        sim_eager,
+        "%",
+        sim_eager - published,
+        "pp",
+        "> 50% (launch bound)",
+        sim_eager > 50.0,
+        "V",
+        VLLM_DBO,
+        ""
+        if sim_eager > 50.0
+        else (
+            f"at {profile.launch_us:g} us of host time per launched op the host just keeps "
+            "up with "
+            f"DeepSeek-V3's per-GPU decode work ({busy_us / 1e3:.1f} ms busy per step); vLLM's "
+            f"ratio on this step would need ~{implied_us:.0f} us per op (Python layers "
+            "around each "
+            f"kernel), or a lighter per-GPU step than theirs is known to be"
+        ),
+    )
 
 
 def _gain_sweep_row(decode: ModelConfig, quick: bool, extra: dict[str, Any]) -> FidelityRow:
@@ -233,19 +233,19 @@ def _gain_sweep_row(decode: ModelConfig, quick: bool, extra: dict[str, Any]) -> 
         and all(g > 0 for g in high)
     )
     return FidelityRow(
-            "vllm-gain-vs-comm",
-            "vLLM: DBO gain sign vs comm/GEMM",
-            "pays only when comm > GEMM",
-            cross if cross is not None else math.nan,
-            "x",
-            None,
-            "",
-            "gain crosses 0 at comm/GEMM in [0.5, 2]",
-            met,
-            "V",
-            VLLM_DBO,
-            "" if met else "the crossing falls outside comm/GEMM 0.5-2",
-        )  # fmt: skip
+        "vllm-gain-vs-comm",
+        "vLLM: DBO gain sign vs comm/GEMM",
+        "pays only when comm > GEMM",
+        cross if cross is not None else math.nan,
+        "x",
+        None,
+        "",
+        "gain crosses 0 at comm/GEMM in [0.5, 2]",
+        met,
+        "V",
+        VLLM_DBO,
+        "" if met else "the crossing falls outside comm/GEMM 0.5-2",
+    )
 
 
 def _crossing(points: Sequence[tuple[float, float, float]]) -> float | None:

@@ -6,7 +6,7 @@ that one H200's time is GPU work rather than launch overhead) runs four ways: se
 (2 ubatches), each eagerly and as a CUDA graph replay (`device.graph()` +
 `run_ubatches(..., graph=g)`). On the GPU every way is timed with CUDA events around the step,
 after warm-up, several times (median, min, max); the same configuration then runs on
-`SimDevice("h200")` with meta tensors. The table puts them side by side with sim/GPU ratios
+`SimDevice()` (an H200) with meta tensors. The table puts them side by side with sim/GPU ratios
 and both devices' DBO gains; `--out` writes everything as JSON.
 
 One GPU, so expert parallelism is in-process (ep_size 1): dispatch and combine are local
@@ -58,17 +58,16 @@ from typing import Any
 import torch
 
 import dbo
-from scenarios.model import Batch, ModelConfig, MoEModel
+from scenarios.lib.configs import CheckCase, check_cases
+from scenarios.lib.simulate import simulate_step
+from scenarios.lib.usage import UsageError, writable_file
+from scenarios.model import MoEModel
 from scenarios.steps import prepare, serial_step, ubatched_step
-from scenarios.tools.fidelity import simulate_step
-from scenarios.tools.usage import UsageError, writable_file
 from workspace import reset_workspace_manager
 
 __all__ = [
-    "CheckCase",
     "Timing",
     "CaseResult",
-    "cases",
     "simulate_case",
     "measure_case",
     "virtual_timer",
@@ -84,40 +83,6 @@ SIM_PROFILE = "h200"
 H200_REFERENCE = Path(__file__).resolve().parents[2] / "dbo/sim/tables/h200-gpu_check.json"
 TOLERANCE = {"graph": 0.15, "eager": 0.25}  # |sim / measured - 1| per variant kind
 GAIN_SIGN_THRESHOLD_PCT = 3.0
-
-
-@dataclass(frozen=True)
-class CheckCase:
-    name: str
-    config: ModelConfig
-    batch: Batch
-    mode: str  # "ht" (prefill: comm stream) or "ll" (decode: recv hooks)
-
-
-def cases(layers: int = 8) -> list[CheckCase]:
-    """A mid-size MoE stack: hidden 4096, 32 heads x 128, 64 experts top-8 (expert MLP 1024),
-    bf16. Prefill: 4 prompts of 1024 tokens (4096 tokens); decode: 128 requests with 1024
-    tokens of context. ~1.7 GB of weights per layer (experts 1.6 GB), so a decode step reads
-    GBs and a prefill step does ~10 TFLOP: device time, not launch overhead, dominates."""
-    config = ModelConfig(
-        name="gpu-check",
-        num_layers=layers,
-        hidden=4096,
-        num_heads=32,
-        head_dim=128,
-        num_experts=64,
-        top_k=8,
-        moe_inter=1024,
-        ep_size=1,
-        dtype=torch.bfloat16,
-        tensor_device="cuda",
-        dispatch_bytes_per_elem=2.0,  # one GPU: the rows move as they are (bf16)
-        combine_bytes_per_elem=2.0,
-    )
-    return [
-        CheckCase("prefill", config, Batch.prefill(4, 1024), "ht"),
-        CheckCase("decode", config, Batch.decode(128, 1024), "ll"),
-    ]
 
 
 @dataclass
@@ -484,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(error)) from None
         stored = json.loads(Path(against).read_text()).get("gpu", "GPU")
         gpu_name = f"{stored} (stored: {Path(against).name}, not rerun)"
-    chosen = [c for c in cases(args.layers) if args.only in (None, c.name)]
+    chosen = [c for c in check_cases(args.layers) if args.only in (None, c.name)]
     results = []
     failed = False
     for case in chosen:

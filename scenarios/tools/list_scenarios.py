@@ -1,11 +1,13 @@
-"""List the scenarios: name, positive or negative (a fault it must catch), and what it runs."""
+"""List the scenarios: name, positive or negative (a fault it must catch), and what it runs.
+
+It reads `scenarios.index`, the listed table, not the registry: listing imports no torch."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS
+from scenarios.index import LISTED
 
 __all__ = ["add_arguments", "run"]
 
@@ -16,12 +18,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`dbo-sim list`: one line (or JSON object) per registered scenario."""
-    for name, s in SCENARIOS.items():
+    for s in LISTED:
         kind = "negative" if s.negative else "positive"
         if args.json:
-            entry = {"name": name, "kind": kind, "default": name in DEFAULT_SCENARIOS,
-                     "cuda": s.cuda, "summary": s.summary}  # fmt: skip
+            entry = {
+                "name": s.name,
+                "kind": kind,
+                "default": s.default,
+                "cuda": s.cuda,
+                "summary": s.summary,
+            }
             print(json.dumps(entry))
         else:
-            print(f"{name:24} {kind:8}  {s.summary}")
+            print(f"{s.name:24} {kind:8}  {s.summary}")
     return 0

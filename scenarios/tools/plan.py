@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from scenarios.lib.usage import int_in
 from scenarios.tools.plan_args import (
     DEFAULT_SKEWS,
     MAX_EP,
@@ -21,7 +22,6 @@ from scenarios.tools.plan_args import (
     MAX_ZIPF,
     parse_args,
 )
-from scenarios.tools.usage import int_in
 
 __all__ = ["add_arguments", "run"]
 

@@ -18,14 +18,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from scenarios.model_config import config_changes
-from scenarios.tools.usage import (
+from scenarios.lib.usage import (
     UsageError,
     finite_float,
     read_json_file,
     read_text_file,
     writable_dir,
 )
+from scenarios.model_config import config_changes
 
 __all__ = [
     "DEFAULT_SKEWS",

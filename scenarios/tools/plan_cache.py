@@ -33,7 +33,7 @@ import torch
 
 from dbo.sim.cluster_program import StreamProgram
 from dbo.sim.tables import table_path
-from scenarios.tools.cluster_step import StepSpec, record_step
+from scenarios.lib.cluster_step import StepSpec, record_step
 
 __all__ = [
     "FORMAT",
@@ -57,7 +57,7 @@ SOURCES = (
     "workspace",
     "scenarios/model*.py",
     "scenarios/steps.py",
-    "scenarios/tools/cluster_step.py",
+    "scenarios/lib/cluster_step.py",
     "scenarios/tools/plan_cache.py",
 )
 

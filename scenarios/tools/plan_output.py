@@ -174,8 +174,14 @@ def setup_line(inputs: Any) -> str:
     )
 
 
-def report(inputs: Any, answers: list[PhaseAnswer], points: list[PlanPoint], shown: dict,
-           *, as_json: bool = False) -> str:  # fmt: skip
+def report(
+    inputs: Any,
+    answers: list[PhaseAnswer],
+    points: list[PlanPoint],
+    shown: dict,
+    *,
+    as_json: bool = False,
+) -> str:
     """The printed answer: per phase the table, the answer, the gating, how skew moves it,
     then the engine flags."""
     # The answer is the first EP size's under the first skew; the others show how it moves.

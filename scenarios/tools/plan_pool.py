@@ -24,7 +24,7 @@ import numpy as np
 
 from dbo.sim.cluster import ClusterResult, simulate_cluster
 from dbo.sim.routing import Placement, Routing
-from scenarios.tools.cluster_step import StepSpec
+from scenarios.lib.cluster_step import StepSpec
 from scenarios.tools.plan_cache import recording
 
 __all__ = ["MAX_WORKERS", "GroupStep", "StepTask", "local_cores", "replay", "run_tasks"]

@@ -29,15 +29,14 @@ import itertools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from dbo.sim.hardware import HardwareProfile, profile_from_name
 from dbo.sim.routing import Placement, Routing
-from scenarios.model import ModelConfig
-from scenarios.model_presets import PRESETS, preset, torch_dtypes
-from scenarios.tools.cluster_step import (
+from scenarios.lib.cluster_step import (
     DPAgreement,
     StepSpec,
     dp_agreement,
@@ -46,14 +45,16 @@ from scenarios.tools.cluster_step import (
     record_step,
     routing_from_spec,
 )
+from scenarios.lib.progress import advance, progress_bar
+from scenarios.lib.usage import UsageError, one_line
+from scenarios.model import ModelConfig
+from scenarios.model_presets import PRESETS, preset, torch_dtypes
 from scenarios.tools.plan_args import PlanArgs
 from scenarios.tools.plan_errors import error_bars
 from scenarios.tools.plan_memory import MemoryNeed, memory_need
 from scenarios.tools.plan_output import PhaseAnswer, PlanPoint, report, setup_line, write_outputs
 from scenarios.tools.plan_pool import GroupStep, StepTask, replay, run_tasks
 from scenarios.tools.plan_range import RangeState, next_tokens, range_note
-from scenarios.tools.progress import advance, progress_bar
-from scenarios.tools.usage import UsageError, one_line
 
 __all__ = [
     "Curve",
@@ -70,6 +71,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PlanInputs:
+    """The command line, checked against the model: everything `plan_phase` reads, each
+    from one place."""
+
     config: ModelConfig
     profile: HardwareProfile
     eps: list[int]
@@ -80,6 +84,10 @@ class PlanInputs:
     ubatches: list[int]
     placement: str
     redundant: int
+    seed: int = 0  # of the skewed routings and the DP spread
+    histogram: Path | None = None  # measured tokens per expert per layer
+    dp: int | None = None  # DP ranks deciding ubatching (None: the EP size)
+    dp_spread: float = 0.0
 
 
 def _config(parsed: PlanArgs) -> ModelConfig:
@@ -131,6 +139,10 @@ def check_inputs(parsed: PlanArgs) -> PlanInputs:
         parsed.ubatches,
         parsed.placement,
         parsed.redundant,
+        seed=parsed.seed,
+        histogram=parsed.histogram,
+        dp=parsed.dp,
+        dp_spread=parsed.dp_spread,
     )
 
 

@@ -52,12 +52,20 @@ import torch
 
 from dbo.analysis.calibration import host_costs_from_traces, overlap_rates_from_traces
 from dbo.sim import SimDevice
-from dbo.sim.cost import OpCall, add_op_observer, op_family, remove_op_observer
-from scenarios.model import PRESETS, Batch, ModelConfig, MoEModel
+from dbo.sim.cost import OpCall, add_op_observer, remove_op_observer
+from dbo.sim.families import op_family
+from dbo.sim.options import SimOptions
+from scenarios.lib.configs import (
+    DECODE_CONTEXT,
+    GPU_CHECK,
+    PREFILL_REQUESTS,
+    CheckCase,
+    config_names,
+    plan_cases,
+)
+from scenarios.lib.usage import UsageError
+from scenarios.model import Batch, ModelConfig, MoEModel
 from scenarios.steps import prepare, serial_step, ubatched_step
-from scenarios.tools import gpu_check
-from scenarios.tools.gpu_check import CheckCase
-from scenarios.tools.usage import UsageError
 from workspace import reset_workspace_manager
 
 __all__ = [
@@ -68,7 +76,6 @@ __all__ = [
     "materialize",
     "model_calls",
     "overlap_rates_from_traces",
-    "plan_cases",
     "profile_calls",
     "record_calls",
     "run",
@@ -84,11 +91,17 @@ CALLS_PER_GRAPH = 20
 FIELDS = ("op", "m", "n", "k", "groups", "dtype", "us", "flops", "bytes", "tflops", "gbps")
 # Table op that each simulator family is written as (dbo.sim.tables reads them back).
 _TABLE_OP = {
-    "mm": "mm", "grouped_mm": "grouped_mm",
-    "sdpa_causal": "sdpa_causal", "sdpa_decode": "sdpa_decode",
-    "copy": "copy", "elementwise": "add", "index_select": "index_select", "index_add": "index_add",
-    "norm": "rms_norm", "sort_topk": "router_softmax_topk256",
-}  # fmt: skip
+    "mm": "mm",
+    "grouped_mm": "grouped_mm",
+    "sdpa_causal": "sdpa_causal",
+    "sdpa_decode": "sdpa_decode",
+    "copy": "copy",
+    "elementwise": "add",
+    "index_select": "index_select",
+    "index_add": "index_add",
+    "norm": "rms_norm",
+    "sort_topk": "router_softmax_topk256",
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,7 +114,7 @@ def record_calls(
     """Every op one step of `config` issues, as the simulator's interceptor prices them (meta
     tensors; serial when `num_ubatches` is None, else DBO)."""
     config = config.with_(tensor_device="meta")
-    device = SimDevice("h200", tensor_device="meta")
+    device = SimDevice(SimOptions("h200", tensor_device="meta"))
     calls: list[OpCall] = []
     model = MoEModel(config, batch)
     x = model.inputs()
@@ -187,11 +200,18 @@ def table_row(call: OpCall, us: float) -> dict | None:
         n = 1 if a.dim() < 2 else a.numel() // a.shape[0]
     dtype = str(call.dtype).replace("torch.", "").replace("bfloat16", "bf16")
     return {
-        "op": _TABLE_OP[family], "m": m, "n": n, "k": k, "groups": groups, "dtype": dtype,
-        "us": round(us, 3), "flops": int(call.flops), "bytes": int(nbytes),
+        "op": _TABLE_OP[family],
+        "m": m,
+        "n": n,
+        "k": k,
+        "groups": groups,
+        "dtype": dtype,
+        "us": round(us, 3),
+        "flops": int(call.flops),
+        "bytes": int(nbytes),
         "tflops": round(call.flops / us / 1e6, 2) if us > 0 else 0,
         "gbps": round(nbytes / us / 1e3, 1) if us > 0 else 0,
-    }  # fmt: skip
+    }
 
 
 def write_table(rows: Sequence[dict], path: str | Path) -> Path:
@@ -294,77 +314,6 @@ def profile_calls(
     return rows
 
 
-GPU_CHECK = "gpu-check"  # the default configuration: gpu_check's model and batches
-MODES = {"prefill": "ht", "decode": "ll"}  # step kind -> the model's comm mode
-PREFILL_REQUESTS = 4  # --tokens of prefill are split into this many equal prompts
-DECODE_CONTEXT = 1024  # KV-cache tokens per decode request (gpu_check's decode batch)
-
-
-def config_names() -> list[str]:
-    return [GPU_CHECK, *sorted(PRESETS)]
-
-
-def plan_cases(
-    config: str = GPU_CHECK,
-    *,
-    layers: int | None = None,
-    hidden: int | None = None,
-    experts: int | None = None,
-    top_k: int | None = None,
-    tokens: int | None = None,
-    mode: str = "both",
-) -> list[CheckCase]:
-    """The steps to record: a named configuration (gpu_check's model and batches, or a
-    `scenarios.model` preset) with overrides. Raises ValueError on a bad choice, before any
-    work. `layers` defaults to enough to see every kind of layer (the dense ones and one MoE
-    layer): distinct shapes repeat per layer. A float64 preset (made for value checks on the
-    CPU) is recorded in bf16, the dtype its kernels would run in on a GPU."""
-    if config not in config_names():
-        known = ", ".join(config_names())
-        raise ValueError(f"unknown --config {config!r}; choose one of {known}")
-    if mode not in ("both", *MODES):
-        raise ValueError(f"--mode must be prefill, decode or both, got {mode!r}")
-    for flag, value in (("layers", layers), ("hidden", hidden), ("experts", experts),
-                        ("top-k", top_k), ("tokens", tokens)):  # fmt: skip
-        if value is not None and value < 1:
-            raise ValueError(f"--{flag} must be >= 1, got {value}")
-    if config == GPU_CHECK:
-        base = {c.mode: c for c in gpu_check.cases(1)}
-        model = base["ht"].config
-    else:
-        base = {}
-        model = PRESETS[config]
-    default_layers = min(model.num_layers, model.num_dense_layers + 1)
-    changes: dict[str, Any] = {"num_layers": layers or default_layers}
-    if model.dtype == torch.float64:  # a preset for CPU value checks: GPUs run it in bf16
-        changes["dtype"] = torch.bfloat16
-    if hidden is not None:
-        changes["hidden"] = hidden
-    if experts is not None:
-        changes["num_experts"] = experts
-    if top_k is not None:
-        changes["top_k"] = top_k
-    model = model.with_(**changes)
-    if model.top_k > model.num_experts:
-        raise ValueError(f"--top-k {model.top_k} exceeds the {model.num_experts} experts")
-    if tokens is not None and mode != "decode" and tokens % PREFILL_REQUESTS:
-        raise ValueError(
-            f"--tokens of a prefill must be a multiple of {PREFILL_REQUESTS} (its prompts)"
-        )
-    steps = [m for m in MODES if mode in ("both", m)]
-    out = []
-    for step in steps:
-        comm_mode = MODES[step]
-        if tokens is None and comm_mode in base:
-            batch = base[comm_mode].batch
-        elif step == "prefill":
-            batch = Batch.prefill(PREFILL_REQUESTS, (tokens or 4096) // PREFILL_REQUESTS)
-        else:
-            batch = Batch.decode(tokens or 128, DECODE_CONTEXT)
-        out.append(CheckCase(step, model, batch, comm_mode))
-    return out
-
-
 def model_calls(cases: Sequence[CheckCase]) -> list[OpCall]:
     """The ops of each case's step, serial and 2-ubatch DBO."""
     calls: list[OpCall] = []
@@ -428,9 +377,14 @@ def _check_args(args: argparse.Namespace) -> list[CheckCase]:
         raise UsageError("--reps must be >= 1")
     try:
         cases = plan_cases(
-            args.config, layers=args.layers, hidden=args.hidden, experts=args.experts,
-            top_k=args.top_k, tokens=args.tokens, mode=args.mode,
-        )  # fmt: skip
+            args.config,
+            layers=args.layers,
+            hidden=args.hidden,
+            experts=args.experts,
+            top_k=args.top_k,
+            tokens=args.tokens,
+            mode=args.mode,
+        )
     except ValueError as error:
         raise UsageError(str(error)) from None
     if args.host_from_trace:

@@ -29,8 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dbo
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.streams import CudaDevice, Device
-from scenarios.tools.usage import UsageError
+from scenarios.lib.usage import UsageError
 
 __all__ = [
     "PROGRAMS",
@@ -41,7 +42,7 @@ __all__ = [
     "run",
     "run_csan",
     "run_sim",
-]  # fmt: skip
+]
 
 DESCRIPTION = (
     "Run seeded race programs on the simulated device and, where CUDA is present, under "
@@ -289,7 +290,7 @@ PROGRAMS: tuple[Program, ...] = (
 
 
 def run_sim(program: Program) -> Verdict:
-    device = SimDevice("h200", tensor_device="cpu")
+    device = SimDevice(SimOptions("h200", tensor_device="cpu"))
     try:
         program.body(device)
     except Exception as exc:  # noqa: BLE001 -- a program that breaks is a row, not the end
@@ -361,10 +362,15 @@ def _mark(program: Program, verdict: Verdict, *, csan: bool) -> str:
 def format_table(rows: Sequence[tuple[Program, Verdict, Verdict]]) -> str:
     header = ("program", "expected", "dbo-sim checker", "CSAN, every ubatch thread", "note")
     lines = [
-        (p.name, "race" if p.expect_race else "clean", _mark(p, s, csan=False),
-         _mark(p, c, csan=True), p.note)
+        (
+            p.name,
+            "race" if p.expect_race else "clean",
+            _mark(p, s, csan=False),
+            _mark(p, c, csan=True),
+            p.note,
+        )
         for p, s, c in rows
-    ]  # fmt: skip
+    ]
     widths = [max(len(str(r[i])) for r in (header, *lines)) for i in range(4)]
     out = []
     for r in (header, *lines):

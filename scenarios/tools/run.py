@@ -16,12 +16,12 @@ from collections.abc import Sequence
 
 from scenarios.catalog import DEFAULT_SCENARIOS, SCENARIOS, ScenarioResult, run_scenario
 from scenarios.harness import RunOptions
+from scenarios.lib import trace_window
+from scenarios.lib.progress import emit, progress_bar
+from scenarios.lib.usage import Interrupted, UsageError, one_line, positive_int
 from scenarios.ranks import launch as distributed
-from scenarios.tools import trace_window
 from scenarios.tools.common import add_run_options, clock_line, run_options
-from scenarios.tools.progress import emit, progress_bar
 from scenarios.tools.run_table import Table, launch_bound_note
-from scenarios.tools.usage import Interrupted, UsageError, one_line, positive_int
 
 __all__ = ["add_arguments", "run"]
 

@@ -13,9 +13,18 @@ from scenarios.catalog import ScenarioResult
 __all__ = ["Table", "launch_bound_note"]
 
 _HEADER = (
-    "scenario", "verdict", "match", "races", "serial us", "dbo us", "speedup", "overlap",
-    "roofline", "ws peak", "caught",
-)  # fmt: skip
+    "scenario",
+    "verdict",
+    "match",
+    "races",
+    "serial us",
+    "dbo us",
+    "speedup",
+    "overlap",
+    "roofline",
+    "ws peak",
+    "caught",
+)
 _WIDTHS = (0, len("PASS (fault caught)"), 5, 5, 9, 9, 7, 7, 8, 10, len("caught"))
 
 
@@ -70,9 +79,11 @@ def launch_bound_note(results: Sequence[ScenarioResult]) -> str | None:
     slow = [
         r.scenario
         for r in results
-        if not r.negative and r.outputs_match is not None and r.speedup is not None
+        if not r.negative
+        and r.outputs_match is not None
+        and r.speedup is not None
         and r.speedup < 1.0
-    ]  # fmt: skip
+    ]
     if not slow:
         return None
     return (

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scenarios.tools.progress import progress_bar
-from scenarios.tools.usage import int_in, positive_int, timeout_seconds
+from scenarios.lib.progress import progress_bar
+from scenarios.lib.usage import int_in, positive_int, timeout_seconds
 from workspace import WorkspaceLockedError, WorkspaceManager, use_workspace_lane
 from workspace.testing import as_ubatch
 

@@ -30,10 +30,10 @@ from typing import IO
 
 from dbo.jsonsafe import finite_or_none
 from scenarios.harness import RunOptions, compare_serial_dbo
+from scenarios.lib.progress import emit, progress_bar
+from scenarios.lib.usage import Interrupted, UsageError, int_in, one_line, writable_dir
 from scenarios.model import Batch, ModelConfig, preset
 from scenarios.tools.common import add_run_options, run_options
-from scenarios.tools.progress import emit, progress_bar
-from scenarios.tools.usage import Interrupted, UsageError, int_in, one_line, writable_dir
 
 DECODE_TOKENS = (16, 32, 64, 128, 256, 512)
 PREFILL_TOKENS = (1024, 2048, 4096, 8192, 16384)

@@ -28,8 +28,8 @@ from dbo.errors import UBatchTimeoutError
 from dbo.rank_verification import verify_ranks
 from dbo.sim.trace import WindowSpec
 from dbo.verification import RACE_ORDERS, VerifyReport, verify
-from scenarios.tools.trace_window import window_type
-from scenarios.tools.usage import UsageError, writable_dir
+from scenarios.lib.trace_window import window_type
+from scenarios.lib.usage import UsageError, writable_dir
 
 __all__ = ["DESCRIPTION", "add_arguments", "load_attribute", "run"]
 

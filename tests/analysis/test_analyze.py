@@ -151,18 +151,24 @@ def test_baton_hand_offs_between_ubatch_threads_are_counted() -> None:
     ("name", "cls"),
     [
         ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm"),
-        ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel"
-         "13GemmUniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEE", "grouped_gemm"),
+        (
+            "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel"
+            "13GemmUniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEE",
+            "grouped_gemm",
+        ),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "attention"),
-        ("void at::native::indexFuncLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true, "
-         "at::native::(anonymous namespace)::ReduceAdd>", "scatter"),
+        (
+            "void at::native::indexFuncLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, "
+            "true, at::native::(anonymous namespace)::ReduceAdd>",
+            "scatter",
+        ),
         ("void at::native::vectorized_gather_kernel<16, long>(char*, char*, long*)", "gather"),
         ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "comm"),
         ("void deep_ep::internode_ll::dispatch<true, 3, 7168>(void*)", "comm"),
         ("Memcpy DtoD (Device -> Device)", "memcpy"),
         ("void at::native::sbtopk::gatherTopK<c10::BFloat16, unsigned int, 2, false>", "sort_topk"),
     ],
-)  # fmt: skip
+)
 def test_kernels_are_classified_by_what_they_do(name: str, cls: str) -> None:
     assert classify_kernel(name) == cls
 

@@ -12,7 +12,7 @@ import pytest
 from dbo.analysis import analyze_trace
 from dbo.analysis.profiler_form import write_profiler_trace
 from dbo.sim.summary import summarize
-from dbo.sim.trace import runs_from_trace
+from dbo.sim.trace_read import runs_from_trace
 from scenarios.cli import main as cli_main
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"

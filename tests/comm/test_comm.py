@@ -25,8 +25,9 @@ from dbo.comm import (
     ep_group_for,
     use_ep_group,
 )
-from dbo.comm_collectives import Collectives
+from dbo.comm.collectives import Collectives
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.split import split_batch
 from scenarios.harness import run_step
 from scenarios.model import Batch, MoEModel, preset
@@ -106,9 +107,11 @@ def test_high_throughput_and_low_latency_give_identical_values_and_their_own_pla
     # One comm op per transfer: ht on the issuing stream, ll as a send there plus a link transfer.
     assert names["ht"] == [("comm::dispatch", "default"), ("comm::combine", "default")]
     assert names["ll"] == [
-        ("comm::dispatch.send", "default"), ("comm::dispatch", "link"),
-        ("comm::combine.send", "default"), ("comm::combine", "link"),
-    ]  # fmt: skip
+        ("comm::dispatch.send", "default"),
+        ("comm::dispatch", "link"),
+        ("comm::combine.send", "default"),
+        ("comm::combine", "link"),
+    ]
 
 
 def test_dispatch_prepares_and_allocates_when_not_given_a_plan_or_buffer():
@@ -154,7 +157,11 @@ def test_shape_only_model_still_dispatches_in_process():
     config = preset("deepseek-v3", num_layers=4)
     model = MoEModel(config, Batch.decode(64, 128))
     run = run_step(
-        model, model.inputs(), device=SimDevice(tensor_device="meta"), num_ubatches=2, mode="ll"
+        model,
+        model.inputs(),
+        device=SimDevice(SimOptions(tensor_device="meta")),
+        num_ubatches=2,
+        mode="ll",
     )
     assert run.output.is_meta and any(r.name == "comm::dispatch" for r in run.records)
 
@@ -285,7 +292,7 @@ def test_step_reports_a_local_failure_to_peers_but_not_a_peer_failure_back():
 
 def test_abort_keys_are_counted_per_process_group():
     # A rank refused by one group (not a member) must not shift the keys of the groups it is in.
-    from dbo.comm_collectives import abort_key
+    from dbo.comm.collectives import abort_key
 
     class Group:
         def __init__(self, name: str) -> None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import dbo
+from dbo.sim.options import SimOptions
 from dbo.split import split_batch
 from scenarios.cli import main
 from scenarios.harness import RunOptions
@@ -67,7 +68,7 @@ def _comm_round_trip(ep: Any, rank: int, tokens_of: Callable[[int], int]) -> dic
     results: dict[str, Any] = {}
     outs = {}
     for mode in ("ht", "ll"):
-        device = SimDevice(rank=rank)
+        device = SimDevice(SimOptions(rank=rank))
         with dbo.use_device(device), device.thread_scope(None):
             plan = ep.prepare(ids, weights, dtype=x.dtype, mode=mode)
             sent = ep.dispatch(x, ids, weights, plan=plan, mode=mode)

@@ -1,6 +1,11 @@
 """The house rules a reviewer would otherwise check by eye, over `dbo/`, `workspace/` and
-`scenarios/`: no import cycle, no module over 600 lines, no function over 60, and no private
-name of one first-party module used from another.
+`scenarios/`: no import cycle, no module over 500 lines (the exceptions named, each with its
+reason), no function over 60, no private name of one first-party module used from another; and
+over the whole tree: no `# type: ignore` in `dbo/sim/`, at most `FMT_SKIP_BUDGET`
+`# fmt: skip` marks, each with its reason on the line above. And the CLI's layers: no verb
+module (`scenarios.cli.VERBS`) is imported by another module of `scenarios/tools/` (what verbs
+share lives in `scenarios.lib`), and no function below the tools (outside `scenarios/tools/` and
+`scenarios/cli.py`) takes an argparse namespace.
 
 What counts:
 - The import graph has an edge for every `import`/`from ... import` of a first-party module,
@@ -15,12 +20,15 @@ What counts:
   import. A private module (`dbo/_json.py`) is private to its package: importing it from inside
   that package is fine, from outside it is not. Attributes of objects other than modules
   (`device._tracks`) cannot be resolved statically and are not checked.
-- `tests/` and `examples/` are outside these checks: tests reach into internals on purpose.
+- `tests/` and `examples/` are outside these checks (tests reach into internals on purpose),
+  except the two comment budgets, which count comments (not strings) in every `.py` file.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +37,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dbo", "workspace", "scenarios")
-MAX_MODULE_LINES = 600
+MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
+# The modules still over MAX_MODULE_LINES, and why; one that gets under the limit must leave.
+LONG_MODULES = {
+    "dbo.sim.device": "SimDevice: the one implementation of dbo.streams.Device and of the op "
+    "path; what is not the device left (options, log, tracks, clock, regions, handles)",
+    "workspace.manager": "WorkspaceManager, vLLM's API surface in one class",
+    "dbo.split.checker": "the split checker's rules, one family per section",
+    "dbo.verification": "reshaped on another branch (the verify tools' own package)",
+    "scenarios.tools.stress": "a verb whose lanes, schedule and report are its own, unshared",
+}
+FMT_SKIP_BUDGET = 5  # a table laid out by hand may keep one, with its reason above it
+COMMENT_ROOTS = ("dbo", "workspace", "scenarios", "tests", "examples")
 
 # Violations in files other helpers are fixing on their branches; the lead drops these marks
 # once those branches are merged.
@@ -199,6 +218,34 @@ def long_modules(modules: dict[str, Module], limit: int = MAX_MODULE_LINES) -> l
     return [f"{m.name}: {m.lines} lines" for m in modules.values() if m.lines > limit]
 
 
+def comments(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, text) of every comment in a Python file (strings that look like one are not)."""
+    text = path.read_text(encoding="utf-8")
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+
+
+def marked(root: Path, folders: Iterable[str], mark: str) -> list[tuple[str, int]]:
+    """(file, line) of every comment carrying `mark` under `root/<folder>`."""
+    found = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            found += [(relative, line) for line, text in comments(path) if mark in text]
+    return found
+
+
+def unexplained(root: Path, marks: Iterable[tuple[str, int]]) -> list[str]:
+    """The marks with no comment on the line above to say why."""
+    found = []
+    for relative, line in marks:
+        lines = (root / relative).read_text(encoding="utf-8").splitlines()
+        if line < 2 or not lines[line - 2].lstrip().startswith("#"):
+            found.append(f"{relative}:{line}")
+    return found
+
+
 def _functions(
     node: ast.AST, prefix: str = ""
 ) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
@@ -325,9 +372,81 @@ def test_the_import_graph_has_no_cycle(modules):
     assert not cycles, "import cycle(s):\n" + "\n".join(cycles)
 
 
-def test_no_module_is_over_600_lines(modules):
-    found = long_modules(modules)
-    assert not found, "modules over 600 lines:\n" + "\n".join(found)
+def test_no_module_is_over_500_lines_but_the_named_exceptions(modules):
+    found = [f for f in long_modules(modules) if f.split(":")[0] not in LONG_MODULES]
+    assert not found, "modules over 500 lines:\n" + "\n".join(found)
+
+
+def verb_modules(modules: dict[str, Module]) -> set[str]:
+    """The tool module of every verb, read from the `Verb(name, help, module)` rows of
+    `scenarios.cli.VERBS`."""
+    found = set()
+    for node in ast.walk(modules["scenarios.cli"].tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Verb":
+            module = node.args[2]
+            if isinstance(module, ast.Constant) and isinstance(module.value, str):
+                found.add(f"scenarios.tools.{module.value}")
+    return found
+
+
+def tool_to_tool_imports(modules: dict[str, Module]) -> list[str]:
+    """Every import of a verb module by another module under scenarios/tools."""
+    verbs, graph = verb_modules(modules), import_graph(modules)
+    found = []
+    for name, targets in graph.items():
+        if not name.startswith("scenarios.tools."):
+            continue
+        for target, line in targets.items():
+            own = name == target or name.startswith(target + ".")  # a verb package's own parts
+            if target in verbs and not own:
+                found.append(f"{modules[name].path}:{line} imports the verb {target}")
+    return found
+
+
+def _namespace_annotation(node: ast.expr | None) -> bool:
+    return node is not None and ast.unparse(node).split(".")[-1] in ("Namespace", "'Namespace'")
+
+
+def namespace_parameters(modules: dict[str, Module]) -> list[str]:
+    """Every function below the tools with a parameter annotated as an argparse namespace."""
+    found = []
+    for m in modules.values():
+        if m.name.startswith("scenarios.tools") or m.name == "scenarios.cli":
+            continue
+        for qualname, fn in _functions(m.tree):
+            every = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+            if any(_namespace_annotation(a.annotation) for a in every):
+                found.append(f"{m.name}.{qualname} (line {fn.lineno})")
+    return found
+
+
+def test_no_tool_imports_another_tool(modules):
+    assert len(verb_modules(modules)) >= 10, "the verbs were not found in scenarios.cli"
+    found = tool_to_tool_imports(modules)
+    assert not found, "verbs imported by other tools (share through scenarios.lib):\n" + "\n".join(
+        found
+    )
+
+
+def test_no_function_below_the_tools_takes_an_argparse_namespace(modules):
+    found = namespace_parameters(modules)
+    assert not found, "argparse namespaces below the tools:\n" + "\n".join(found)
+
+
+def test_every_named_long_module_is_still_long(modules):
+    stale = [name for name in LONG_MODULES if modules[name].lines <= MAX_MODULE_LINES]
+    assert not stale, f"no longer over {MAX_MODULE_LINES} lines, drop from LONG_MODULES: {stale}"
+
+
+def test_no_type_ignore_in_the_simulator():
+    found = marked(ROOT, ["dbo/sim"], "type: ignore")
+    assert not found, f"# type: ignore in dbo/sim: {found}"
+
+
+def test_fmt_skip_stays_within_its_budget_each_with_its_reason():
+    found = marked(ROOT, COMMENT_ROOTS, "fmt: skip")
+    assert len(found) <= FMT_SKIP_BUDGET, f"{len(found)} # fmt: skip (budget {FMT_SKIP_BUDGET})"
+    assert not unexplained(ROOT, found), f"# fmt: skip without a reason above: {found}"
 
 
 def test_no_function_is_over_60_lines(modules):
@@ -399,8 +518,21 @@ def test_a_function_is_measured_from_its_def_line_without_decorators(tmp_path):
 
 
 def test_a_module_over_the_line_limit_is_named(tmp_path):
-    modules = _tree(tmp_path, {"pkg/__init__.py": "", "pkg/big.py": "x = 1\n" * 601})
-    assert long_modules(modules) == ["pkg.big: 601 lines"]
+    modules = _tree(tmp_path, {"pkg/__init__.py": "", "pkg/big.py": "x = 1\n" * 501})
+    assert long_modules(modules) == ["pkg.big: 501 lines"]
+
+
+def test_a_mark_is_found_in_comments_only_and_needs_a_reason_above(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/a.py").write_text(
+        'x = "# fmt: skip"\n'
+        "y = [1,  2]  # fmt: skip\n"
+        "# a table laid out by hand\n"
+        "z = [1,  2]  # fmt: skip\n"
+    )
+    found = marked(tmp_path, ["pkg"], "fmt: skip")
+    assert found == [("pkg/a.py", 2), ("pkg/a.py", 4)]
+    assert unexplained(tmp_path, found) == ["pkg/a.py:2"]
 
 
 def test_private_names_imported_or_read_from_another_module_are_found(tmp_path):
@@ -424,3 +556,22 @@ def test_private_names_imported_or_read_from_another_module_are_found(tmp_path):
         "pkg.b:1: from pkg.a import _hidden",
         "pkg.b:3: pkg.a._hidden",
     ]
+
+
+def test_a_verb_imported_by_another_tool_and_a_namespace_below_the_tools_are_named(tmp_path):
+    modules = _tree(
+        tmp_path,
+        {
+            "scenarios/__init__.py": "",
+            "scenarios/cli.py": 'VERBS = (Verb("a", "h", "a"), Verb("b", "h", "b"))\n',
+            "scenarios/tools/__init__.py": "",
+            "scenarios/tools/a.py": "from scenarios.tools import b\n",
+            "scenarios/tools/b.py": "import argparse\ndef run(args: argparse.Namespace): ...\n",
+            "scenarios/lib/__init__.py": "",
+            "scenarios/lib/x.py": "import argparse\ndef f(args: argparse.Namespace): ...\n",
+        },
+    )
+    assert tool_to_tool_imports(modules) == [
+        "scenarios/tools/a.py:1 imports the verb scenarios.tools.b"
+    ]
+    assert namespace_parameters(modules) == ["scenarios.lib.x.f (line 2)"]

@@ -10,13 +10,14 @@ import torch
 
 import dbo
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 
 
 def _free_while_comm_reads(record: str) -> SimDevice:
     """Free a tensor the comm stream still reads, then allocate its size on compute; `record`:
     "" (no record_stream), "current" (the current stream, on the thread's device) or "given"
     (the comm stream passed, no thread device set)."""
-    d = SimDevice("h200", tensor_device="cpu")
+    d = SimDevice(SimOptions("h200", tensor_device="cpu"))
     compute, comm = d.Stream("compute"), d.Stream("comm")
     x = torch.randn(256)
     with dbo.use_device(d) if record == "current" else nullcontext(), d.thread_scope(0):

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import dbo
-from dbo import runner, ubatching
+from dbo import ubatching, workers
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.streams import GraphCapture
 
 pytestmark = pytest.mark.timeout(30)
@@ -340,7 +341,7 @@ def test_a_graph_exit_failure_after_the_ubatches_finished_is_raised_as_is(device
 def test_concurrent_launchers_each_get_a_whole_step_or_a_clear_refusal():
     # Two threads launching at once used to slip both past make_ubatch_contexts' check and
     # take over each other's slots: wrong outputs, mismatches, timeouts.
-    device = SimDevice(check_races=False)
+    device = SimDevice(SimOptions(check_races=False))
 
     def fn(i):
         for _ in range(3):
@@ -492,7 +493,7 @@ def test_a_thread_reaching_a_step_that_timed_out_cannot_register_into_the_next()
             with super().thread_scope(ubatch_id):
                 yield
 
-    device = SlowStart(check_races=False)
+    device = SlowStart(SimOptions(check_races=False))
     with pytest.raises(dbo.UBatchTimeoutError, match="at the ready barrier"):
         dbo.run_ubatches(lambda i: dbo.dbo_yield(), [0, 1], device=device, timeout=0.3)
 
@@ -508,8 +509,8 @@ def test_a_thread_reaching_a_step_that_timed_out_cannot_register_into_the_next()
 
 
 def test_an_abandoned_worker_ends_even_if_it_was_already_back_waiting_for_jobs():
-    pool = runner.WorkerPool()
-    worker = runner.UBatchWorker(-1)
+    pool = workers.WorkerPool()
+    worker = workers.UBatchWorker(-1)
     # As if the pool saw it busy just before the thread finished and went back to waiting.
     worker.busy = True
     pool.release([worker])

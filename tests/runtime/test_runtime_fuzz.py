@@ -32,9 +32,10 @@ from typing import Any
 import pytest
 
 import dbo
-from dbo import runner, ubatching
+from dbo import ubatching, workers
 from dbo.errors import StepAborted
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 
 STEPS = int(os.environ.get("DBO_FUZZ_STEPS", "200"))
 SEED = int(os.environ.get("DBO_FUZZ_SEED", "20261130"))
@@ -252,7 +253,7 @@ def _worker_threads() -> list[threading.Thread]:
 
 @pytest.mark.timeout(max(60, STEPS))
 def test_random_faults_always_end_the_step_with_one_clear_error():
-    device = SimDevice(check_races=False)
+    device = SimDevice(SimOptions(check_races=False))
     outcomes: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
     for n in range(STEPS):
@@ -280,7 +281,7 @@ def test_random_faults_always_end_the_step_with_one_clear_error():
     )
     # Threads left behind by stuck ubatches end once their sleep returns; none lingers.
     give_up = time.monotonic() + 5.0
-    while len(_worker_threads()) > runner.idle_worker_count() and time.monotonic() < give_up:
+    while len(_worker_threads()) > workers.idle_worker_count() and time.monotonic() < give_up:
         time.sleep(0.05)
-    assert len(_worker_threads()) == runner.idle_worker_count()
+    assert len(_worker_threads()) == workers.idle_worker_count()
     assert sum(outcomes.values()) == STEPS and outcomes["returned"] > 0

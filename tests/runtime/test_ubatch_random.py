@@ -11,6 +11,7 @@ import torch
 import dbo
 from dbo import ubatching
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 
 # Tests here start threads: each gets this bound unless it carries its own, so a hang fails
 # the test, never the whole run.
@@ -60,7 +61,7 @@ def _ring_order(num: int, schedule: list[str]) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("num", [2, 3, 4])
 def test_thousand_random_steps_follow_the_ring_and_match_the_serial_run(num):
     rng = random.Random(1234 + num)
-    device = SimDevice(check_races=False)
+    device = SimDevice(SimOptions(check_races=False))
     for _ in range(1000):
         schedule = _random_schedule(rng, rng.randint(0, 4))
         inputs = [torch.randn(rng.randint(1, 4), 3, dtype=torch.float64) for _ in range(num)]

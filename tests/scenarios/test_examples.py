@@ -42,9 +42,21 @@ def test_the_readme_verify_command_passes_on_the_example(capsys):
 @pytest.mark.timeout(120)
 def test_the_readme_example_test_passes_under_pytest():
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-         "dbo.pytest_plugin", "examples/test_my_moe.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=110,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "dbo.pytest_plugin",
+            "examples/test_my_moe.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout

@@ -17,9 +17,9 @@ from dbo.sim import SimDevice
 from scenarios import catalog, fault_scenarios
 from scenarios.cli import main
 from scenarios.harness import RunOptions, new_device
+from scenarios.lib.progress import progress_bar
 from scenarios.model import MoEModel
 from scenarios.tools import run as run_tool
-from scenarios.tools.progress import progress_bar
 from scenarios.tools.run_table import launch_bound_note
 from scenarios.tools.sweep import SweepPoint, pays_from, run_sweep
 

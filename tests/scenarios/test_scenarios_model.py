@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import dbo
-from dbo.sim import SimDevice
+from dbo.sim import SimDevice, SimOptions
 from dbo.split import split_batch
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.steps import prepare, serial_step
@@ -108,7 +108,7 @@ def _expert_ops(mode: str) -> collections.Counter:
     and its combine, one serial prefill step."""
     config = preset("deepseek-v3", ep_size=32, num_layers=2, num_dense_layers=1)
     model = MoEModel(config.with_(tensor_device="meta"), Batch.prefill(1, 256))
-    device = SimDevice("h100", tensor_device="meta")
+    device = SimDevice(SimOptions(profile="h100", tensor_device="meta"))
     step = serial_step(model, model.inputs(), device, mode=mode)
     prepare(device.torch_device, step.num_ubatches, [step])
     device.synchronize()

@@ -20,16 +20,17 @@ from dbo.sim.cluster_report import (
     shown_window,
 )
 from dbo.sim.hardware import H800
+from dbo.sim.options import SimOptions
 from dbo.sim.routing import Routing, balanced, cap_shares, contiguous, zipf
-from scenarios.model import preset
-from scenarios.tools.cluster_step import (
+from scenarios.lib.cluster_step import (
     StepSpec,
-    device_options,
     dp_agreement,
+    engine_knobs,
     record_step,
     routing_from_spec,
 )
-from scenarios.tools.fidelity import simulate_step
+from scenarios.lib.simulate import simulate_step
+from scenarios.model import preset
 
 
 def _spec(phase: str, ep: int, n: int | None, moe_layers: int = 4, tokens: int = 0) -> StepSpec:
@@ -61,11 +62,16 @@ def test_balanced_replay_agrees_with_the_one_rank_simulation_at_full_depth(phase
     spec = _spec(phase, 32, 2, moe_layers=8)
     _, result = _replay(spec)
     mode = "ll" if phase == "decode" else "ht"
-    options = device_options(spec)  # the recording's GEMM SM cap and DeepEP byte shares
+    engine = engine_knobs(spec)  # the recording's GEMM SM cap and DeepEP byte shares
     one_rank = simulate_step(
-        spec.config, spec.batch(), mode, profile=H800, num_ubatches=2,
-        graph=phase == "decode", **options,
-    )  # fmt: skip
+        spec.config,
+        spec.batch(),
+        mode,
+        profile=H800,
+        num_ubatches=2,
+        graph=phase == "decode",
+        engine=engine,
+    )
     assert result.step_us.max() == pytest.approx(one_rank.step_us, rel=0.02)
 
 
@@ -106,8 +112,9 @@ def test_more_skew_never_makes_a_step_faster_up_to_every_token_wanting_one_exper
     program = record_step(_spec(phase, 16, 2))
     steps = []
     for heat in (0.0, 0.1, 0.3, 0.6, 0.9, 1.0):
-        result = simulate_cluster(program, _toward(program.num_layers, heat, seed),
-                                  contiguous(256, 16))  # fmt: skip
+        result = simulate_cluster(
+            program, _toward(program.num_layers, heat, seed), contiguous(256, 16)
+        )
         assert np.allclose(result.expert_factor.sum(axis=1), 16)  # every row lands somewhere
         steps.append(result.step_us.max())
     assert all(a <= b * (1 + 1e-9) for a, b in zip(steps, steps[1:])), steps
@@ -161,7 +168,7 @@ def test_a_multi_node_dispatch_is_slower_than_one_node_with_the_same_bytes():
 
 def _comm_beside_a_gemm(mode: str):
     """A dispatch on one stream, then a GEMM on another that runs while it does."""
-    device = SimDevice(H800, tensor_device="meta")
+    device = SimDevice(SimOptions(H800, tensor_device="meta"))
     comm, compute = device.Stream("comm"), device.Stream("compute")
     a = torch.empty(4096, 7168, device="meta", dtype=torch.bfloat16)
     w = torch.empty(7168, 7168, device="meta", dtype=torch.bfloat16)

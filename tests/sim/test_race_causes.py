@@ -12,6 +12,7 @@ import dbo
 import dbo.switch_notes
 from dbo.race_causes import group_races
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.sim.records import OpSite, RaceReport
 
 
@@ -64,7 +65,7 @@ def test_a_buffer_two_ubatches_share_suggests_a_slot_each():
 
 @pytest.mark.timeout(30)
 def test_a_free_without_record_stream_on_the_simulator_is_grouped_with_the_same_fix():
-    device = SimDevice("h200", tensor_device="cpu")
+    device = SimDevice(SimOptions("h200", tensor_device="cpu"))
     x = torch.randn(1 << 16)
     with device.thread_scope(0):
         compute, comm = device.Stream("compute"), device.Stream("comm")

@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from dbo.sim import B200, H200, SimDevice
-from dbo.sim.cost import GEMM_OPS, ROOFLINE, OpCost, register_op_cost, unregister_op_cost
+from dbo.sim.cost import ROOFLINE, OpCost, register_op_cost, unregister_op_cost
+from dbo.sim.families import GEMM_OPS
+from dbo.sim.options import SimOptions
 from dbo.sim.report import summarize
 from dbo.sim.tables import KernelRow, KernelTable, interp_loglog, load_table
+from scenarios.lib.configs import check_cases
+from scenarios.lib.simulate import simulate_step
 from scenarios.model import Batch
-from scenarios.tools import fidelity, gpu_check
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,7 +94,7 @@ def _mm(device: SimDevice, dtype: torch.dtype, m: int = 512) -> None:
 
 
 def test_covered_ops_are_priced_by_the_table_and_others_by_the_roofline() -> None:
-    d = SimDevice("h200", tensor_device="meta")
+    d = SimDevice(SimOptions("h200", tensor_device="meta"))
     _mm(d, torch.bfloat16)
     _mm(d, torch.float32)  # the table holds bf16 GEMMs only
     table_op, roof_op = d.timeline
@@ -103,7 +106,7 @@ def test_covered_ops_are_priced_by_the_table_and_others_by_the_roofline() -> Non
 
 
 def test_the_summary_reports_the_share_of_device_time_the_fallback_priced() -> None:
-    d = SimDevice("h200", tensor_device="meta")
+    d = SimDevice(SimOptions("h200", tensor_device="meta"))
     _mm(d, torch.bfloat16)
     _mm(d, torch.float32)
     table_op, roof_op = d.timeline
@@ -114,7 +117,7 @@ def test_the_summary_reports_the_share_of_device_time_the_fallback_priced() -> N
 
 def test_an_uncalibrated_profile_prices_every_op_by_the_roofline() -> None:
     assert H200.calibrated and not B200.calibrated
-    d = SimDevice("b200", tensor_device="meta")
+    d = SimDevice(SimOptions("b200", tensor_device="meta"))
     _mm(d, torch.bfloat16)
     assert summarize(d.timeline).fallback_fraction == 1.0
 
@@ -126,8 +129,8 @@ def test_a_registered_cost_wins_for_its_profile_then_for_every_profile() -> None
 
     try:
         h100, h200 = (
-            SimDevice("h100", tensor_device="meta"),
-            SimDevice("h200", tensor_device="meta"),
+            SimDevice(SimOptions("h100", tensor_device="meta")),
+            SimDevice(SimOptions("h200", tensor_device="meta")),
         )
         _mm(h100, torch.bfloat16)
         _mm(h200, torch.bfloat16)
@@ -148,7 +151,7 @@ def test_a_registered_cost_wins_for_its_profile_then_for_every_profile() -> None
     finally:
         unregister_op_cost("aten::mm", profile="h100")
         unregister_op_cost("aten::mm")
-    d = SimDevice("h200", tensor_device="meta")
+    d = SimDevice(SimOptions("h200", tensor_device="meta"))
     _mm(d, torch.bfloat16)
     assert d.timeline[0].args["cost"] == "table:mm"  # the built-in entry is back in charge
 
@@ -166,7 +169,7 @@ def test_one_list_of_gemm_ops_is_shared_by_the_device_and_the_reports() -> None:
 def test_eager_host_cost_depends_on_the_op_kind() -> None:
     p = H200
     assert p.eager_host_us("gemm") > p.eager_host_us("elementwise") == p.launch_us
-    d = SimDevice("h200", tensor_device="meta")
+    d = SimDevice(SimOptions("h200", tensor_device="meta"))
     x = torch.empty(8, 8, dtype=torch.bfloat16, device="meta")
     with d.thread_scope(None):
         x + x
@@ -176,17 +179,15 @@ def test_eager_host_cost_depends_on_the_op_kind() -> None:
     assert mm.start_us - add.start_us == pytest.approx(p.eager_host_us("gemm"))
 
 
-SMALL = gpu_check.cases(2)[0].config.with_(
+SMALL = check_cases(2)[0].config.with_(
     hidden=1024, num_heads=8, head_dim=128, num_experts=16, top_k=4, moe_inter=512
 )
 
 
 def test_a_launch_bound_step_is_slower_eager_than_replayed() -> None:
     batch = Batch.decode(64, 256)
-    eager = fidelity.simulate_step(SMALL, batch, "ll", profile="h200", num_ubatches=2, graph=False)
-    replayed = fidelity.simulate_step(
-        SMALL, batch, "ll", profile="h200", num_ubatches=2, graph=True
-    )
+    eager = simulate_step(SMALL, batch, "ll", profile="h200", num_ubatches=2, graph=False)
+    replayed = simulate_step(SMALL, batch, "ll", profile="h200", num_ubatches=2, graph=True)
     assert eager.host_us == pytest.approx(eager.step_us, rel=0.01)  # the host sets the pace
     assert eager.step_us > 2 * replayed.step_us
 
@@ -196,12 +197,8 @@ def test_a_device_bound_step_takes_the_same_time_eager_and_replayed() -> None:
         hidden=4096, num_heads=32, num_experts=64, top_k=8, moe_inter=1024, num_layers=1
     )
     batch = Batch.prefill(4, 1024)
-    eager = fidelity.simulate_step(
-        config, batch, "ht", profile="h200", num_ubatches=None, graph=False
-    )
-    replayed = fidelity.simulate_step(
-        config, batch, "ht", profile="h200", num_ubatches=None, graph=True
-    )
+    eager = simulate_step(config, batch, "ht", profile="h200", num_ubatches=None, graph=False)
+    replayed = simulate_step(config, batch, "ht", profile="h200", num_ubatches=None, graph=True)
     assert eager.host_us < eager.step_us
     # the same, but for the head start the first op's issue gives a replay
     assert 0 <= eager.step_us - replayed.step_us <= H200.eager_host_us("gemm")
@@ -212,12 +209,8 @@ def test_on_one_gpu_dbo_gains_nothing(graph: bool) -> None:
     """One GPU: dispatch and combine are local permutations, full-grid kernels that take the
     GPU in turn with compute, so the second ubatch has nothing to hide and only adds work."""
     batch = Batch.prefill(4, 512)
-    serial = fidelity.simulate_step(
-        SMALL, batch, "ht", profile="h200", num_ubatches=None, graph=graph
-    )
-    ubatched = fidelity.simulate_step(
-        SMALL, batch, "ht", profile="h200", num_ubatches=2, graph=graph
-    )
+    serial = simulate_step(SMALL, batch, "ht", profile="h200", num_ubatches=None, graph=graph)
+    ubatched = simulate_step(SMALL, batch, "ht", profile="h200", num_ubatches=2, graph=graph)
     assert ubatched.step_us > serial.step_us
 
 
@@ -227,7 +220,7 @@ def test_a_profile_replaced_with_another_launch_cost_rescales_every_kind() -> No
 
 
 def _add_times(profile: str = "h200") -> list[tuple[str, float]]:
-    d = SimDevice(profile, tensor_device="meta")
+    d = SimDevice(SimOptions(profile, tensor_device="meta"))
     a = torch.ones(4, device="meta")
     with d.thread_scope(None):
         a + a  # aten::add.Tensor

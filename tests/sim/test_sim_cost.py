@@ -11,6 +11,8 @@ import torch
 
 from dbo.sim import COMM, COMPUTE, H200, H800, SYNC, SimDevice, comm_time_us, compute_time_us
 from dbo.sim.cost import algo_factor, comm_link
+from dbo.sim.options import SimOptions
+from dbo.sim.state import PlannedOp
 
 # 1 PFLOP/s bf16 (1e9 FLOP/us), 1 TB/s HBM (1e6 B/us), 100 SMs, efficiencies 1: exact numbers.
 ROUND = replace(
@@ -45,7 +47,7 @@ def placed(device: SimDevice) -> list:
 
 
 def test_mm_roofline_compute_bound_on_meta() -> None:
-    d = SimDevice(ROUND, tensor_device="meta")
+    d = SimDevice(SimOptions(ROUND, tensor_device="meta"))
     m, k, n = 4096, 4096, 4096
     a = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
     b = torch.empty(k, n, dtype=torch.bfloat16, device="meta")
@@ -69,7 +71,7 @@ def test_fp8_peak_is_twice_bf16() -> None:
 
 
 def test_elementwise_is_memory_bound() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     x = torch.ones(1000, 250)  # 1e6 bytes of fp32
     with d.thread_scope(None):
         y = x + x
@@ -80,7 +82,7 @@ def test_elementwise_is_memory_bound() -> None:
 
 
 def test_views_and_metadata_are_free() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     x = torch.randn(4, 6)
     with d.thread_scope(0):
         v = x.view(6, 4).t().transpose(0, 1).detach()
@@ -93,7 +95,7 @@ def test_views_and_metadata_are_free() -> None:
 
 @pytest.mark.timeout(30)
 def test_ops_attributed_to_thread_ubatch_and_stream() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     streams = [d.Stream("compute"), d.Stream("comm")]
     x = torch.randn(8, 8)
 
@@ -117,11 +119,17 @@ def test_ops_attributed_to_thread_ubatch_and_stream() -> None:
 
 
 def test_host_reads_sync_to_current_stream() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     s = d.Stream("compute")
     x = torch.ones(1000, 250)
-    reads = [lambda t: t.tolist(), lambda t: t.cpu(), lambda t: t.numpy(), lambda t: t.sum().item(),
-             lambda t: t.to("cpu"), lambda t: bool(t.sum() > 0)]  # fmt: skip
+    reads = [
+        lambda t: t.tolist(),
+        lambda t: t.cpu(),
+        lambda t: t.numpy(),
+        lambda t: t.sum().item(),
+        lambda t: t.to("cpu"),
+        lambda t: bool(t.sum() > 0),
+    ]
     for read in reads:
         d.reset()
         with d.thread_scope(None):
@@ -162,7 +170,7 @@ def test_comm_time_formula() -> None:
 
 
 def test_ht_comm_region_is_one_op_and_slows_overlapping_compute() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     compute, comm = d.Stream("compute"), d.Stream("comm")
     x = torch.ones(1000, 250)  # add: 3e6 bytes -> 3 us + 2 fixed = 5 us alone
     with d.thread_scope(0):
@@ -182,10 +190,12 @@ def test_ht_comm_region_is_one_op_and_slows_overlapping_compute() -> None:
 
 
 def test_partial_overlap_slows_only_overlapping_part() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     s1, s2 = d.Stream("compute"), d.Stream("comm")
-    d.place_op("comm", 4.0, kind=COMM, stream=s2, sm_share=0.5)  # [1, 5)
-    op = d.place_op("mm", 10.0, stream=s1)  # starts at 2: 3 us at half rate, then full
+    d.place_op(PlannedOp("comm", 4.0, kind=COMM, track=s2.track, sm_share=0.5))  # [1, 5)
+    op = d.place_op(
+        PlannedOp("mm", 10.0, track=s1.track)
+    )  # starts at 2: 3 us at half rate, then full
     assert op.start_us == 2.0 and op.end_us == pytest.approx(5.0 + (10.0 - 1.5))
 
 
@@ -202,7 +212,7 @@ def test_compute_issued_before_an_ht_comm_kernel_pays_its_sms_before_its_stream_
 
 
 def test_ll_comm_region_uses_link_track() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     compute = d.Stream("compute")
     x = torch.ones(10)
     with d.thread_scope(0):
@@ -223,7 +233,7 @@ def test_ll_comm_region_uses_link_track() -> None:
 
 
 def test_comm_region_validates() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     with pytest.raises(ValueError, match="mode"):
         with d.comm_region("dispatch", nbytes=1, mode="x"):
             pass
@@ -240,7 +250,7 @@ def test_comm_region_validates() -> None:
 def test_deepseek_size_step_on_meta_is_fast_and_allocates_nothing() -> None:
     """61 layers, hidden 7168, 256 experts top-8 (EP 8: 32 local experts), 2 ubatches of
     256 tokens: hundreds of GB of logical tensors, none of it real."""
-    d = SimDevice("h200", tensor_device="meta")
+    d = SimDevice(SimOptions("h200", tensor_device="meta"))
     meta = dict(device="meta", dtype=torch.bfloat16)
     hidden, inter, experts, local, topk, tokens = 7168, 2048, 256, 32, 8, 256
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -310,7 +320,7 @@ def test_deepseek_v3_model_step_on_meta_allocates_no_tensor_memory() -> None:
     from workspace import init_workspace_manager, reset_workspace_manager
 
     assert max(_cpu_allocation_sizes(lambda: torch.ones(1000) + 1)) >= 4000  # the probe works
-    d = SimDevice("h200", tensor_device="meta")
+    d = SimDevice(SimOptions("h200", tensor_device="meta"))
     model = MoEModel(preset("deepseek-v3", num_layers=5), Batch.decode(64, 128))
     x = model.inputs()
     reset_workspace_manager()

@@ -10,13 +10,15 @@ import torch
 
 import dbo.streams
 from dbo.sim import H200, HANDOFF, SYNC, SimDevice, profile_from_name
+from dbo.sim.options import ProfileOverrides, SimOptions
+from dbo.sim.state import PlannedOp
 
 # launch 1 us, no fixed kernel time, handoff 10 us: every time below is exact arithmetic.
 ROUND = replace(H200, name="round", launch_us=1.0, kernel_fixed_us=0.0, handoff_us=10.0)
 
 
 def make() -> SimDevice:
-    return SimDevice(ROUND)
+    return SimDevice(SimOptions(ROUND))
 
 
 def test_default_device_is_sim_h200() -> None:
@@ -29,8 +31,8 @@ def test_default_device_is_sim_h200() -> None:
 def test_two_streams_overlap_without_wait() -> None:
     d = make()
     s1, s2 = d.Stream("a"), d.Stream("b")
-    a = d.place_op("A", 10.0, stream=s1)
-    b = d.place_op("B", 10.0, stream=s2)
+    a = d.place_op(PlannedOp("A", 10.0, track=s1.track))
+    b = d.place_op(PlannedOp("B", 10.0, track=s2.track))
     assert (a.issue_us, a.start_us, a.end_us) == (0.0, 1.0, 11.0)
     assert (b.issue_us, b.start_us, b.end_us) == (1.0, 2.0, 12.0)
     assert d.host_time_us == 2.0
@@ -39,41 +41,41 @@ def test_two_streams_overlap_without_wait() -> None:
 def test_wait_event_orders_streams() -> None:
     d = make()
     s1, s2 = d.Stream("a"), d.Stream("b")
-    d.place_op("A", 10.0, stream=s1)
+    d.place_op(PlannedOp("A", 10.0, track=s1.track))
     e = s1.record_event()
     assert e.time_us == 11.0
     s2.wait_event(e)
-    b = d.place_op("B", 10.0, stream=s2)
+    b = d.place_op(PlannedOp("B", 10.0, track=s2.track))
     assert (b.start_us, b.end_us) == (11.0, 21.0)
     # work recorded after the event is not waited for
-    d.place_op("A2", 100.0, stream=s1)
-    c = d.place_op("C", 1.0, stream=s2)
+    d.place_op(PlannedOp("A2", 100.0, track=s1.track))
+    c = d.place_op(PlannedOp("C", 1.0, track=s2.track))
     assert c.start_us == 21.0
 
 
 def test_same_stream_is_in_order() -> None:
     d = make()
     s = d.Stream("a")
-    d.place_op("A", 10.0, stream=s)
-    b = d.place_op("B", 5.0, stream=s)
+    d.place_op(PlannedOp("A", 10.0, track=s.track))
+    b = d.place_op(PlannedOp("B", 5.0, track=s.track))
     assert (b.start_us, b.end_us) == (11.0, 16.0)
 
 
 def test_host_sync_advances_host_and_is_recorded() -> None:
     d = make()
     s = d.Stream("a")
-    d.place_op("A", 10.0, stream=s)
+    d.place_op(PlannedOp("A", 10.0, track=s.track))
     s.synchronize()
     assert d.host_time_us == 11.0 and s.query()
     sync = d.timeline[-1]
     assert (
         sync.kind == SYNC and sync.stream == "host" and (sync.start_us, sync.end_us) == (1.0, 11.0)
     )
-    b = d.place_op("B", 1.0, stream=s)
+    b = d.place_op(PlannedOp("B", 1.0, track=s.track))
     assert (b.issue_us, b.start_us) == (11.0, 12.0)
     # a second sync waits for nothing and records nothing
     n = len(d.timeline)
-    d.place_op("C", 5.0, stream=s)
+    d.place_op(PlannedOp("C", 5.0, track=s.track))
     d.synchronize()
     d.synchronize()
     assert sum(r.kind == SYNC for r in d.timeline[n:]) == 1
@@ -86,9 +88,9 @@ def test_event_synchronize_and_query() -> None:
     assert e.query()  # never recorded: nothing to wait for
     e.synchronize()
     assert d.host_time_us == 0.0
-    d.place_op("A", 10.0, stream=s)
+    d.place_op(PlannedOp("A", 10.0, track=s.track))
     e.record(s)
-    d.place_op("B", 10.0, stream=s)
+    d.place_op(PlannedOp("B", 10.0, track=s.track))
     assert not e.query()
     e.synchronize()
     assert d.host_time_us == 11.0 and e.query() and not s.query()
@@ -98,7 +100,7 @@ def test_wait_on_unrecorded_event_is_noop() -> None:
     d = make()
     s = d.Stream("a")
     s.wait_event(d.Event())
-    assert d.place_op("A", 1.0, stream=s).start_us == 1.0
+    assert d.place_op(PlannedOp("A", 1.0, track=s.track)).start_us == 1.0
 
 
 def test_handoff_costs_host_time() -> None:
@@ -108,7 +110,7 @@ def test_handoff_costs_host_time() -> None:
         d.on_handoff()
     h = d.timeline[-1]
     assert h.kind == HANDOFF and h.ubatch == 1 and (h.start_us, h.end_us) == (0.0, 10.0)
-    assert d.place_op("A", 1.0, stream=s).start_us == 11.0
+    assert d.place_op(PlannedOp("A", 1.0, track=s.track)).start_us == 11.0
 
 
 @pytest.mark.timeout(30)
@@ -130,35 +132,37 @@ def test_stream_names_unique_and_checked() -> None:
     d = make()
     assert d.Stream("x").name == "x" and d.Stream("x").name == "x#2"
     with pytest.raises(TypeError):
-        d.set_stream(SimDevice(ROUND).Stream("other"))
+        d.set_stream(SimDevice(SimOptions(ROUND)).Stream("other"))
     with pytest.raises(TypeError):
-        d.Stream("y").wait_event(SimDevice(ROUND).Event())
+        d.Stream("y").wait_event(SimDevice(SimOptions(ROUND)).Event())
 
 
 def test_mark_since_elapsed_and_reset() -> None:
     d = make()
     s = d.Stream("a")
-    d.place_op("warm", 5.0, stream=s)
+    d.place_op(PlannedOp("warm", 5.0, track=s.track))
     d.synchronize()
     m = d.mark()
-    d.place_op("A", 10.0, stream=s)
+    d.place_op(PlannedOp("A", 10.0, track=s.track))
     d.synchronize()
     assert [r.name for r in d.since(m)] == ["A", "host-sync"]
     assert d.elapsed_us(m) == 11.0
     e = s.record_event()
     d.reset()
     assert d.timeline == [] and d.host_time_us == 0.0 and not e.recorded
-    assert d.place_op("B", 1.0, stream=s).start_us == 1.0
+    assert d.place_op(PlannedOp("B", 1.0, track=s.track)).start_us == 1.0
 
 
 def test_profiles_by_name() -> None:
     assert profile_from_name("H100-SXM").name == "h100"
     with pytest.raises(ValueError, match="b200, h100, h200, h800"):
         profile_from_name("a100")
-    d = SimDevice("h800", launch_us=7.0, handoff_us=3.0, comm_sms=20)
+    d = SimDevice(
+        SimOptions("h800", overrides=ProfileOverrides(launch_us=7.0, handoff_us=3.0, comm_sms=20))
+    )
     assert (d.profile.launch_us, d.profile.handoff_us, d.profile.comm_sms) == (7.0, 3.0, 20)
     with pytest.raises(ValueError, match="tensor_device"):
-        SimDevice(tensor_device="cuda")
+        SimDevice(SimOptions(tensor_device="cuda"))
 
 
 @pytest.mark.timeout(30)
@@ -172,7 +176,7 @@ def test_many_threads_place_consistently() -> None:
         with d.thread_scope(i):
             d.set_stream(s)
             for _ in range(n_ops):
-                d.place_op("op", 1.0)
+                d.place_op(PlannedOp("op", 1.0))
                 e = s.record_event()
                 streams[(i + 1) % 4].wait_event(e)
                 d.on_handoff()
@@ -198,9 +202,9 @@ def test_each_yield_and_exit_of_a_ubatched_step_costs_one_handoff_of_host_time()
     d = make()
 
     def fn(u: int) -> None:
-        d.place_op(f"A{u}", 5.0)
+        d.place_op(PlannedOp(f"A{u}", 5.0))
         dbo.dbo_yield()
-        d.place_op(f"B{u}", 5.0)
+        d.place_op(PlannedOp(f"B{u}", 5.0))
 
     dbo.run_ubatches(fn, [0, 1], device=d)
     got = [(r.name, r.ubatch, r.stream, r.issue_us, r.start_us, r.end_us) for r in d.timeline]
@@ -218,7 +222,7 @@ def test_each_yield_and_exit_of_a_ubatched_step_costs_one_handoff_of_host_time()
 
 
 def test_records_carry_the_device_rank() -> None:
-    d = SimDevice(ROUND, rank=3)
+    d = SimDevice(SimOptions(ROUND, rank=3))
     x = torch.ones(4)
     with d.thread_scope(1):
         x + x
@@ -232,7 +236,7 @@ def test_records_carry_the_device_rank() -> None:
 
 
 def test_event_query_true_orders_later_host_work_after_the_event() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     a, b = d.Stream("a"), d.Stream("b")
     x = torch.zeros(8)
     with d.thread_scope(0):
@@ -249,13 +253,13 @@ def test_event_query_true_orders_later_host_work_after_the_event() -> None:
 def test_polling_query_advances_the_host_clock_until_done() -> None:
     d = make()
     s = d.Stream("a")
-    d.place_op("A", 10.0, stream=s)  # done at 11 us
+    d.place_op(PlannedOp("A", 10.0, track=s.track))  # done at 11 us
     e = s.record_event()
     polls = 0
     while not e.query():
         polls += 1
     assert polls == 10 and d.host_time_us == 11.0  # one launch's host time per poll
-    d.place_op("B", 10.0, stream=s)
+    d.place_op(PlannedOp("B", 10.0, track=s.track))
     while not s.query():
         pass
     assert d.host_time_us >= d.streams[-1].free_at_us
@@ -288,6 +292,6 @@ def test_the_timeline_is_one_list_that_later_passes_join() -> None:
 
 
 def test_a_device_without_a_timeline_keeps_no_host_records() -> None:
-    d = SimDevice(ROUND, record_timeline=False)
+    d = SimDevice(SimOptions(ROUND, record_timeline=False))
     d.on_handoff()
     assert d.timeline == [] and d.host_time_us == 10.0

@@ -11,12 +11,19 @@ import torch
 import dbo
 from dbo.sim import COMM, COMPUTE, GRAPH_LAUNCH, H200, HANDOFF, GraphReplayError, SimDevice
 from dbo.sim.calls import ShapeChangedError
+from dbo.sim.options import SimOptions
 from workspace import current_workspace_manager, init_workspace_manager, reset_workspace_manager
 
 ROUND = replace(
-    H200, name="round", launch_us=1.0, kernel_fixed_us=2.0, handoff_us=10.0, graph_launch_us=3.0,
-    compute_efficiency=1.0, memory_efficiency=1.0,
-)  # fmt: skip
+    H200,
+    name="round",
+    launch_us=1.0,
+    kernel_fixed_us=2.0,
+    handoff_us=10.0,
+    graph_launch_us=3.0,
+    compute_efficiency=1.0,
+    memory_efficiency=1.0,
+)
 
 
 def ops(records: list) -> list:
@@ -43,7 +50,7 @@ def capture_step(d: SimDevice, x: torch.Tensor, w: torch.Tensor):
 
 
 def test_replay_recomputes_values_in_captured_tensors() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     x, w = torch.randn(4, 4), torch.randn(4, 4)
     g, out, h = capture_step(d, x, w)
     assert torch.allclose(out, (x @ w).relu() + 1)
@@ -56,7 +63,7 @@ def test_replay_recomputes_values_in_captured_tensors() -> None:
 
 
 def test_replay_has_no_launch_cost_and_keeps_dependencies() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     x, w = torch.randn(4, 4), torch.randn(4, 4)
     g, _, _ = capture_step(d, x, w)
     captured = ops(d.timeline)
@@ -86,7 +93,7 @@ def test_replay_has_no_launch_cost_and_keeps_dependencies() -> None:
 
 @pytest.mark.timeout(30)
 def test_capture_from_several_threads_in_issue_order() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     streams = [d.Stream("s0"), d.Stream("s1")]
     bufs = [torch.zeros(8), torch.zeros(8)]
     go = threading.Event()
@@ -140,7 +147,7 @@ class FakeWorkspace:
 
 
 def test_replay_refuses_a_replaced_workspace_slot() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     ws = FakeWorkspace(1024)
     d.add_buffer_owner(ws)
     x = torch.randn(16)
@@ -160,7 +167,7 @@ def test_replay_refuses_a_replaced_workspace_slot() -> None:
 
 
 def test_graph_misuse_is_refused() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     with d.graph() as g:
         with pytest.raises(RuntimeError, match="already"):
             with d.graph():
@@ -175,7 +182,7 @@ def test_graph_misuse_is_refused() -> None:
 
 
 def test_graph_on_meta_tensors() -> None:
-    d = SimDevice(ROUND, tensor_device="meta")
+    d = SimDevice(SimOptions(ROUND, tensor_device="meta"))
     a = torch.empty(1024, 1024, device="meta", dtype=torch.bfloat16)
     with d.thread_scope(0):
         with d.graph() as g:
@@ -209,7 +216,7 @@ def two_slot_workspace():
 def test_ubatched_step_captured_through_run_ubatches_replays_with_one_launch_and_no_handoffs(
     two_slot_workspace,
 ) -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     w = torch.randn(4, 4)
     xs, outs = [torch.randn(4, 4) for _ in range(2)], [torch.empty(4, 4) for _ in range(2)]
     fn = _two_ubatch_step(xs, w, outs)
@@ -233,8 +240,11 @@ def test_ubatched_step_captured_through_run_ubatches_replays_with_one_launch_and
     ops = [r for r in new if r.kind == COMPUTE]
     assert [r.kind for r in new if r.stream == "host"] == [GRAPH_LAUNCH, "sync"]
     assert [(r.name, r.ubatch) for r in ops] == [
-        ("aten::mm", 0), ("aten::mm", 1), ("aten::mul", 0), ("aten::mul", 1),
-    ]  # fmt: skip
+        ("aten::mm", 0),
+        ("aten::mm", 1),
+        ("aten::mul", 0),
+        ("aten::mul", 1),
+    ]
     assert all(r.replayed and r.issue_us == start.host_us + ROUND.graph_launch_us for r in ops)
     # one compute stream, no host gaps: the ops run back to back after the graph launch
     assert d.elapsed_us(start) == pytest.approx(ROUND.graph_launch_us + sum(r.dur_us for r in ops))
@@ -245,7 +255,7 @@ def test_ubatched_step_captured_through_run_ubatches_replays_with_one_launch_and
 
 @pytest.mark.timeout(30)
 def test_replay_after_workspace_growth_names_the_replaced_slot(two_slot_workspace) -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     d.add_buffer_owner(two_slot_workspace)
     w = torch.randn(4, 4)
     xs, outs = [torch.randn(4, 4) for _ in range(2)], [torch.empty(4, 4) for _ in range(2)]
@@ -260,7 +270,7 @@ def test_replay_after_workspace_growth_names_the_replaced_slot(two_slot_workspac
 
 
 def test_one_device_captures_one_graph_at_a_time() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     with d.graph():
         with pytest.raises(RuntimeError, match="already being captured"):
             with d.graph():
@@ -271,7 +281,7 @@ def test_one_device_captures_one_graph_at_a_time() -> None:
 
 
 def test_replayed_list_op_recomputes_and_is_placed_again() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     xs = [torch.ones(4), torch.ones(4)]
     with d.thread_scope(0):
         with d.graph() as g:
@@ -285,7 +295,7 @@ def test_replayed_list_op_recomputes_and_is_placed_again() -> None:
 
 
 def test_replay_refuses_a_data_dependent_shape_that_changed() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     x = torch.tensor([1.0, -1.0, 2.0])
     with d.thread_scope(0), d.graph() as g:
         positive = x[x > 0]  # two rows at capture
@@ -296,7 +306,7 @@ def test_replay_refuses_a_data_dependent_shape_that_changed() -> None:
 
 
 def test_replay_restores_the_grad_mode_each_op_was_captured_under() -> None:
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)  # w: a module parameter
     with d.thread_scope(0), d.graph() as g, torch.no_grad():
         h = (x @ w).t()  # a view made under no_grad; with grad on, recomputing it is refused

@@ -8,24 +8,25 @@ from dataclasses import replace
 import pytest
 
 from dbo.sim import H100, H200, SimDevice
+from dbo.sim.options import SimOptions
 from dbo.sim.records import COMM, COMPUTE
+from dbo.sim.state import PlannedOp
 
 # Compute progresses at half its solo rate beside a full-grid kernel, which crawls at a quarter.
 RATES = {"compute": 0.5, "full_grid": 0.25}
 
 
 def _device(rates: dict[str, float]) -> SimDevice:
-    return SimDevice(replace(H200, overlap_rates=rates), check_races=False)
+    return SimDevice(SimOptions(replace(H200, overlap_rates=rates), check_races=False))
 
 
 def _compute(device: SimDevice, stream, us: float, **kw):
-    return device.place_op("gemm", us, kind=COMPUTE, stream=stream, launch=False, **kw)
+    return device.place_op(PlannedOp("gemm", us, COMPUTE, stream.track, launch=False, **kw))
 
 
 def _full_grid(device: SimDevice, stream, us: float, **kw):
-    return device.place_op(
-        "comm::combine", us, kind=COMM, stream=stream, launch=False, full_grid=True, **kw
-    )
+    op = PlannedOp("comm::combine", us, COMM, stream.track, launch=False, full_grid=True, **kw)
+    return device.place_op(op)
 
 
 def test_two_kernels_ready_together_on_two_streams_end_as_if_run_side_by_side() -> None:
@@ -77,7 +78,7 @@ def test_two_compute_kernels_are_not_charged() -> None:
 
 
 def test_a_profile_without_overlap_rates_keeps_free_turns() -> None:
-    for device in (_device({}), SimDevice(H100, check_races=False)):
+    for device in (_device({}), SimDevice(SimOptions(H100, check_races=False))):
         a, b = device.Stream("compute"), device.Stream("comm")
         _compute(device, a, 100.0)
         combine = _full_grid(device, b, 50.0)

@@ -11,12 +11,13 @@ import torch
 import dbo
 from dbo import runner
 from dbo.sim import RaceError, SimDevice
+from dbo.sim.options import SimOptions
 from dbo.sim.races import user_stack
 from workspace import current_workspace_manager, init_workspace_manager, reset_workspace_manager
 
 
 def setup() -> tuple[SimDevice, object, object]:
-    d = SimDevice("h200")
+    d = SimDevice(SimOptions("h200"))
     return d, d.Stream("compute"), d.Stream("comm")
 
 
@@ -100,7 +101,7 @@ def test_b_workspace_slot_reissued_while_comm_reads_old_view() -> None:
 
 @pytest.mark.timeout(30)
 def test_c_two_ubatches_write_one_buffer() -> None:
-    d = SimDevice("h200")
+    d = SimDevice(SimOptions("h200"))
     streams = [d.Stream("compute-0"), d.Stream("compute-1")]
     shared = torch.zeros(128)
     turn = [threading.Event(), threading.Event()]
@@ -225,7 +226,7 @@ def test_dead_storage_takes_its_history_along() -> None:
 
 
 def test_race_action_raise_and_meta_has_no_checker() -> None:
-    d = SimDevice("h200", race_action="raise")
+    d = SimDevice(SimOptions("h200", race_action="raise"))
     a, b = d.Stream("a"), d.Stream("b")
     x = torch.zeros(4)
     with d.thread_scope(0):
@@ -234,7 +235,7 @@ def test_race_action_raise_and_meta_has_no_checker() -> None:
         d.set_stream(b)
         with pytest.raises(RaceError, match="aten::fill_"):
             x.fill_(2)
-    m = SimDevice("h200", tensor_device="meta")
+    m = SimDevice(SimOptions("h200", tensor_device="meta"))
     assert m.race_checker is None
     with m.thread_scope(0):
         m.set_stream(m.Stream("a"))
@@ -259,7 +260,7 @@ def workspace2():
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("sync", [False, True])
 def test_a_dbo_switch_to_comm_without_sync_races_with_the_compute_it_skipped(sync: bool) -> None:
-    d = SimDevice("h200")
+    d = SimDevice(SimOptions("h200"))
     bufs = [torch.zeros(64), torch.zeros(64)]
 
     def fn(u: int) -> None:
@@ -318,7 +319,7 @@ def test_c_two_ubatches_served_one_slot_write_it_unordered(
     seeded: the manager hands every ubatch slot 0."""
     if shared:
         monkeypatch.setattr("workspace.manager._current_ubatch_id", lambda: 0)
-    d = SimDevice("h200")
+    d = SimDevice(SimOptions("h200"))
     xs = [torch.randn(32), torch.randn(32)]
     outs: list = [None, None]
     slot_storages: set[int] = set()
@@ -353,7 +354,7 @@ def test_c_two_ubatches_served_one_slot_write_it_unordered(
 def test_d_registered_recv_hook_that_reads_before_the_arrival_event(waits_first: bool) -> None:
     """Low-latency combine: the next ubatch runs the recv hook; a hook that reads the received
     rows before waiting on their arrival event races with the transfer on the link."""
-    d = SimDevice("h200")
+    d = SimDevice(SimOptions("h200"))
     srcs = [torch.randn(16), torch.randn(16)]
     recvs = [torch.zeros(16), torch.zeros(16)]
     got: list = [None, None]
@@ -510,9 +511,20 @@ def test_fused_optimizer_step_is_checked() -> None:
         grads[0].mul_(0.5)  # the gradient is produced on compute
         d.set_stream(comm)
         torch._fused_adam_(
-            params, grads, exp_avg, exp_avg_sq, [], steps, lr=0.1, beta1=0.9, beta2=0.99,
-            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
-        )  # fmt: skip
+            params,
+            grads,
+            exp_avg,
+            exp_avg_sq,
+            [],
+            steps,
+            lr=0.1,
+            beta1=0.9,
+            beta2=0.99,
+            weight_decay=0.0,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
     assert [(r.first.op, r.second.op) for r in d.races] == [("aten::mul_", "aten::_fused_adam_")]
 
 
@@ -624,7 +636,7 @@ def test_report_names_ops_streams_ubatches_bytes_arguments_stacks_and_allocation
 def test_sparse_tensors_in_a_ubatch_are_checked_through_their_parts(
     kind: str, check_races: bool
 ) -> None:
-    d = SimDevice("h200", check_races=check_races)
+    d = SimDevice(SimOptions("h200", check_races=check_races))
     compute, comm = d.Stream("compute"), d.Stream("comm")
     dense = torch.eye(4)
     sparse = dense.to_sparse() if kind == "coo" else dense.to_sparse_csr()
@@ -641,7 +653,7 @@ def test_sparse_tensors_in_a_ubatch_are_checked_through_their_parts(
 @pytest.mark.parametrize("check_races", [True, False])
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 def test_nested_tensor_in_a_ubatch_is_checked_through_its_buffer(check_races: bool) -> None:
-    d = SimDevice("h200", check_races=check_races)
+    d = SimDevice(SimOptions("h200", check_races=check_races))
     compute, comm = d.Stream("compute"), d.Stream("comm")
     nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     with d.thread_scope(0):
@@ -755,7 +767,7 @@ def test_a_new_allocation_at_a_dead_storages_key_takes_the_freed_blocks_hazard()
 
 @pytest.mark.timeout(30)
 def test_a_race_reports_user_stacks_without_the_ubatch_runtimes_frames() -> None:
-    d = SimDevice("h200")
+    d = SimDevice(SimOptions("h200"))
     bufs = [torch.zeros(64), torch.zeros(64)]
 
     def step(u: int) -> None:

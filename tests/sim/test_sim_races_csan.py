@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 
 
 class Program:
     """Streams, events and tensors by number, as the upstream cases name them."""
 
     def __init__(self) -> None:
-        self.device = SimDevice("h200")
+        self.device = SimDevice(SimOptions("h200"))
         self._streams: dict[int, object] = {}
         self._events: dict[int, object] = {}
         self._tensors: dict[int, torch.Tensor] = {}

@@ -16,6 +16,7 @@ import random
 import torch
 
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 
 SEED = 12
 PROGRAMS = 150
@@ -96,7 +97,7 @@ class Oracle:
 
 def _run_program(rng: random.Random) -> list[str]:
     """Mismatches between checker and oracle, one line each (empty when they agree)."""
-    d = SimDevice("h200")
+    d = SimDevice(SimOptions("h200"))
     streams = [d.Stream(f"s{i}") for i in range(3)]
     buf = torch.zeros(N)
     alias = torch.from_dlpack(buf)  # a second storage over the same bytes

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.sim.reorder import run_adversarially
 from scenarios.tools.race_check import PROGRAMS
 
@@ -17,7 +18,7 @@ BENIGN_HERE = {"_foreach_mul_ on unordered streams", "allocator reuse, no record
 
 
 def reorder(program):
-    device = SimDevice("h200", tensor_device="cpu")
+    device = SimDevice(SimOptions("h200", tensor_device="cpu"))
     return run_adversarially(device, lambda: program.body(device))
 
 
@@ -51,7 +52,7 @@ def test_the_adversarial_order_runs_the_later_side_of_a_race_first():
 
 @pytest.mark.timeout(60)
 def test_the_values_read_after_each_order_are_returned():
-    device = SimDevice("h200", tensor_device="cpu")
+    device = SimDevice(SimOptions("h200", tensor_device="cpu"))
     program = PROGRAMS[0]
     outcome = run_adversarially(device, lambda: program.body(device), read=lambda _: "read")
     assert outcome.issue_value == outcome.adversarial_value == "read"
@@ -59,7 +60,7 @@ def test_the_values_read_after_each_order_are_returned():
 
 @pytest.mark.timeout(60)
 def test_an_order_dependent_update_changes_values_and_memory_is_left_as_captured():
-    device = SimDevice("h200", tensor_device="cpu")
+    device = SimDevice(SimOptions("h200", tensor_device="cpu"))
     buf = torch.arange(8.0)
 
     def body() -> None:

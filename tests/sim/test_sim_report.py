@@ -11,6 +11,7 @@ import torch
 
 import dbo
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.sim.records import COMM, COMPUTE, HANDOFF, SYNC, OpRecord, OpSite, RaceReport
 from dbo.sim.report import (
     StepSummary,
@@ -357,7 +358,7 @@ def test_merge_traces_rejects_the_same_rank_in_two_lists():
 
 @pytest.mark.timeout(30)
 def test_trace_of_a_simulated_ubatched_step_has_a_track_per_stream_and_ubatch_ids(tmp_path):
-    d = SimDevice("h200", rank=2)
+    d = SimDevice(SimOptions("h200", rank=2))
     xs = [torch.randn(16), torch.randn(16)]
 
     def fn(u: int) -> None:

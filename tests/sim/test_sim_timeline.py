@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dbo.sim.timeline import (
+    GpuLoad,
+    Kernel,
     Turns,
     contention_us,
     hold_sms,
@@ -21,7 +23,9 @@ RATES = {"compute": 0.5, "full_grid": 0.25}
 def _span(ready: float, cost: float, **kw):
     options = dict(compute=True, full_grid=False, turns=Turns(), busy=(), max_share=0.9, rates=None)
     options.update(kw)
-    return place_span(ready, cost, **options)
+    kernel = Kernel(cost, options["compute"], options["full_grid"], options.get("reserved_sms"))
+    load = GpuLoad(options["turns"], options["busy"], options["max_share"], options["rates"])
+    return place_span(ready, kernel, load)
 
 
 def test_compute_beside_a_comm_kernel_holding_half_the_sms_runs_at_half_rate() -> None:

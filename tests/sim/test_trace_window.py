@@ -17,12 +17,12 @@ from dbo.sim.trace import (
     Window,
     layer_starts,
     parse_window,
-    runs_from_trace,
     write_chrome_trace,
     write_chrome_trace_runs,
 )
+from dbo.sim.trace_read import runs_from_trace
 from scenarios.cli import main
-from scenarios.tools.trace_window import write_windowed
+from scenarios.lib.trace_window import write_windowed
 
 
 def rec(

@@ -11,10 +11,13 @@ import torch
 
 from dbo.sim import H800, SimDevice
 from dbo.sim.cost import aliased_input_bytes, flop_formula, node_dedup_share
+from dbo.sim.options import SimOptions
 from scenarios.catalog import TINY_DECODE, TINY_PREFILL
 from scenarios.cli import build_parser
 from scenarios.cli import main as cli_main
 from scenarios.harness import RunOptions, compare_serial_dbo
+from scenarios.lib.configs import CheckCase, check_cases
+from scenarios.lib.simulate import simulate_step
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.tools import fidelity, gpu_check
 from workspace import init_workspace_manager, reset_workspace_manager
@@ -74,7 +77,7 @@ def test_node_dedup_share_for_deepseek_routing() -> None:
 
 
 def test_comm_region_of_one_rank_is_its_own_ops_priced_like_any_op() -> None:
-    d = SimDevice("h200")
+    d = SimDevice(SimOptions("h200"))
     x = torch.ones(1000, 250)  # 1e6 bytes
     with d.thread_scope(0):
         plain = x.clone()
@@ -270,18 +273,16 @@ def test_cli_fidelity_quick_json(capsys) -> None:
 def test_a_launch_bound_eager_step_is_host_bound_and_its_replay_is_not() -> None:
     """The vLLM observation's second effect on a step whose kernels are shorter than their
     launches: eager DBO decode is host-bound, the same step replayed as a graph is not."""
-    config = gpu_check.cases(2)[1].config.with_(
+    config = check_cases(2)[1].config.with_(
         hidden=256, num_heads=4, head_dim=64, num_experts=8, top_k=2, moe_inter=128
     )
     batch = Batch.decode(16, 64)
-    eager = fidelity.simulate_step(config, batch, "ll", profile="h200", num_ubatches=2, graph=False)
-    replayed = fidelity.simulate_step(
-        config, batch, "ll", profile="h200", num_ubatches=2, graph=True
-    )
+    eager = simulate_step(config, batch, "ll", profile="h200", num_ubatches=2, graph=False)
+    replayed = simulate_step(config, batch, "ll", profile="h200", num_ubatches=2, graph=True)
     assert eager.host_bound_fraction > 0.5 and eager.host_us == pytest.approx(eager.step_us)
     assert (
         replayed.host_bound_fraction < 0.1
-        and replayed.host_us == SimDevice("h200").profile.graph_launch_us
+        and replayed.host_us == SimDevice(SimOptions("h200")).profile.graph_launch_us
     )
     assert replayed.step_us < eager.step_us / 2
     assert replayed.num_ops == eager.num_ops  # the same kernels, without their launches
@@ -316,7 +317,7 @@ def test_gpu_check_sim_half_and_report(tmp_path, capsys) -> None:
 
 
 def test_gpu_check_configs_and_arguments() -> None:
-    prefill, decode = gpu_check.cases(8)
+    prefill, decode = check_cases(8)
     assert prefill.config.tensor_device == "cuda" and prefill.config.dtype == torch.bfloat16
     assert (
         prefill.config.ep_size == 1 and prefill.batch.num_tokens == 4096 and decode.batch.is_decode
@@ -333,8 +334,8 @@ def test_gpu_check_measurement_sequence_runs_on_the_simulated_device(mode: str) 
     """The GPU half up to its CUDA calls: warm-up, lock, eager timing, capture of the serial
     step on a side stream and of the ubatched step through run_ubatches, replays."""
     batch = TINY_PREFILL if mode == "ht" else TINY_DECODE
-    case = gpu_check.CheckCase(mode, preset("tiny"), batch, mode)
-    d = SimDevice("h200")
+    case = CheckCase(mode, preset("tiny"), batch, mode)
+    d = SimDevice(SimOptions("h200"))
     timings = gpu_check.measure_case(
         case, reps=2, warmup=1, device=d, timer=gpu_check.virtual_timer(d)
     )
@@ -360,7 +361,9 @@ def test_gpu_check_reports_the_simulated_host_time_and_says_when_it_stays_ahead(
     )
     timings = json.loads(out.read_text())["cases"][0]["timings"]
     for variant in ("serial-graph", "dbo-graph"):  # a replay costs the host one graph launch
-        assert timings[variant]["sim_host_us"] == SimDevice("h200").profile.graph_launch_us
+        assert (
+            timings[variant]["sim_host_us"] == SimDevice(SimOptions("h200")).profile.graph_launch_us
+        )
     serial, ubatched = timings["serial-eager"], timings["dbo-eager"]
     # the serial step's host issues faster than the device runs: eager pays little over a
     # replay (the first ops' issue, exposed once in a one-layer step)

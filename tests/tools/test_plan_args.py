@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from scenarios.cli import build_parser
+from scenarios.lib.usage import UsageError
 from scenarios.model_config import config_changes
 from scenarios.tools.plan_args import check_histogram, parse_args, parse_tokens
 from scenarios.tools.plan_output import PhaseAnswer, report
-from scenarios.tools.usage import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
 

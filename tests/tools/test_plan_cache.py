@@ -11,9 +11,9 @@ import pytest
 
 from dbo.sim.hardware import H800
 from dbo.sim.tables import table_path
+from scenarios.lib.cluster_step import StepSpec
 from scenarios.model_presets import preset
 from scenarios.tools import plan_cache
-from scenarios.tools.cluster_step import StepSpec
 from scenarios.tools.plan_cache import (
     cache_key,
     load_recording,
@@ -69,7 +69,7 @@ def test_a_source_edit_is_a_new_code_version(tmp_path):
 
 def test_the_code_version_covers_the_recording_code():
     sources = [p for p in plan_cache.SOURCES if (plan_cache.ROOT / p).exists()]
-    assert "dbo" in sources and "scenarios/tools/cluster_step.py" in sources
+    assert "dbo" in sources and "scenarios/lib/cluster_step.py" in sources
 
 
 @pytest.mark.timeout(120)

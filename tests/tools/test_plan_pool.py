@@ -14,8 +14,8 @@ import pytest
 
 from dbo.sim.hardware import H800
 from dbo.sim.routing import balanced, contiguous, zipf
+from scenarios.lib.cluster_step import StepSpec
 from scenarios.model_presets import preset
-from scenarios.tools.cluster_step import StepSpec
 from scenarios.tools.plan_cache import recording
 from scenarios.tools.plan_pool import StepTask, run_tasks
 

@@ -12,14 +12,16 @@ import torch
 
 from dbo.sim import SimDevice
 from dbo.sim.cost import OpCall, add_op_observer, remove_op_observer
+from dbo.sim.options import SimOptions
 from dbo.sim.tables import load_table
 from scenarios.cli import main as cli_main
+from scenarios.lib.configs import check_cases, plan_cases
 from scenarios.model import Batch
-from scenarios.tools import gpu_check, profile
+from scenarios.tools import profile
 
 pytestmark = pytest.mark.timeout(120)
 
-CONFIG = gpu_check.cases(1)[0].config.with_(
+CONFIG = check_cases(1)[0].config.with_(
     hidden=256, num_heads=4, head_dim=64, num_experts=8, top_k=2, moe_inter=128
 )
 
@@ -27,7 +29,7 @@ CONFIG = gpu_check.cases(1)[0].config.with_(
 def sim_timer(call: OpCall) -> float:
     """The virtual time of one call on a fresh simulated H200 (inputs materialized on the CPU)."""
     args, kwargs = profile.materialize(call, "cpu")
-    device = SimDevice("h200", tensor_device="meta")
+    device = SimDevice(SimOptions("h200", tensor_device="meta"))
     meta_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
     with device.thread_scope(None):
         call.func(
@@ -94,7 +96,7 @@ def test_a_written_table_loads_and_prices_the_profiled_shapes(
     assert table.estimate("mm", m=mm["m"], n=mm["n"], k=mm["k"]) == pytest.approx(
         mm["us"], rel=1e-3
     )
-    device = SimDevice(profile_from_table(str(path)), tensor_device="meta")
+    device = SimDevice(SimOptions(profile_from_table(str(path)), tensor_device="meta"))
     a = torch.empty(mm["m"], mm["k"], dtype=torch.bfloat16, device="meta")
     b = torch.empty(mm["k"], mm["n"], dtype=torch.bfloat16, device="meta")
     with device.thread_scope(None):
@@ -133,11 +135,14 @@ def test_host_costs_from_traces_follow_the_stated_rules(tmp_path) -> None:
         return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1}
 
     serial = [
-        op("aten::add", 0, 20), launch(5),
+        op("aten::add", 0, 20),
+        launch(5),
         op("aten::view", 30, 4),  # a view: no launch, Python time
-        op("aten::mm", 40, 60), launch(50),
-        op("aten::add", 110, 20), launch(115),
-    ]  # fmt: skip
+        op("aten::mm", 40, 60),
+        launch(50),
+        op("aten::add", 110, 20),
+        launch(115),
+    ]
     # two ubatch threads: same-thread launches 10 us apart, switches 50 us apart
     dbo_events = [
         launch(t, tid) for t, tid in ((0, 7), (10, 7), (60, 8), (70, 8), (120, 7), (130, 7))
@@ -179,8 +184,14 @@ def test_dbo_sim_profile_passes_its_arguments_to_the_tool(tmp_path, capsys) -> N
 
 
 def _kernel(name: str, ts: float, dur: float, tid: int, grid=(1, 1, 1)) -> dict:
-    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": tid,
-            "args": {"grid": list(grid), "block": [128, 1, 1]}}  # fmt: skip
+    return {
+        "cat": "kernel",
+        "name": name,
+        "ts": ts,
+        "dur": dur,
+        "tid": tid,
+        "args": {"grid": list(grid), "block": [128, 1, 1]},
+    }
 
 
 def test_overlap_rates_come_from_kernels_slowed_beside_another_stream(tmp_path) -> None:
@@ -202,10 +213,13 @@ def test_overlap_rates_come_from_kernels_slowed_beside_another_stream(tmp_path) 
 
 def test_overlap_rates_take_the_largest_solo_time_not_above_the_kernel(tmp_path) -> None:
     events = [
-        _kernel("gemm", 0, 100, 7), _kernel("gemm", 110, 300, 7),  # two shapes, both solo
-        _kernel("gemm", 500, 150, 7), _kernel("scatter", 550, 100, 9),  # shares 100 us
-        _kernel("scatter", 700, 80, 9), _kernel("add", 800, 1, 7),
-    ]  # fmt: skip
+        _kernel("gemm", 0, 100, 7),
+        _kernel("gemm", 110, 300, 7),  # two shapes, both solo
+        _kernel("gemm", 500, 150, 7),
+        _kernel("scatter", 550, 100, 9),  # shares 100 us
+        _kernel("scatter", 700, 80, 9),
+        _kernel("add", 800, 1, 7),
+    ]
     rates = profile.overlap_rates_from_traces([_trace(tmp_path / "q-dbo.json.gz", events)])
     assert rates["overlap_rates"]["compute"] == pytest.approx(1 - (150 - 100) / 100)
 
@@ -219,9 +233,7 @@ def test_traces_without_kernels_side_by_side_give_no_overlap_rates(tmp_path) -> 
 
 
 def test_a_preset_is_recorded_with_the_overrides_given() -> None:
-    (case,) = profile.plan_cases(
-        "tiny", hidden=32, experts=16, top_k=2, layers=1, tokens=8, mode="decode"
-    )
+    (case,) = plan_cases("tiny", hidden=32, experts=16, top_k=2, layers=1, tokens=8, mode="decode")
     c = case.config
     assert (c.name, c.hidden, c.num_experts, c.top_k, c.num_layers) == ("tiny", 32, 16, 2, 1)
     assert c.dtype == torch.bfloat16  # tiny's float64 is for CPU value checks
@@ -229,20 +241,18 @@ def test_a_preset_is_recorded_with_the_overrides_given() -> None:
 
 
 def test_by_default_gpu_checks_model_and_batches_are_recorded() -> None:
-    expected = [(c.mode, c.batch, c.config.with_(num_layers=1)) for c in gpu_check.cases(1)]
-    assert [(c.mode, c.batch, c.config) for c in profile.plan_cases()] == expected
+    expected = [(c.mode, c.batch, c.config.with_(num_layers=1)) for c in check_cases(1)]
+    assert [(c.mode, c.batch, c.config) for c in plan_cases()] == expected
 
 
 def test_the_default_layers_reach_the_first_moe_layer() -> None:
-    (case,) = profile.plan_cases("deepseek-v3", mode="prefill", tokens=64)
+    (case,) = plan_cases("deepseek-v3", mode="prefill", tokens=64)
     assert case.config.num_layers == case.config.num_dense_layers + 1
     assert case.batch == Batch.prefill(profile.PREFILL_REQUESTS, 16)
 
 
 def test_the_recorded_calls_follow_the_chosen_configuration() -> None:
-    cases = profile.plan_cases(
-        "tiny", hidden=32, experts=16, top_k=2, layers=1, tokens=8, mode="decode"
-    )
+    cases = plan_cases("tiny", hidden=32, experts=16, top_k=2, layers=1, tokens=8, mode="decode")
     rows = [profile.table_row(c, 1.0) for c in profile.distinct_calls(profile.model_calls(cases))]
     rows = [r for r in rows if r is not None]
     ops = {r["op"] for r in rows}
@@ -272,7 +282,7 @@ def test_bad_model_options_are_refused_before_any_work(argv, says, tmp_path, cap
 
 def test_a_models_own_ops_observed_on_the_simulator_profile_into_rows() -> None:
     # The module docstring's recipe for a model that is not a ModelConfig.
-    device = SimDevice("h200", tensor_device="meta")
+    device = SimDevice(SimOptions("h200", tensor_device="meta"))
     x = torch.empty(64, 128, dtype=torch.bfloat16, device="meta")
     w = torch.empty(128, 256, dtype=torch.bfloat16, device="meta")
     calls: list[OpCall] = []

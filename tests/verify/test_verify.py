@@ -11,6 +11,7 @@ import torch
 
 import dbo
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from workspace import (
     current_workspace_manager,
     init_workspace_manager,
@@ -210,7 +211,7 @@ def test_an_initialised_workspace_is_used_and_left_as_it_was():
 
 @pytest.mark.timeout(30)
 def test_a_given_sim_device_is_used():
-    device = SimDevice("h100")
+    device = SimDevice(SimOptions("h100"))
     report = dbo.verify(ToyMoE().forward, inputs(), device=device)
     assert report.ok
     assert report.records["ubatched"] == device.timeline

@@ -53,7 +53,7 @@ def mixed_batch() -> dict:
 
 def runner(mode=CUDAGraphMode.FULL_DECODE_ONLY, key=None, **kw) -> CUDAGraphRunner:
     dispatcher = CudagraphDispatcher(mode, [1, 2, 4, 8])
-    graphs = CUDAGraphRunner(attention, dispatcher, device=SimDevice("h200"), key=key, **kw)
+    graphs = CUDAGraphRunner(attention, dispatcher, device=SimDevice(), key=key, **kw)
     graphs.capture_all(decode_dummy)
     return graphs
 
@@ -158,7 +158,7 @@ def test_a_batch_of_other_shapes_than_the_capture_is_not_replayed() -> None:
 
 
 def test_verify_refuses_graphs_nothing_was_captured_for() -> None:
-    graphs = CUDAGraphRunner(attention, CudagraphDispatcher(FULL, [4]), device=SimDevice("h200"))
+    graphs = CUDAGraphRunner(attention, CudagraphDispatcher(FULL, [4]), device=SimDevice())
     with pytest.raises(ValueError, match="holds no captured graph"):
         dbo.verify(attention, mixed_batch(), graphs=graphs, slices=LAYOUT)
 
@@ -172,7 +172,7 @@ def scale_and_shift(x: torch.Tensor) -> torch.Tensor:
 def ubatched_runner(key=None) -> CUDAGraphRunner:
     dispatcher = CudagraphDispatcher(FULL, [4, 8], ubatch_counts=(1, 2))
     graphs = CUDAGraphRunner(
-        scale_and_shift, dispatcher, device=SimDevice("h200"), key=key, split=split_inputs
+        scale_and_shift, dispatcher, device=SimDevice(), key=key, split=split_inputs
     )
     graphs.capture_all(lambda key: torch.zeros(key.num_tokens, 3))
     return graphs

@@ -23,7 +23,7 @@ def step(batch: torch.Tensor) -> torch.Tensor:
 def graphs(rank: int, world_size: int) -> CUDAGraphRunner:
     """FULL graphs for mixed batches of 2, 4 and 8 tokens, captured in the rank."""
     dispatcher = CudagraphDispatcher(CUDAGraphMode.FULL, [2, 4, 8])
-    runner = CUDAGraphRunner(step, dispatcher, device=SimDevice("h200"))
+    runner = CUDAGraphRunner(step, dispatcher, device=SimDevice())
     runner.capture_all(lambda key: torch.zeros(key.num_tokens, HIDDEN, dtype=torch.float64))
     return runner
 

@@ -145,8 +145,17 @@ class KernelTable:
     def families(self) -> tuple[str, ...]:
         return tuple(sorted(set(self._curves) | set(self._series)))
 
-    def estimate(self, family: str, *, m: float = 0, n: float = 0, k: float = 0, groups: float = 1,
-                 flops: float = 0.0, nbytes: float = 0.0) -> float | None:  # fmt: skip
+    def estimate(
+        self,
+        family: str,
+        *,
+        m: float = 0,
+        n: float = 0,
+        k: float = 0,
+        groups: float = 1,
+        flops: float = 0.0,
+        nbytes: float = 0.0,
+    ) -> float | None:
         """Time in us of one kernel of `family`, or None where the table does not cover it.
         GEMMs take m/n/k/groups (and nbytes for the floor); curves take flops or nbytes."""
         if family in self._series:

@@ -45,8 +45,9 @@ def derive_row(
     t_math = min(row.flops / peak_tflops / 1e6, variable)
     bound = max(t_math, t_mem)
     us = row.us + max(0.0, max(t_math, t_mem * hbm_from / hbm_to) - bound)
-    return KernelRow(row.op, row.m, row.n, row.k, row.groups, row.dtype, round(us, 3),
-                     row.flops, row.bytes)  # fmt: skip
+    return KernelRow(
+        row.op, row.m, row.n, row.k, row.groups, row.dtype, round(us, 3), row.flops, row.bytes
+    )
 
 
 def derived_rows(name: str) -> list[KernelRow]:
@@ -65,6 +66,19 @@ def write_derived_table(name: str, directory: Path = TABLE_DIR) -> Path:
         for r in derived_rows(name):
             tflops = round(r.flops / r.us / 1e6, 2) if r.flops else 0.0
             gbps = round(r.bytes / r.us / 1e3, 1) if r.bytes else 0.0
-            writer.writerow((r.op, r.m, r.n, r.k, r.groups, r.dtype, r.us, int(r.flops),
-                             int(r.bytes), tflops, gbps))  # fmt: skip
+            writer.writerow(
+                (
+                    r.op,
+                    r.m,
+                    r.n,
+                    r.k,
+                    r.groups,
+                    r.dtype,
+                    r.us,
+                    int(r.flops),
+                    int(r.bytes),
+                    tflops,
+                    gbps,
+                )
+            )
     return path

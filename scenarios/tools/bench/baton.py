@@ -12,6 +12,7 @@ from typing import Any
 
 import dbo
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.streams import Device
 from dbo.ubatching import dbo_current_ubatch_id, dbo_yield
 from scenarios.tools.bench.baselines import NullDevice
@@ -237,7 +238,7 @@ def _accounting(handoffs: int) -> Callable[[], float]:
     """ns of the simulated device's own accounting of one baton pass: `on_handoff` alone, on
     one thread, as many times as a `_dbo_pingpong` sample passes, the collector on as in a
     step. The records the passes leave are made when the timeline is read, after the step."""
-    device = SimDevice(check_races=False)
+    device = SimDevice(SimOptions(check_races=False))
     passes = 2 * handoffs
 
     def sample() -> float:
@@ -262,7 +263,7 @@ def _baton_on_simulator(plan: Plan) -> list[Figure]:
     k = plan.handoffs
     samples = interleave(
         {
-            "sim": _dbo_pingpong(SimDevice(check_races=False), k, None),
+            "sim": _dbo_pingpong(SimDevice(SimOptions(check_races=False)), k, None),
             "runtime": _dbo_pingpong(NullDevice(), k, None),
             "event": _ring_pingpong(_EventRing, k, None),
             "accounting": _accounting(k),

@@ -17,11 +17,11 @@ from dataclasses import replace
 from dbo.sim.cluster import simulate_cluster
 from dbo.sim.hardware import H800
 from dbo.sim.routing import contiguous, zipf
+from scenarios.lib.cluster_step import StepSpec, moe_layers, record_step
 from scenarios.model import preset
 from scenarios.tools.bench.figures import Figure, Stats, Target
 from scenarios.tools.bench.registry import Plan, benchmark
 from scenarios.tools.bench.timing import interleave, timed_ms
-from scenarios.tools.cluster_step import StepSpec, moe_layers, record_step
 
 WALL_TARGET_MS = 2000.0
 EP_SIZES = (8, 32, 128, 256)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from scenarios.tools.bench.figures import Figure, Stats, Target
 from scenarios.tools.bench.registry import Plan, benchmark
 
@@ -121,10 +122,10 @@ def _samples(rounds: int, reps: int, list_op: bool) -> dict[str, list[float]]:
     """ns per op of the mix, interleaved: plain, unchecked, checked."""
     if rounds < 1 or reps < 1:
         raise ValueError(f"rounds and reps must be positive, got {rounds} and {reps}")
-    checked = SimDevice(check_races=True)
+    checked = SimDevice(SimOptions(check_races=True))
     samplers = {
         "plain": _sampler(None, rounds, list_op),
-        "unchecked": _sampler(SimDevice(check_races=False), rounds, list_op),
+        "unchecked": _sampler(SimDevice(SimOptions(check_races=False)), rounds, list_op),
         "checked": _sampler(checked, rounds, list_op),
     }
     for sample in samplers.values():

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from dbo.jsonsafe import json_safe
+from scenarios.lib.progress import progress_bar
+from scenarios.lib.usage import Interrupted, writable_dir
 from scenarios.tools.bench.figures import Figure
 from scenarios.tools.bench.registry import FULL, QUICK, Plan, benchmark_names, registered
-from scenarios.tools.progress import progress_bar
-from scenarios.tools.usage import Interrupted, writable_dir
 from workspace import reset_workspace_manager
 
 SCHEMA_VERSION = 1
@@ -52,7 +52,7 @@ def run_benchmarks(
 ) -> list[Figure]:
     """Every registered benchmark in order; each one's figures are appended to `figures` (a
     fresh list by default) as it finishes, so a caller interrupted midway keeps them. A
-    `progress` bar (`scenarios.tools.progress.progress_bar`) advances once per benchmark."""
+    `progress` bar (`scenarios.lib.progress.progress_bar`) advances once per benchmark."""
     figures = [] if figures is None else figures
     with _bench_conditions():
         for bench in registered():
@@ -67,8 +67,11 @@ def _git_commit() -> str | None:
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty"],
-            capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -201,8 +204,10 @@ def run(args: argparse.Namespace) -> int:
         f"{m['cpu_count']} CPUs, Python {m['python']}, torch {m['torch']}"
     )
     print(format_table(figures))
-    print("ours, baseline: medians; ratio: median of per-repetition ratios, ours/baseline "
-          "(\"faster\": baseline/ours)")  # fmt: skip
+    print(
+        "ours, baseline: medians; ratio: median of per-repetition ratios, ours/baseline "
+        '("faster": baseline/ours)'
+    )
     summary = doc["summary"]
     print(
         f"\n{summary['met']} of {summary['targets']} targets met in {doc['seconds']:.0f} s; "
@@ -212,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
         if f.met is False:
             targets = "; ".join(t.label for t in f.targets)
             note = f" - {f.note}" if f.note else ""
-            print(f"MISSED {f.name}: {targets} (ours {_fmt(f.ours.median, f.unit)}, "
-                  f"ratio {_fmt_ratio(f)}){note}")  # fmt: skip
+            print(
+                f"MISSED {f.name}: {targets} (ours {_fmt(f.ours.median, f.unit)}, "
+                f"ratio {_fmt_ratio(f)}){note}"
+            )
     return 0

@@ -9,6 +9,7 @@ import torch
 
 import dbo
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.ubatching import dbo_yield
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.steps import prepare
@@ -53,7 +54,7 @@ def bench_scaling_steps(plan: Plan) -> list[Figure]:
     tiny = preset("tiny")
     model = MoEModel(tiny, batch)
     x = model.inputs()
-    device = SimDevice(check_races=False)
+    device = SimDevice(SimOptions(check_races=False))
     steps = {str(n): bench_ubatched_step(model, x, device, n, mode) for n in plan.ubatch_counts}
     prepare(torch.device("cpu"), max(plan.ubatch_counts), list(steps.values()))
     samples = interleave({k: step_sampler(s, device) for k, s in steps.items()}, plan.step_reps)

@@ -12,6 +12,7 @@ import torch
 
 import dbo
 from dbo.sim import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.streams import Device
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.steps import Step, prepare, serial_step, ubatched_step
@@ -52,7 +53,10 @@ def bench_intercept(plan: Plan) -> list[Figure]:
 
     plain = sampler(None)
     plain()  # warm-up: the first ops pay one-time dispatch setup
-    fast, checked = SimDevice(check_races=False), SimDevice(check_races=True)
+    fast, checked = (
+        SimDevice(SimOptions(check_races=False)),
+        SimDevice(SimOptions(check_races=True)),
+    )
     samples = interleave(
         {"plain": plain, "sim": sampler(fast), "races": sampler(checked)}, plan.reps
     )
@@ -107,8 +111,8 @@ def bench_tiny_step(plan: Plan) -> list[Figure]:
     mode = "ll"
     devices: dict[str, Device] = {
         "plain": NullDevice(),
-        "sim": SimDevice(check_races=False),
-        "races": SimDevice(check_races=True),
+        "sim": SimDevice(SimOptions(check_races=False)),
+        "races": SimDevice(SimOptions(check_races=True)),
     }
     steps = {
         key: serial_step(model, x, device, mode=mode, thread_scope=key != "plain")
@@ -146,7 +150,7 @@ def bench_deepseek(plan: Plan) -> list[Figure]:
     model = MoEModel(config, batch)
     x = model.inputs()
     mode = "ll"
-    sim = SimDevice(tensor_device="meta")
+    sim = SimDevice(SimOptions(tensor_device="meta"))
     null = NullDevice("meta")
     variants: dict[str, tuple[Callable[[], Any], Device]] = {
         "dbo_sim": (bench_ubatched_step(model, x, sim, 2, mode), sim),

@@ -43,8 +43,9 @@ different ubatch's collective elsewhere: mismatched sizes, data silently crossin
 for a collective no peer will issue. Hence `step()`'s handshake: an all_gather of every rank's
 ubatch count (and step number) before the step's first collective, checked on every rank.
 
-Failure (the torch.distributed path is `dbo.comm_collectives`; the records and errors are
-`dbo.comm_records`, all importable from here). Every wait for a collective is bounded
+Failure (the torch.distributed path is `dbo.comm.collectives`, its data movement
+`dbo.comm.across`; the records and errors are `dbo.comm.records`, all importable from
+`dbo.comm`). Every wait for a collective is bounded
 (`timeout_s`) and, when the group has a `store`, watches an abort key in it: a rank whose step
 fails writes its error there (`step()` does this) and its peers stop waiting within
 `abort_poll_s`, each raising `EPPeerFailedError` naming the failed rank. Bad routing (expert
@@ -64,7 +65,6 @@ collective over the whole world (it creates the EP subgroups).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -73,8 +73,9 @@ import torch
 import torch.distributed as dist
 
 from dbo.checks import as_int
-from dbo.comm_collectives import Collectives, ep_subgroup
-from dbo.comm_records import (
+from dbo.comm.across import caused_by_peer, combine_across, dispatch_across
+from dbo.comm.collectives import Collectives, ep_subgroup
+from dbo.comm.records import (
     DispatchPlan,
     DispatchResult,
     EPError,
@@ -98,10 +99,6 @@ __all__ = [
     "DispatchResult",
     "EPGroup",
     "PeerTraffic",
-    "current_ep_group",
-    "set_ep_group",
-    "use_ep_group",
-    "ep_group_for",
 ]
 
 MODES = ("ht", "ll")
@@ -131,13 +128,6 @@ def _check_rows(name: str, t: Any, rows: int | None, cols: int | None = None) ->
     if cols is not None and t.shape[1] != cols:
         raise ValueError(f"{name} must have {cols} columns, got shape {tuple(t.shape)}")
     return t
-
-
-def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
-    """Rows as raw bytes: the collective then needs no support for the dtype (bf16, fp8)."""
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous to be sent across processes")
-    return t.view(torch.uint8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,7 +224,7 @@ class EPGroup:
         try:
             yield
         except BaseException as error:
-            if not _caused_by_peer(error):  # echoing a peer's failure back would only hide it
+            if not caused_by_peer(error):  # echoing a peer's failure back would only hide it
                 self.abort(f"{type(error).__name__}: {error}")
             raise
 
@@ -324,9 +314,12 @@ class EPGroup:
         recv = torch.empty_like(send)
         peers = self._peers([send.element_size()] * w, "dispatch count exchange")
         with current_device().comm_region(
-            "dispatch_counts", nbytes=2 * w * send.element_size(), mode=mode, ep_size=w,
+            "dispatch_counts",
+            nbytes=2 * w * send.element_size(),
+            mode=mode,
+            ep_size=w,
             peers=peers,
-        ) as exchanged:  # fmt: skip
+        ) as exchanged:
             collectives.all_to_all(recv, send, None, None, "dispatch count exchange")
         # The host sizes the receive buffer from these counts, so it waits for them.
         exchanged.event.synchronize()
@@ -395,7 +388,7 @@ class EPGroup:
             with current_device().comm_region(
                 "dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size, peers=peers
             ) as sent:
-                recv_ids = _dispatch_across(self.collectives, x, handle, out, arrived_ids, arrived)
+                recv_ids = dispatch_across(self.collectives, x, handle, out, arrived_ids, arrived)
         handle.dispatch_event = sent.event
         return DispatchResult(out, recv_ids, handle)
 
@@ -445,7 +438,7 @@ class EPGroup:
             with device.comm_region(
                 "combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size, peers=peers
             ) as sent:
-                _combine_across(self.collectives, expert_out, handle, out, staged, back)
+                combine_across(self.collectives, expert_out, handle, out, staged, back)
         handle.combine_event = sent.event
         return out
 
@@ -473,119 +466,3 @@ def _check_plan(plan: Any, topk_ids: torch.Tensor) -> None:
             f"topk_ids has shape {tuple(topk_ids.shape)} but the plan was prepared for "
             f"{(plan.num_tokens, plan.top_k)}"
         )
-
-
-def _dispatch_across(
-    collectives: Collectives,
-    x: torch.Tensor,
-    handle: EPHandle,
-    out: torch.Tensor,
-    arrived_ids: torch.Tensor,
-    arrived: torch.Tensor,
-) -> torch.Tensor:
-    """Dispatch's data movement between processes, inside its comm region: the rows and their
-    expert ids out to their owners (into `arrived`, `arrived_ids`), then what arrived
-    reordered expert-major into `out`. Returns the received rows' expert ids
-    (non-decreasing); sets `handle.recv_order`."""
-    plan = handle.plan
-    rows = x.index_select(0, plan.token_of_row)
-    splits = (plan.recv_counts, plan.send_counts)  # (output, input) rows per rank
-    collectives.all_to_all(arrived_ids, plan.row_expert, *splits, "dispatch expert ids")
-    collectives.all_to_all(
-        _as_bytes(arrived, "receive buffer"), _as_bytes(rows, "x rows"), *splits, "dispatch"
-    )
-    handle.recv_order = arrived_ids.argsort(stable=True)
-    torch.index_select(arrived, 0, handle.recv_order, out=out)
-    return arrived_ids[handle.recv_order]
-
-
-def _combine_across(
-    collectives: Collectives,
-    expert_out: torch.Tensor,
-    handle: EPHandle,
-    out: torch.Tensor,
-    staged: torch.Tensor,
-    back: torch.Tensor,
-) -> None:
-    """Combine's data movement between processes, inside its comm region: the expert outputs
-    (through `staged`) back to their tokens' ranks (into `back`), scatter-added there,
-    weighted, into `out`."""
-    plan = handle.plan
-    assert handle.recv_order is not None  # checked by combine
-    # Back to arrival order, so each source rank gets its rows in the order it sent them: its
-    # expert-major send order, and the scatter-add below is then the in-process one, row for
-    # row.
-    staged.index_copy_(0, handle.recv_order, expert_out)
-    collectives.all_to_all(
-        _as_bytes(back, "combine buffer"),
-        _as_bytes(staged, "expert_out"),
-        plan.send_counts,
-        plan.recv_counts,
-        "combine",
-    )
-    out.index_add_(0, plan.token_of_row, back * plan.row_weight)
-
-
-def _caused_by_peer(error: BaseException) -> bool:
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, EPPeerFailedError):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
-
-
-# --------------------------------------------------------------------------------------------
-# The process's EP group (vLLM's get_ep_group())
-
-_CURRENT: EPGroup | None = None
-_LOCAL: dict[tuple[int, int], EPGroup] = {}
-_REGISTRY_LOCK = threading.Lock()
-
-
-def current_ep_group() -> EPGroup | None:
-    """The EP group set for this process, if any."""
-    return _CURRENT
-
-
-def set_ep_group(ep: EPGroup | None) -> None:
-    """Set the process-wide EP group (process-wide: every ubatch thread of a step uses it)."""
-    global _CURRENT
-    if ep is not None and not isinstance(ep, EPGroup):
-        raise TypeError(f"expected an EPGroup or None, got {type(ep).__name__}")
-    _CURRENT = ep
-
-
-@contextmanager
-def use_ep_group(ep: EPGroup) -> Iterator[EPGroup]:
-    """Make `ep` the process's EP group for the duration of the block."""
-    if not isinstance(ep, EPGroup):
-        raise TypeError(f"expected an EPGroup, got {type(ep).__name__}")
-    previous = _CURRENT
-    set_ep_group(ep)
-    try:
-        yield ep
-    finally:
-        set_ep_group(previous)
-
-
-def ep_group_for(num_experts: int, ep_size: int) -> EPGroup:
-    """The group a model layer with `num_experts` experts and EP size `ep_size` runs on: the
-    process's EP group when one is set (it must match), else an in-process group."""
-    ep = _CURRENT
-    if ep is not None:
-        if ep.num_experts != num_experts or ep.ep_size != ep_size:
-            raise ValueError(
-                f"the model has {num_experts} experts at ep_size {ep_size}, but the process's EP "
-                f"group has {ep.num_experts} experts over {ep.ep_size} ranks; build the model "
-                f"config with the group's ep_size"
-            )
-        return ep
-    key = (num_experts, ep_size)
-    with _REGISTRY_LOCK:
-        local = _LOCAL.get(key)
-        if local is None:
-            local = _LOCAL[key] = EPGroup(num_experts=num_experts, ep_size=ep_size)
-    return local

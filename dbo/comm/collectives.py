@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.checks import as_int
-from dbo.comm_records import EPError, EPPeerFailedError, EPStepMismatchError, EPTimeoutError
+from dbo.comm.records import EPError, EPPeerFailedError, EPStepMismatchError, EPTimeoutError
 from dbo.fingerprint import collective_kind, while_waiting
 from dbo.ubatching import dbo_current_ubatch_id
 

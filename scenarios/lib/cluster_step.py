@@ -23,6 +23,7 @@ from dbo.sim import SimDevice
 from dbo.sim.cluster import ClusterResult, simulate_cluster
 from dbo.sim.cluster_program import StreamProgram, record_program, tile_layers
 from dbo.sim.hardware import HardwareProfile
+from dbo.sim.options import EngineKnobs, SimOptions
 from dbo.sim.routing import (
     Placement,
     Routing,
@@ -48,7 +49,7 @@ __all__ = [
     "placement_from_spec",
     "cluster_step",
     "moe_layers",
-    "device_options",
+    "engine_knobs",
 ]
 
 # Group-limited routing of the presets that have it (n_group, topk_group): DeepEP's normal
@@ -124,20 +125,18 @@ def moe_layers(config: ModelConfig) -> int:
     return config.num_layers - config.num_dense_layers
 
 
-def device_options(spec: StepSpec) -> dict:
+def engine_knobs(spec: StepSpec) -> EngineKnobs:
     """SGLang's HT prefill: GEMMs capped at the SMs DeepEP leaves under two-batch overlap,
     and the bytes DeepEP's normal kernels move under balanced routing (one copy per token and
     destination rank over NVLink, per token and destination node over RDMA)."""
     p, c = spec.profile, spec.config
     if spec.mode != "ht":
-        return {}
+        return EngineKnobs()
     nvl, rdma = balanced_dedup(
         c.top_k, c.num_experts, c.ep_size, spec.gpus_per_node, ROUTING_GROUPS.get(c.name)
     )
-    options: dict = {"ht_nvl_share": nvl, "ht_rdma_share": rdma}
-    if spec.num_ubatches:
-        options["dbo_gemm_sms"] = p.num_sms - p.comm_sms
-    return options
+    gemm_sms = p.num_sms - p.comm_sms if spec.num_ubatches else None
+    return EngineKnobs(dbo_gemm_sms=gemm_sms, ht_rdma_share=rdma, ht_nvl_share=nvl)
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,7 +148,7 @@ def record_step(spec: StepSpec) -> StreamProgram:
     if full > RECORDED_MOE_LAYERS:
         config = config.with_(num_layers=config.num_dense_layers + RECORDED_MOE_LAYERS)
     profile = replace(spec.profile, gpus_per_node=spec.gpus_per_node)
-    device = SimDevice(profile, tensor_device="meta", **device_options(spec))
+    device = SimDevice(SimOptions(profile, tensor_device="meta", engine=engine_knobs(spec)))
     model = MoEModel(config, spec.batch())
     x = model.inputs()
     if spec.num_ubatches is None:
@@ -213,5 +212,6 @@ def placement_from_spec(spec: str, config: ModelConfig, routing: Routing) -> Pla
 
 
 def cluster_step(spec: StepSpec, routing: Routing, placement: Placement) -> ClusterResult:
-    """`spec`'s step on every rank of its EP group under `routing`."""
-    return simulate_cluster(record_step(spec), routing, placement, gpus_per_node=spec.gpus_per_node)
+    """`spec`'s step on every rank of its EP group under `routing`. The group's GPUs per node
+    are the recording's (its profile's, set from `spec.gpus_per_node`): one source."""
+    return simulate_cluster(record_step(spec), routing, placement)

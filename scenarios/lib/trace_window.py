@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dbo.sim.plot import plot_runs
-from dbo.sim.trace import WindowSpec, parse_window, runs_from_trace, write_chrome_trace_runs
+from dbo.sim.trace import WindowSpec, parse_window, write_chrome_trace_runs
+from dbo.sim.trace_read import runs_from_trace
 
 __all__ = ["add_argument", "window_type", "write_windowed"]
 
