@@ -8,7 +8,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint bench install clean
+.PHONY: run test lint bench install vllm-oracle clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# vLLM 0.33 as the differential oracle of tests/vllm/ (skipped without it): the release and the
+# light packages its DBO modules import, all --no-deps so its CUDA torch pin is never followed.
+vllm-oracle: install
+	$(PY) -m pip install -q --no-deps -r .ci/vllm-oracle.txt
 
 run: install
 	$(PY) -m scenarios run
