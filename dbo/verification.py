@@ -44,7 +44,7 @@ import workspace
 from dbo.checks import as_int
 from dbo.devices import resolve_device, use_device
 from dbo.errors import UBatchTimeoutError, YieldMismatchError
-from dbo.runner import merge_outputs, run_ubatches
+from dbo.runner import merge_outputs
 from dbo.sim.device import SimDevice
 from dbo.sim.records import COMM, HANDOFF, EventWait, HostRange, OpRecord, RaceReport
 from dbo.sim.reorder import ReorderOutcome, run_adversarially
@@ -57,6 +57,7 @@ from dbo.ubatch_registry import abandon_thread
 from dbo.ubatching import dbo_enabled
 from dbo.verify_compare import compare, copy_batch, same_values, snapshot
 from dbo.verify_report import RunRaces, VerifyError, VerifyReport, error_text
+from dbo.verify_runtimes import check_runtime, compare_runtimes, ubatch_runner
 
 __all__ = ["RACE_ORDERS", "RunRaces", "VerifyError", "VerifyReport", "split_inputs", "verify"]
 
@@ -311,6 +312,7 @@ def verify(
     timeout: float = 60.0,
     artifacts: str | Path | None = None,
     race_order: str = "issue",
+    runtime: str = "dbo",
 ) -> VerifyReport:
     """Run `forward(inputs)` serially and as `num_ubatches` ubatches, and compare.
 
@@ -320,9 +322,10 @@ def verify(
     simulated). `artifacts`: a folder for a Chrome trace and a PNG of both runs.
     `race_order="adversarial"` (simulated device, real tensors) also re-executes the
     ubatched step in an order that runs each race the other way round and reports what it
-    changes. Bad arguments raise before any work; a serial forward that raises or outlives
-    `timeout` raises (there is nothing to compare); every failure of the ubatched step is
-    reported in `error`.
+    changes. `runtime`: "dbo", "vllm" (the installed vLLM's ring, simulated device) or "both"
+    (`runtime_differences` lists where they differ; see `dbo.verify_runtimes`). Bad arguments
+    raise before any work; a serial forward that raises or outlives `timeout` raises (there
+    is nothing to compare); every failure of the ubatched step is reported in `error`.
     """
     _check_args(
         forward, num_ubatches, split, merge, warmup, atol, rtol, timeout, artifacts, race_order
@@ -334,24 +337,36 @@ def verify(
     dev = _resolve(device)
     if race_order == "adversarial":
         _check_adversarial(dev, inputs)
-    plan = _Plan(forward, inputs, split, num_ubatches, dev, merge or merge_outputs, timeout)
+    check_runtime(runtime, dev)
+    merge = merge or merge_outputs
+    plan = _Plan(forward, inputs, split, num_ubatches, dev, merge, timeout, runtime)
     owns_workspace = _check_workspace(num_ubatches)
     if owns_workspace:
         workspace.init_workspace_manager(dev.torch_device, num_ubatches)
     try:
-        serial, ubatched, mutated = _run_both(plan, warmup, owns_workspace)
-        outcome = None
-        if race_order == "adversarial" and ubatched.error is None:
-            outcome = _adversarial(plan, atol, rtol)
+        runs = _run_all(plan, warmup, owns_workspace, race_order == "adversarial", atol, rtol)
     finally:
         if owns_workspace:
             workspace.reset_workspace_manager()
+    serial, ubatched, mutated, outcome, differences = runs
     report = _report(serial, ubatched, num_ubatches, dev, atol, rtol)
     report.input_mutated, report.race_order = mutated, race_order
+    _add_runtime(report, runtime, differences)
     _add_findings(report, outcome, metadata_error)
     if artifacts is not None:
         report.write_artifacts(artifacts)
     return report
+
+
+def _run_all(
+    plan: _Plan, warmup: int, lock: bool, adversarial: bool, atol: float, rtol: float
+) -> tuple[_Run, _Run, bool, ReorderOutcome | None, list[str]]:
+    """The measured runs, the adversarial re-execution and the runtimes' differences."""
+    serial, ubatched, mutated = _run_both(plan, warmup, lock)
+    outcome = None
+    if adversarial and ubatched.error is None:
+        outcome = _adversarial(plan, atol, rtol)
+    return serial, ubatched, mutated, outcome, _runtime_differences(plan)
 
 
 def _check_adversarial(device: Device, inputs: Any) -> None:
@@ -394,6 +409,7 @@ class _Plan:
     device: Device
     merge: Callable
     timeout: float
+    runtime: str = "dbo"
 
     def serial_step(self, batch: Any) -> Any:
         def step() -> Any:
@@ -404,7 +420,8 @@ class _Plan:
 
     def ubatch_outputs(self, batch: Any) -> list[Any]:
         pieces = _ubatch_inputs(batch, self.num_ubatches, self.split)
-        return run_ubatches(self.forward, pieces, device=self.device, timeout=self.timeout)
+        runner = ubatch_runner(self.runtime)
+        return runner(self.forward, pieces, self.device, self.timeout)
 
     def ubatched_step(self, batch: Any) -> Any:
         return self.merge(self.ubatch_outputs(batch))
@@ -462,6 +479,30 @@ def _adversarial(plan: _Plan, atol: float, rtol: float) -> ReorderOutcome:
     if found.match:
         return outcome
     return replace(outcome, mismatch=found.mismatch, max_abs_diff=found.max_abs_diff)
+
+
+def _runtime_differences(plan: _Plan) -> list[str]:
+    if plan.runtime != "both":
+        return []
+    assert isinstance(plan.device, SimDevice)  # check_runtime refused any other device
+    return compare_runtimes(
+        plan.forward,
+        plan.inputs,
+        lambda batch: _ubatch_inputs(batch, plan.num_ubatches, plan.split),
+        plan.merge,
+        plan.device,
+        plan.timeout,
+    )
+
+
+def _add_runtime(report: VerifyReport, runtime: str, differences: list[str]) -> None:
+    """Which ring ran; the two runtimes' differences fail the report. vLLM's ring makes no
+    hand-off records, so yields are not counted under it."""
+    report.runtime, report.runtime_differences = runtime, differences
+    if differences:
+        report.ok = False
+    if runtime == "vllm":
+        report.yield_counts = None
 
 
 def _add_findings(

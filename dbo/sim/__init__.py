@@ -18,11 +18,13 @@ pure), regions (what a comm region is placed as, pure), options (checked device 
 state (the shared records: `Track`, `CommRegion`, `ThreadState`, `SimDeviceProtocol`),
 intercept (op classification and the two torch modes), graph (capture and replay), races
 (happens-before over byte ranges) with footprints and stacks, ranges (named host ranges),
-hardware (profiles), cost (roofline and comm time, pure functions), records (the contract
-with the reports), summary / trace / window / plot / report (the reports).
+cuda_facade (torch's and vLLM's CUDA stream and event calls answered by a
+SimDevice), hardware (profiles), cost (roofline and comm time, pure functions), records (the
+contract with the reports), summary / trace / window / plot / report (the reports).
 """
 
 from dbo.sim.cost import comm_time_us, compute_time_us
+from dbo.sim.cuda_facade import cuda_facade
 from dbo.sim.device import SimDevice, SimEvent, SimMark, SimStream
 from dbo.sim.graph import (
     GraphComm,
@@ -48,6 +50,7 @@ from dbo.sim.records import (
 
 __all__ = [
     "SimDevice",
+    "cuda_facade",
     "SimStream",
     "SimEvent",
     "SimMark",

@@ -24,9 +24,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     version = _installed_version()
     if version == ORACLE_VERSION:
         return
-    why = (
-        f"vLLM {ORACLE_VERSION} is not installed ({version or 'no vllm'}): {ENABLE}"
-    )
+    why = f"vLLM {ORACLE_VERSION} is not installed ({version or 'no vllm'}): {ENABLE}"
     for item in items:
         if "tests/vllm/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.skip(reason=why))

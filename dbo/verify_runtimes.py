@@ -1,0 +1,106 @@
+"""`verify`'s runtime choice: which ring drives the ubatched step, and `runtime="both"`.
+
+"dbo" is this package's runtime (`run_ubatches`); "vllm" is the installed vLLM's
+(`dbo.vllm_runtime.run_vllm_ubatches`, its `make_ubatch_contexts` and `UBatchContext` on the
+simulated GPU through the CUDA facade); "both" verifies under dbo's and also runs one more
+ubatched step under each runtime, from the same batch on a reset device, and lists every
+difference between the two: outputs, op order between hand-offs, the stream of each op, the
+events recorded and waited on (`dbo.runtime_diff`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dbo.runner import run_ubatches
+from dbo.runtime_diff import RingTranscript, diff_transcripts, log_event_calls
+from dbo.sim.device import SimDevice
+from dbo.streams import Device
+from dbo.verify_compare import compare, copy_batch, snapshot
+from dbo.verify_report import error_text
+from dbo.vllm_runtime import load_vllm_ubatching, run_vllm_ubatches
+
+__all__ = ["RUNTIMES", "check_runtime", "compare_runtimes", "ubatch_runner"]
+
+RUNTIMES = ("dbo", "vllm", "both")
+
+Runner = Callable[[Callable[[Any], Any], Sequence[Any], Device, float], list[Any]]
+
+
+def check_runtime(runtime: Any, device: Device) -> None:
+    """Refuse, before any work, a runtime that is not one of RUNTIMES, or vLLM's anywhere
+    but on the simulated device, or vLLM's when it is not installed."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+    if runtime == "dbo":
+        return
+    if not isinstance(device, SimDevice):
+        raise ValueError(
+            f"runtime={runtime!r} runs vLLM's ring through the CUDA facade of the simulated "
+            f"device; use device='sim' (on a real GPU vLLM's ring needs no facade)"
+        )
+    load_vllm_ubatching()
+
+
+def _dbo(fn: Callable[[Any], Any], pieces: Sequence[Any], device: Device, timeout: float):
+    return run_ubatches(fn, pieces, device=device, timeout=timeout)
+
+
+def _vllm(fn: Callable[[Any], Any], pieces: Sequence[Any], device: Device, timeout: float):
+    assert isinstance(device, SimDevice)  # check_runtime refused any other device
+    return run_vllm_ubatches(fn, pieces, device=device, timeout=timeout)
+
+
+def ubatch_runner(runtime: str) -> Runner:
+    """The launcher of the ubatched step verify measures ("both" measures dbo's)."""
+    return _vllm if runtime == "vllm" else _dbo
+
+
+def _one_step(
+    runner: Runner,
+    forward: Callable[[Any], Any],
+    pieces_of: Callable[[Any], Sequence[Any]],
+    merge: Callable[[list[Any]], Any],
+    inputs: Any,
+    device: SimDevice,
+    timeout: float,
+) -> tuple[RingTranscript, Any, BaseException | None]:
+    device.synchronize()
+    device.reset()
+    batch = copy_batch(inputs)
+    output, error = None, None
+    with log_event_calls(device) as calls:
+        try:
+            output = snapshot(merge(runner(forward, pieces_of(batch), device, timeout)))
+        except Exception as failure:  # noqa: BLE001 - a difference, reported as a line
+            error = failure
+    device.synchronize()
+    return RingTranscript.of(list(device.timeline), calls), output, error
+
+
+def compare_runtimes(
+    forward: Callable[[Any], Any],
+    inputs: Any,
+    pieces_of: Callable[[Any], Sequence[Any]],
+    merge: Callable[[list[Any]], Any],
+    device: SimDevice,
+    timeout: float,
+) -> list[str]:
+    """Run one ubatched step under dbo's runtime and one under vLLM's, each from a fresh copy
+    of `inputs` on a reset device; one line per difference (none: they agree)."""
+    args = (forward, pieces_of, merge, inputs, device, timeout)
+    ours, our_out, our_error = _one_step(_dbo, *args)
+    theirs, their_out, their_error = _one_step(_vllm, *args)
+    lines = []
+    if our_error is not None or their_error is not None:
+        if (our_error is None) != (their_error is None) or type(our_error) is not type(their_error):
+            lines.append(
+                f"the step failed differently: dbo {error_text(our_error)}, "
+                f"vllm {error_text(their_error)}"
+            )
+    else:
+        found = compare(our_out, their_out, 0.0, 0.0, "vLLM runtime's output")
+        if not found.match:
+            lines.append(f"outputs differ: {found.mismatch}")
+    return lines + diff_transcripts(ours, theirs)
