@@ -27,9 +27,8 @@ PATCHED = [
 
 @pytest.fixture(scope="module")
 def vllm_torch_utils():
-    from vllm.utils import torch_utils
-
     import vllm.v1.worker.ubatching  # noqa: F401 - its current_stream binding is patched too
+    from vllm.utils import torch_utils
 
     return torch_utils
 
