@@ -203,13 +203,15 @@ def _check_slice_against(ubatch_slice: Any, meta: CommonAttentionMetadata, cu: l
         raise ValueError(
             f"token_slice {toks} is outside the metadata's {meta.slot_mapping.shape[0]} tokens"
         )
-    # A first token past the real ones is padding (a dummy run, a padded tail): no request
-    # holds it. A real first token must lie in the slice's first request.
-    if toks.start < cu[-1] and not cu[reqs.start] <= toks.start < cu[reqs.start + 1]:
+    # vLLM's rule: the first token lies in the first request. A slice of padding only (its
+    # first token past the real ones, in no request) is refused, as vLLM refuses it: its
+    # metadata would be negative (query_start_loc [0, -1], max_query_len -1).
+    if not cu[reqs.start] <= toks.start < cu[reqs.start + 1]:
+        padding = "; a slice of padding only has no request to run" * (toks.start >= cu[-1])
         raise ValueError(
-            f"ubatch slice {ubatch_slice} does not match the metadata: its first token "
-            f"{toks.start} is not in its first request (tokens [{cu[reqs.start]}, "
-            f"{cu[reqs.start + 1]}))"
+            f"Token slice start outside of first request: ubatch slice {ubatch_slice} does "
+            f"not match the metadata: its first token {toks.start} is not in its first "
+            f"request (tokens [{cu[reqs.start]}, {cu[reqs.start + 1]})){padding}"
         )
 
 
@@ -272,9 +274,9 @@ def split_attn_metadata(
 ) -> list[CommonAttentionMetadata]:
     """One metadata per slice (the input is not modified). Raises ValueError for an empty
     slice or one that does not match the metadata."""
-    if not isinstance(common_attn_metadata, CommonAttentionMetadata):
-        raise TypeError(
-            f"common_attn_metadata must be a CommonAttentionMetadata, got "
-            f"{type(common_attn_metadata).__name__}"
-        )
-    return [_make_metadata_with_slice(s, common_attn_metadata) for s in ubatch_slices]
+    # vLLM's own record is read as this one (see dbo.split.interchange; imported here, the
+    # module it needs is this one).
+    from dbo.split.interchange import as_split_metadata
+
+    metadata = as_split_metadata(common_attn_metadata)
+    return [_make_metadata_with_slice(s, metadata) for s in ubatch_slices]

@@ -308,11 +308,18 @@ def test_an_empty_last_ubatch_is_refused_naming_the_rule() -> None:
         split_attn_metadata(plain, meta)
 
 
-def test_a_dummy_run_keeps_the_batchs_max_query_len() -> None:
+def test_a_slice_whose_first_request_has_no_tokens_is_refused_as_vllm_refuses_it() -> None:
+    # vLLM 0.33 asserts the slice's first token lies in its first request; a batch of empty
+    # queries (all-zero query_start_loc) has no such request.
     meta = CommonAttentionMetadata.make([0, 0], [0, 0], num_tokens_padded=4)
-    meta = CommonAttentionMetadata(**{**meta.__dict__, "max_query_len": 7})
-    (part,) = split_attn_metadata([UBatchSlice(slice(0, 2), slice(0, 4))], meta)
-    assert part.max_query_len == 7
+    with pytest.raises(ValueError, match="Token slice start outside of first request"):
+        split_attn_metadata([UBatchSlice(slice(0, 2), slice(0, 4))], meta)
+
+
+def test_a_slice_of_padding_only_is_refused_not_given_negative_metadata() -> None:
+    meta = CommonAttentionMetadata.make([3, 2], [3, 2], num_tokens_padded=8, num_reqs_padded=3)
+    with pytest.raises(ValueError, match="padding only"):
+        split_attn_metadata([UBatchSlice(slice(2, 3), slice(5, 8))], meta)
 
 
 def test_a_dummy_batch_of_one_request_splits_it_across_both_ubatches() -> None:
