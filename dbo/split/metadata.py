@@ -215,6 +215,19 @@ def _check_slice_against(ubatch_slice: Any, meta: CommonAttentionMetadata, cu: l
         )
 
 
+def _check_last_request(ubatch_slice: UBatchSlice, cu: list[int]) -> None:
+    """Every request of the slice must start by its last token: one that starts after it
+    would get a negative query length (vLLM 0.33 does not check, and returns a decreasing
+    query_start_loc)."""
+    reqs, toks = ubatch_slice.request_slice, ubatch_slice.token_slice
+    if cu[reqs.stop - 1] > toks.stop:
+        raise ValueError(
+            f"ubatch slice {ubatch_slice} does not match the metadata: its request "
+            f"{reqs.stop - 1} starts at token {cu[reqs.stop - 1]}, past the slice's end "
+            f"{toks.stop}; end request_slice at the first request that starts at or after it"
+        )
+
+
 def _optional(field: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return None if field is None else field[rows]
 
@@ -222,9 +235,13 @@ def _optional(field: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
 def _make_metadata_with_slice(
     ubatch_slice: UBatchSlice, attn_metadata: CommonAttentionMetadata
 ) -> CommonAttentionMetadata:
-    """The metadata of one ubatch: its requests and tokens, a cut request trimmed."""
+    """The metadata of one ubatch: its requests and tokens, a cut request trimmed. vLLM's
+    own `UBatchSlice` (any record with its two slices) is accepted too."""
+    if not isinstance(ubatch_slice, UBatchSlice) and hasattr(ubatch_slice, "token_slice"):
+        ubatch_slice = UBatchSlice(ubatch_slice.request_slice, ubatch_slice.token_slice)
     cu = [int(v) for v in attn_metadata.query_start_loc_cpu.tolist()]
     _check_slice_against(ubatch_slice, attn_metadata, cu)
+    _check_last_request(ubatch_slice, cu)
     reqs, toks = ubatch_slice.request_slice, ubatch_slice.token_slice
     # Tokens of the first request that an earlier ubatch ran, and of the last request that a
     # later ubatch runs (0 unless the boundary cuts it; padding tokens past it are not cut).
