@@ -38,6 +38,7 @@ from dbo.devices import resolve_device, use_device
 from dbo.errors import StepAborted, UBatchError, UBatchTimeoutError, describe_error
 from dbo.frames import register_runtime_file
 from dbo.streams import Device, Stream
+from dbo.ubatch_context import token_offsets_of
 from dbo.ubatching import UBatchContext, make_ubatch_contexts
 
 register_runtime_file(__file__)  # race reports leave the runtime's frames out of user stacks
@@ -214,6 +215,7 @@ class _Launch:
         self.contexts = make_ubatch_contexts(
             num, self.compute_stream, self.comm_stream,
             contexts if contexts is not None else [None] * num, self.barrier, request.schedule,
+            token_offsets_of(request.inputs),
         )  # fmt: skip
         self.step = self.contexts[0].step
         self.outputs: list[Any] = [None] * num

@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from dbo import ubatch_registry as registry
 from dbo.checks import as_int
 from dbo.errors import ReadyBarrierBroken, StepAborted
@@ -28,7 +30,7 @@ from dbo.ubatch_step import (
 # leave them out of user stacks.
 register_runtime_file(__file__)
 
-__all__ = ["UBatchContext", "make_ubatch_contexts"]
+__all__ = ["UBatchContext", "make_ubatch_contexts", "token_offsets_of"]
 
 
 class UBatchContext:
@@ -61,8 +63,10 @@ class UBatchContext:
         gpu_compute_done_event: Event,
         gpu_comm_done_event: Event,
         schedule: str = "default",
+        token_offset: int = 0,
     ) -> None:
         self.id = id
+        self.token_offset = token_offset  # this ubatch's first row in the whole batch
         self.step = step
         self.device: Device = compute_stream.device
         self.compute_stream = compute_stream
@@ -284,10 +288,12 @@ def make_ubatch_contexts(
     forward_contexts: Sequence[Any],
     ready_barrier: threading.Barrier,
     schedule: str = "default",
+    token_offsets: Sequence[int] | None = None,
 ) -> list[UBatchContext]:
-    """Build the ring of N contexts (vLLM's signature). The launcher then calls
-    `contexts[0].step.release_first()` (or `contexts[0].cpu_wait_event.set()`) after the
-    barrier to let ubatch 0 run."""
+    """Build the ring of N contexts (vLLM 0.33's signature; `token_offsets[i]` is ubatch i's
+    first row, read by `dbo_current_ubatch_token_offset`, 0 for all when None). The launcher
+    then calls `contexts[0].step.release_first()` (or `contexts[0].cpu_wait_event.set()`)
+    after the barrier to let ubatch 0 run."""
     num_micro_batches = as_int("num_micro_batches", num_micro_batches)
     if num_micro_batches < 2:
         raise ValueError(
@@ -307,6 +313,7 @@ def make_ubatch_contexts(
             f"ready_barrier must have num_micro_batches + 1 = {num_micro_batches + 1} parties "
             f"(the ubatch threads and the launcher), got {ready_barrier.parties}"
         )
+    offsets = _checked_offsets(token_offsets, num_micro_batches)
     registry.claim_slots(num_micro_batches)
     step = UBatchStep(num_micro_batches, ready_barrier)
     step.contexts = [
@@ -321,7 +328,38 @@ def make_ubatch_contexts(
             gpu_compute_done_event=device.Event(),
             gpu_comm_done_event=device.Event(),
             schedule=schedule,
+            token_offset=offsets[i],
         )
         for i in range(num_micro_batches)
     ]
     return list(step.contexts)
+
+
+def _checked_offsets(token_offsets: Sequence[int] | None, num: int) -> list[int]:
+    if token_offsets is None:
+        return [0] * num
+    offsets = [as_int(f"token_offsets[{i}]", o) for i, o in enumerate(token_offsets)]
+    if (
+        len(offsets) != num
+        or any(b < a for a, b in zip(offsets, offsets[1:]))
+        or (offsets and offsets[0] < 0)
+    ):
+        raise ValueError(
+            f"token_offsets must be {num} non-decreasing rows >= 0 (one per ubatch), got {offsets}"
+        )
+    return offsets
+
+
+def token_offsets_of(ubatch_inputs: Sequence[Any]) -> list[int] | None:
+    """Each ubatch's first row in the whole batch, from the leading dim of its input (a
+    tensor, or a tuple/list whose first item is one); None when an input has no rows."""
+    offsets, row = [], 0
+    for piece in ubatch_inputs:
+        tensor = piece
+        if isinstance(piece, (tuple, list)) and piece:
+            tensor = piece[0]
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            return None
+        offsets.append(row)
+        row += int(tensor.shape[0])
+    return offsets

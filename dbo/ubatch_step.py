@@ -15,7 +15,7 @@ from dbo.errors import UBatchError, YieldMismatchError, describe_error
 
 __all__ = [
     "CpuSignal",
-    "UBatchState",
+    "UBatchProgress",
     "UBatchStep",
     "NOT_STARTED",
     "RUNNING",
@@ -79,7 +79,7 @@ ABORTED = "aborted"
 
 
 @dataclass
-class UBatchState:
+class UBatchProgress:
     """One ubatch's progress in its step, for the ring's checks and the error reports."""
 
     status: str = NOT_STARTED
@@ -106,7 +106,7 @@ class UBatchStep:
         self.num_ubatches = num_ubatches
         self.ready_barrier = ready_barrier
         self.signals = [CpuSignal() for _ in range(num_ubatches)]
-        self.states = [UBatchState() for _ in range(num_ubatches)]
+        self.states = [UBatchProgress() for _ in range(num_ubatches)]
         self.contexts: list[Any] = []  # its UBatchContexts, filled by make_ubatch_contexts
         self.error: BaseException | None = None
         self.aborted = False
@@ -245,7 +245,7 @@ def _user_frame(frame: Any) -> Any:
     return inside.f_back if inside.f_back is not None else inside
 
 
-def note_yield(state: UBatchState, frame: Any) -> None:
+def note_yield(state: UBatchProgress, frame: Any) -> None:
     """Record where a ubatch yields: the first frame from `frame` outward outside the baton
     machinery (two attribute reads, no stack formatting)."""
     while frame.f_back is not None and frame.f_code.co_filename in _BATON_FILES:

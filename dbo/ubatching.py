@@ -49,7 +49,7 @@ from dbo.ubatch_step import (
     PARKED,
     RUNNING,
     CpuSignal,
-    UBatchState,
+    UBatchProgress,
     UBatchStep,
 )
 
@@ -58,12 +58,13 @@ register_runtime_file(__file__)  # race reports leave the runtime's frames out o
 __all__ = [
     "UBatchContext",
     "UBatchStep",
-    "UBatchState",
+    "UBatchProgress",
     "CpuSignal",
     "make_ubatch_contexts",
     "dbo_enabled",
     "ubatch_step_active",
     "dbo_current_ubatch_id",
+    "dbo_current_ubatch_token_offset",
     "dbo_yield",
     "dbo_yield_and_switch_from_compute_to_comm",
     "dbo_yield_and_switch_from_comm_to_compute",
@@ -152,6 +153,13 @@ def dbo_current_ubatch_id() -> int:
     if _ABANDONED_THREADS:
         _raise_if_abandoned()
     return 0
+
+
+def dbo_current_ubatch_token_offset() -> int:
+    """The calling ubatch's first row in the whole batch (vLLM 0.33's name); 0 on any other
+    thread. A query: records nothing, waits for nothing, keeps the baton."""
+    ctx = _current_context()
+    return 0 if ctx is None else ctx.token_offset
 
 
 def _ubatch_helper(method: Callable[[UBatchContext], None]) -> Callable[[], None]:

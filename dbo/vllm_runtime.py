@@ -26,13 +26,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from dbo import ubatch_registry as registry
 from dbo.devices import use_device
 from dbo.errors import StepAborted, UBatchError, UBatchTimeoutError
 from dbo.sim.cuda_facade import cuda_facade
 from dbo.sim.device import SimDevice
+from dbo.ubatch_context import token_offsets_of
 from dbo.ubatch_step import RUNNING
 
 __all__ = ["VLLM_UBATCHING", "VllmSeat", "load_vllm_ubatching", "run_vllm_ubatches"]
@@ -133,20 +132,6 @@ class VllmSeat:
         self._call("maybe_run_recv_hook")
 
 
-def _token_offsets(inputs: Sequence[Any]) -> list[int] | None:
-    """Each ubatch's first row in the whole batch, from its first tensor's leading dim."""
-    offsets, row = [], 0
-    for piece in inputs:
-        tensor = piece if isinstance(piece, torch.Tensor) else None
-        if tensor is None and isinstance(piece, (tuple, list)) and piece:
-            tensor = piece[0] if isinstance(piece[0], torch.Tensor) else None
-        if tensor is None or tensor.dim() == 0:
-            return None
-        offsets.append(row)
-        row += int(tensor.shape[0])
-    return offsets
-
-
 class _VllmStep:
     """One step's threads, outputs and errors, and the abort that releases them."""
 
@@ -231,7 +216,7 @@ def run_vllm_ubatches(
             comm_stream=comm,
             forward_contexts=[f"forward-context-{i}" for i in range(n)],
             ready_barrier=barrier,
-            token_offsets=_token_offsets(pieces),
+            token_offsets=token_offsets_of(pieces),
         )
         step = _VllmStep(fn, device, ctxs)
         comm.wait_stream(compute)  # as dbo's launcher: the comm stream forks from compute

@@ -58,10 +58,10 @@ from dbo.split.metadata import (
 from dbo.split.records import DBOConfig, UBatchSlice, UBatchSlices, UBatchThresholds
 from dbo.split.slicing import (
     check_ubatch_thresholds,
-    create_ubatch_slices,
     is_last_ubatch_empty,
     maybe_create_ubatch_slices,
     should_ubatch,
+    slices_at_split_points,
     split_batch,
     ubatch_cut_points,
 )
@@ -84,7 +84,7 @@ __all__ = [
     "check_ubatch_thresholds",
     "coordinate_batch_across_dp",
     "coordinate_ubatching",
-    "create_ubatch_slices",
+    "slices_at_split_points",
     "decide_ubatching",
     "find_metadata_violation",
     "is_last_ubatch_empty",

@@ -1,5 +1,6 @@
 """Where to cut a step into ubatches, and whether to (vLLM's `maybe_create_ubatch_slices`,
-`create_ubatch_slices`, `check_ubatch_thresholds`, `is_last_ubatch_empty`).
+`check_ubatch_thresholds`, `is_last_ubatch_empty`; `slices_at_split_points` is the cut itself,
+named apart from vLLM V2's `create_ubatch_slices(input_batch, num_ubatches)`).
 
 The split point is q = num_tokens_padded // N and cut k falls at k * q. A ubatch holds the
 requests whose tokens overlap its range: it starts at the request holding its first token and
@@ -30,7 +31,7 @@ from dbo.split.records import UBatchSlice, UBatchSlices, UBatchThresholds
 
 __all__ = [
     "check_ubatch_thresholds",
-    "create_ubatch_slices",
+    "slices_at_split_points",
     "is_last_ubatch_empty",
     "maybe_create_ubatch_slices",
     "should_ubatch",
@@ -132,14 +133,14 @@ def _request_range(cu: list[int], start: int, end: int) -> slice:
     return slice(bisect.bisect_right(cu, start) - 1, bisect.bisect_left(cu, end))
 
 
-def create_ubatch_slices(
+def slices_at_split_points(
     num_scheduled_tokens: Sequence[int] | np.ndarray | torch.Tensor,
     token_split_points: Sequence[int],
 ) -> UBatchSlices:
     """One slice per ubatch, cut at `token_split_points` (ascending); the last slice ends at
     the real token count (or is empty if its cut lies past it).
 
-        >>> [s.token_slice for s in create_ubatch_slices([5, 4, 1], [3, 6])]
+        >>> [s.token_slice for s in slices_at_split_points([5, 4, 1], [3, 6])]
         [slice(0, 3, None), slice(3, 6, None), slice(6, 10, None)]
     """
     counts = as_num_scheduled_tokens(num_scheduled_tokens)
@@ -213,7 +214,7 @@ def maybe_create_ubatch_slices(
     points = _split_points(split_point, padded, n)
     if points and points[-1] > padded:
         raise ValueError(f"split points {points} run past num_tokens_padded ({padded})")
-    slices = create_ubatch_slices(counts, points)
+    slices = slices_at_split_points(counts, points)
     return slices, _pad_out_ubatch_slices(slices, padded, reqs_padded)
 
 

@@ -38,7 +38,7 @@ from dbo.split import (
     check_ubatch_thresholds,
     coordinate_batch_across_dp,
     coordinate_ubatching,
-    create_ubatch_slices,
+    slices_at_split_points,
     decide_ubatching,
     is_last_ubatch_empty,
     maybe_create_ubatch_slices,
@@ -153,8 +153,8 @@ def test_the_padded_last_slice_runs_to_the_padded_counts() -> None:
     assert sum(s.num_tokens for s in padded) == 17
 
 
-def test_create_ubatch_slices_takes_vllms_split_points() -> None:
-    slices = create_ubatch_slices(np.array([5, 4, 1], dtype=np.int32), [3, 6])
+def test_slices_at_split_points_takes_vllms_split_points() -> None:
+    slices = slices_at_split_points(np.array([5, 4, 1], dtype=np.int32), [3, 6])
     assert _token_slices(slices) == [(0, 3), (3, 6), (6, 10)]
     assert _request_slices(slices) == [(0, 1), (0, 2), (1, 3)]
 
@@ -457,13 +457,13 @@ BAD_INPUTS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ),
     (
         "negative count",
-        lambda: create_ubatch_slices([4, -1], [2]),
+        lambda: slices_at_split_points([4, -1], [2]),
         ValueError,
         r"num_scheduled_tokens\[1\]",
     ),
     (
         "points decreasing",
-        lambda: create_ubatch_slices([4, 4], [5, 3]),
+        lambda: slices_at_split_points([4, 4], [5, 3]),
         ValueError,
         "non-decreasing",
     ),

@@ -99,3 +99,18 @@ def test_vllms_ring_passes_each_ubatch_its_token_offset():
         device=SimDevice(),
     )
     assert outs == [0, 3]
+
+
+@pytest.mark.timeout(60)
+def test_dbos_ring_passes_the_same_token_offsets_as_vllms():
+    from vllm.v1.worker import ubatching
+
+    x = torch.arange(10.0).reshape(10, 1)
+    pieces = [x[:3], x[3:7], x[7:]]
+    theirs = run_vllm_ubatches(
+        lambda piece: ubatching.dbo_current_ubatch_token_offset(), pieces, device=SimDevice()
+    )
+    ours = dbo.run_ubatches(
+        lambda piece: dbo.dbo_current_ubatch_token_offset(), pieces, device=SimDevice()
+    )
+    assert ours == theirs == [0, 3, 7]
