@@ -55,6 +55,7 @@ from dbo.split.metadata import (
     slice_query_start_locs,
     split_attn_metadata,
 )
+from dbo.split.model_inputs import get_num_ubatches, merge_ubatch_outputs, slice_model_inputs
 from dbo.split.records import DBOConfig, UBatchSlice, UBatchSlices, UBatchThresholds
 from dbo.split.slicing import (
     check_ubatch_thresholds,
@@ -67,6 +68,9 @@ from dbo.split.slicing import (
 )
 
 __all__ = [
+    "get_num_ubatches",
+    "merge_ubatch_outputs",
+    "slice_model_inputs",
     "PAD_SLOT_ID",
     "CommonAttentionMetadata",
     "DBOConfig",

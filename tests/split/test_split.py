@@ -38,12 +38,12 @@ from dbo.split import (
     check_ubatch_thresholds,
     coordinate_batch_across_dp,
     coordinate_ubatching,
-    slices_at_split_points,
     decide_ubatching,
     is_last_ubatch_empty,
     maybe_create_ubatch_slices,
     should_ubatch,
     slice_query_start_locs,
+    slices_at_split_points,
     split_attn_metadata,
     split_batch,
 )
