@@ -134,3 +134,14 @@ def test_vllm_drops_is_prefilling_from_a_ubatchs_metadata():
     (ours,) = split_attn_metadata([sl], meta)
     assert theirs.is_prefilling is None
     assert ours.is_prefilling.tolist() == meta.is_prefilling[:1].tolist()
+
+
+def test_vllm_returns_a_decreasing_query_start_loc_for_a_request_slice_past_its_tokens():
+    """A vLLM 0.33 bug by its own contract: request 1 starts at token 5, after the slice's
+    last token, and its query length comes out negative; dbo.split refuses the slice."""
+    meta = CommonAttentionMetadata.make([5, 3], [5, 3])
+    sl = ubatch_utils.UBatchSlice(slice(0, 2), slice(0, 3))
+    (theirs,) = ubatch_utils.split_attn_metadata([sl], as_vllm(meta))
+    assert theirs.query_start_loc_cpu.tolist() == [0, 5, 3]
+    with pytest.raises(ValueError, match="past the slice's end"):
+        split_attn_metadata([sl], meta)
