@@ -180,10 +180,13 @@ class _VllmStep:
         return not any(t.is_alive() for t in self.threads)
 
     def abandon(self, why: str) -> None:
+        """Give up on threads still running: free their seats (a later step may start) and
+        mark them abandoned, so their next dbo call raises instead of reaching that step."""
         self.seats.aborted = True
         for ctx in self.ctxs:
             ctx.cpu_wait_event.set()
-        for thread in self.threads:
+        for seat, thread in zip(self.seats.contexts, self.threads):
+            registry.unregister(seat)
             if thread.is_alive():
                 registry.abandon_thread(thread, why)
 

@@ -114,3 +114,26 @@ def test_dbos_ring_passes_the_same_token_offsets_as_vllms():
         lambda piece: dbo.dbo_current_ubatch_token_offset(), pieces, device=SimDevice()
     )
     assert ours == theirs == [0, 3, 7]
+
+
+@pytest.mark.timeout(60)
+def test_a_step_vllms_ring_would_hang_on_times_out_and_leaves_no_thread_behind():
+    """Ubatch 1 yields once more than ubatch 0: under vLLM's launcher it waits forever for a
+    baton nobody passes. Here the step times out, and the parked thread is woken and unwinds."""
+
+    def forward(x):
+        dbo.dbo_yield()
+        if dbo.dbo_current_ubatch_id() == 1:
+            dbo.dbo_yield()
+        return x
+
+    before = threading.active_count()
+    x = torch.ones(4, 2)
+    with pytest.raises(dbo.UBatchTimeoutError, match="did not finish"):
+        run_vllm_ubatches(forward, [x[:2], x[2:]], device=SimDevice(), timeout=1.0)
+    for thread in threading.enumerate():
+        if thread.name.startswith("vllm-ubatch-"):
+            thread.join(10)
+    assert threading.active_count() == before
+    # The ring's slots are free again: the next step runs.
+    assert len(run_vllm_ubatches(lambda piece: piece, [x[:2], x[2:]], device=SimDevice())) == 2
