@@ -27,6 +27,10 @@ Deliberate differences from vLLM (each safer, none on a path vLLM's own runner t
 - in the later part of a cut request `num_computed_tokens_cpu` counts the earlier part too,
   so `seq_lens - query lens == num_computed_tokens` holds for every request of every slice
   (vLLM kept the whole request's count there until its #56031);
+- `split_attn_metadata` refuses what vLLM 0.33 asserts against (a first token outside the
+  slice's first request: a slice of padding only), with vLLM's reason, and also a request
+  slice running past its token slice, which vLLM turns into a decreasing `query_start_loc`;
+  it reads vLLM's own `CommonAttentionMetadata` and `UBatchSlice` too;
 - bad input raises ValueError/TypeError naming the argument, never a bare assert;
 - `DBOConfig` refuses a token threshold below its ubatch count;
 - the agreement also compares ubatch counts across ranks (UBatchAgreementError naming each)

@@ -4,7 +4,6 @@ Without it every test here skips with one line saying how to install it."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 
 import pytest
@@ -28,8 +27,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/vllm/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.skip(reason=why))
-
-
-def vllm_module(name: str):
-    """Import one of the installed vLLM's modules (slow the first time: vLLM's config tree)."""
-    return importlib.import_module(name)
