@@ -51,8 +51,10 @@ class PhaseAnswer:
     best_tokens: int | None
 
 
-def engine_flags(answers: list[PhaseAnswer]) -> list[str]:
-    """The flags that turn DBO on where it pays, at the token counts it pays from."""
+def engine_flags(answers: list[PhaseAnswer], comm_sms: int | None = None) -> list[str]:
+    """The flags that turn DBO on where it pays, at the token counts it pays from, and
+    (given `comm_sms`, the SMs the simulation reserved for high-throughput comm kernels)
+    vLLM 0.33's `VLLM_DBO_COMM_SMS`, so the engine reserves what the plan assumed."""
     by_phase = {a.phase: a for a in answers}
     paying = [a for a in answers if a.pays_from is not None]
     if not paying:
@@ -66,6 +68,10 @@ def engine_flags(answers: list[PhaseAnswer]) -> list[str]:
             vllm.append(f"--dbo-{phase}-token-threshold 1000000000  # never pays in range")
     counts = sorted({a.best_ubatches for a in paying if a.best_ubatches})
     lines = [f"vLLM:   {' '.join(vllm)}", "SGLang: --enable-two-batch-overlap"]
+    if comm_sms is not None:
+        lines.insert(
+            1, f"vLLM env: VLLM_DBO_COMM_SMS={comm_sms}  # SMs for DeepEP's normal kernels"
+        )
     if counts and counts != [2]:
         lines.append(
             f"best ubatch count {', '.join(map(str, counts))}: both engines run 2; more "
@@ -136,7 +142,7 @@ def report(inputs: Any, answers: list[PhaseAnswer], points: list[PlanPoint], sho
     if as_json:
         return json.dumps(
             {"answers": [asdict(a) for a in answers], "points": [asdict(p) for p in points],
-             "flags": engine_flags(answers)}, indent=2,
+             "flags": engine_flags(answers, inputs.profile.comm_sms)}, indent=2,
         )  # fmt: skip
     c, p = inputs.config, inputs.profile
     kernels = p.kernel_source
@@ -153,7 +159,7 @@ def report(inputs: Any, answers: list[PhaseAnswer], points: list[PlanPoint], sho
         lines += _answer_lines(a, _shown_result(shown, a.phase))
         lines += [f"how it moves ({a.phase}):"]
         lines += _skew_lines([b for b in answers if b.phase == a.phase])
-    lines += ["", "engine flags:"] + [f"  {f}" for f in engine_flags(main)]
+    lines += ["", "engine flags:"] + [f"  {f}" for f in engine_flags(main, p.comm_sms)]
     return "\n".join(lines)
 
 
