@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 # module of torch at install time costs time and disk for files most runs never import.
 PIP := $(PY) -m pip install -q --no-compile
 
-.PHONY: run test lint bench install install-dev clean
+.PHONY: run test lint bench install install-dev vllm-oracle clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 install: $(VENV)/.installed
 
 install-dev: $(VENV)/.installed-dev
+
+# vLLM 0.33 as the differential oracle of tests/vllm/ (skipped without it): the release and the
+# light packages its DBO modules import, all --no-deps so its CUDA torch pin is never followed.
+# After the dev extra, so its pins (transformers 5.x, which vLLM 0.33 needs and which satisfies
+# the dev extra's transformers>=4.46) are what stays installed.
+vllm-oracle: install-dev
+	$(PIP) --no-deps -r .ci/vllm-oracle.txt
 
 run: install
 	$(PY) -m scenarios run

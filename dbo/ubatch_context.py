@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from dbo import ubatch_registry as registry
 from dbo.checks import as_int
 from dbo.errors import ReadyBarrierBroken, StepAborted
@@ -30,7 +32,7 @@ from dbo.ubatch_step import (
 # leave them out of user stacks.
 register_runtime_file(__file__)
 
-__all__ = ["UBatchContext", "make_ubatch_contexts"]
+__all__ = ["UBatchContext", "make_ubatch_contexts", "token_offsets_of"]
 
 
 class UBatchContext:
@@ -66,6 +68,7 @@ class UBatchContext:
         token_offset: int = 0,
     ) -> None:
         self.id = id
+        self.token_offset = token_offset  # this ubatch's first row in the whole batch
         self.step = step
         self.device: Device = compute_stream.device
         self.compute_stream = compute_stream
@@ -353,3 +356,18 @@ def _token_offsets(token_offsets: Sequence[int] | None, num_micro_batches: int) 
             f"({num_micro_batches})"
         )
     return [as_int(f"token_offsets[{i}]", v) for i, v in enumerate(token_offsets)]
+
+
+def token_offsets_of(ubatch_inputs: Sequence[Any]) -> list[int] | None:
+    """Each ubatch's first row in the whole batch, from the leading dim of its input (a
+    tensor, or a tuple/list whose first item is one); None when an input has no rows."""
+    offsets, row = [], 0
+    for piece in ubatch_inputs:
+        tensor = piece
+        if isinstance(piece, (tuple, list)) and piece:
+            tensor = piece[0]
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            return None
+        offsets.append(row)
+        row += int(tensor.shape[0])
+    return offsets

@@ -164,10 +164,14 @@ def dbo_current_ubatch_token_offset() -> int:
 
 
 def _ubatch_helper(method: Callable[[UBatchContext], None]) -> Callable[[], None]:
+    # Called by name on the registered context, not as the unbound function: a seat of
+    # another runtime (`dbo.vllm_runtime.VllmSeat`) answers with its own methods.
+    name = method.__name__
+
     def helper() -> None:
         ctx = _current_context()
         if ctx is not None:
-            method(ctx)
+            getattr(ctx, name)()
 
     helper.__name__ = f"dbo_{method.__name__.rstrip('_')}"
     helper.__doc__ = (

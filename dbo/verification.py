@@ -46,7 +46,7 @@ from dbo.checks import as_int, writable_folder
 from dbo.devices import resolve_device, use_device
 from dbo.errors import UBatchTimeoutError, YieldMismatchError
 from dbo.graph_runner import CUDAGraphRunner, GraphReplay, describe_batch
-from dbo.runner import merge_outputs, run_ubatches
+from dbo.runner import merge_outputs
 from dbo.sim.device import SimDevice
 from dbo.sim.records import COMM, HANDOFF, EventWait, HostRange, OpRecord, RaceReport
 from dbo.sim.reorder import ReorderOutcome, run_adversarially
@@ -61,6 +61,7 @@ from dbo.verify_compare import compare, copy_batch, same_values, snapshot
 from dbo.verify_graphs import check_graphs_device, replay_steps
 from dbo.verify_layout import SPLIT_RULES, SplitRules, resolve_layout, split_by_layout
 from dbo.verify_report import RunRaces, VerifyError, VerifyReport, error_text
+from dbo.verify_runtimes import check_runtime, compare_runtimes, record_runtime, ubatch_runner
 
 __all__ = ["RACE_ORDERS", "RunRaces", "VerifyError", "VerifyReport", "split_inputs", "verify"]
 
@@ -325,6 +326,7 @@ def verify(
     slices: Sequence[Any] | None = None,
     split_rules: str = "vllm-v1",
     graphs: CUDAGraphRunner | None = None,
+    runtime: str = "dbo",
 ) -> VerifyReport:
     """Run `forward(inputs)` serially and as `num_ubatches` ubatches (default 2, or as many
     as `slices` lists), and compare.
@@ -343,8 +345,7 @@ def verify(
     the ubatched step is reported in `error`, a split whose metadata breaks an invariant in
     `metadata_error`. `graphs`: a `dbo.graph_runner.CUDAGraphRunner` with its graphs
     captured; the step is also served through it and each replay checked (`report.graphs`,
-    `dbo.verify_graphs`).
-    """
+    `dbo.verify_graphs`). `runtime`: "dbo", "vllm" or "both" (`dbo.verify_runtimes`)."""
     rules = _rules(split_rules)
     if num_ubatches is None:  # the layout's count, else two
         num_ubatches = 2 if slices is None or isinstance(slices, (str, bytes)) else len(slices)
@@ -355,12 +356,15 @@ def verify(
     dev = _resolve(device, inputs) if graphs is None else check_graphs_device(graphs, device)
     if race_order == "adversarial":
         _check_adversarial(dev, inputs)
-    plan = _Plan(forward, inputs, split, num_ubatches, dev, merge or merge_outputs, timeout)
-    serial, ubatched, mutated, outcome, replays = _run_all(
+    check_runtime(runtime, dev)
+    merge = merge or merge_outputs
+    plan = _Plan(forward, inputs, split, num_ubatches, dev, merge, timeout, runtime)
+    serial, ubatched, mutated, outcome, replays, differences = _run_all(
         plan, warmup, race_order, graphs, atol, rtol
     )
     report = _report(serial, ubatched, num_ubatches, dev, atol, rtol)
     report.input_mutated, report.race_order = mutated, race_order
+    record_runtime(report, runtime, differences)
     _add_findings(report, outcome, metadata_error, replays)
     if artifacts is not None:
         report.write_artifacts(artifacts)
@@ -374,9 +378,10 @@ def _run_all(
     graphs: CUDAGraphRunner | None,
     atol: float,
     rtol: float,
-) -> tuple[_Run, _Run, bool, ReorderOutcome | None, list[GraphReplay]]:
+) -> tuple[_Run, _Run, bool, ReorderOutcome | None, list[GraphReplay], list[str]]:
     """Every run, with a workspace manager made for them if none is initialised: the serial
-    and ubatched steps, the adversarial re-execution, the steps served through graphs."""
+    and ubatched steps, the adversarial re-execution, the steps served through graphs, and
+    the two rings' differences under `runtime="both"`."""
     owns_workspace = _own_workspace(plan.num_ubatches, plan.device)
     try:
         serial, ubatched, mutated = _run_both(plan, warmup, owns_workspace)
@@ -388,10 +393,11 @@ def _run_all(
             replays = replay_steps(
                 graphs, plan.inputs, serial.output, plan.num_ubatches, atol, rtol
             )
+        differences = _runtime_differences(plan)
     finally:
         if owns_workspace:
             workspace.reset_workspace_manager()
-    return serial, ubatched, mutated, outcome, replays
+    return serial, ubatched, mutated, outcome, replays, differences
 
 
 def _split_and_check(
@@ -464,6 +470,7 @@ class _Plan:
     device: Device
     merge: Callable
     timeout: float
+    runtime: str = "dbo"
 
     def serial_step(self, batch: Any) -> Any:
         def step() -> Any:
@@ -478,7 +485,8 @@ class _Plan:
         pieces = _ubatch_inputs(batch, self.num_ubatches, self.split)
         tokens, n = self.num_tokens(), self.num_ubatches
         with workspace.workspace_step("DBO step", num_tokens=tokens, num_ubatches=n):
-            return run_ubatches(self.forward, pieces, device=self.device, timeout=self.timeout)
+            runner = ubatch_runner(self.runtime)
+            return runner(self.forward, pieces, self.device, self.timeout)
 
     def num_tokens(self) -> int:
         return describe_batch(self.inputs).num_tokens
@@ -539,6 +547,20 @@ def _adversarial(plan: _Plan, atol: float, rtol: float) -> ReorderOutcome:
     if found.match:
         return outcome
     return replace(outcome, mismatch=found.mismatch, max_abs_diff=found.max_abs_diff)
+
+
+def _runtime_differences(plan: _Plan) -> list[str]:
+    if plan.runtime != "both":
+        return []
+    assert isinstance(plan.device, SimDevice)  # check_runtime refused any other device
+    return compare_runtimes(
+        plan.forward,
+        plan.inputs,
+        lambda batch: _ubatch_inputs(batch, plan.num_ubatches, plan.split),
+        plan.merge,
+        plan.device,
+        plan.timeout,
+    )
 
 
 def _add_findings(

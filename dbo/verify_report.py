@@ -113,6 +113,9 @@ class VerifyReport:
     graphs: list[GraphReplay] = field(default_factory=list)  # steps served through CUDA graphs
     trace: str | None = None
     timeline_png: str | None = None
+    runtime: str = "dbo"  # whose ring drove the ubatched step: "dbo", "vllm" or "both"
+    # runtime="both": where vLLM's ring and dbo's ran the same forward differently
+    runtime_differences: list[str] = field(default_factory=list)
     records: dict[str, list[OpRecord]] = field(default_factory=dict, repr=False)
     runs: list[TraceRun] = field(default_factory=list, repr=False)  # what the pictures draw
 
@@ -136,6 +139,10 @@ class VerifyReport:
         lines.extend(f"    {line}" for line in _error_detail(self.error))
         counts = "n/a" if self.yield_counts is None else str(self.yield_counts)
         lines.append(f"  yield counts     {counts}")
+        if self.runtime != "dbo":
+            found = len(self.runtime_differences)
+            lines.append(f"  runtime          {self.runtime} ({found} differences)")
+            lines.extend(f"    {line}" for line in self.runtime_differences)
         lines += _time_lines(self)
         if self.trace:
             lines.append(f"  trace            {self.trace}")

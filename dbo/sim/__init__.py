@@ -20,12 +20,14 @@ placed as, pure), state (the shared records: `PlannedOp`, `CommRegion`, `ThreadS
 `SimDeviceProtocol`),
 intercept (op classification and the two torch modes), graph (capture and replay), log (what a
 device reports), races (happens-before over byte ranges) with race_memory, footprints and
-stacks, ranges (named host ranges), hardware (profiles), cost (roofline and comm time, pure
+stacks, ranges (named host ranges), cuda_facade (torch's and vLLM's CUDA stream and event
+calls answered by a SimDevice), hardware (profiles), cost (roofline and comm time, pure
 functions) with families (which op is which), records (the contract with the reports),
 summary / trace / trace_read / window / plot / report (the reports).
 """
 
 from dbo.sim.cost import comm_time_us, compute_time_us
+from dbo.sim.cuda_facade import cuda_facade
 from dbo.sim.device import SimDevice, SimEvent, SimMark, SimStream
 from dbo.sim.graph import (
     GraphComm,
@@ -57,6 +59,7 @@ __all__ = [
     "ProfileOverrides",
     "EngineKnobs",
     "PlannedOp",
+    "cuda_facade",
     "SimStream",
     "SimEvent",
     "SimMark",

@@ -66,8 +66,10 @@ class PhaseAnswer:
     error_bars: tuple[ErrorBar, ...] = ()  # the replay's misses on the nearest published rows
 
 
-def engine_flags(answers: list[PhaseAnswer]) -> list[str]:
-    """The flags that turn DBO on where it pays, at the token counts it pays from."""
+def engine_flags(answers: list[PhaseAnswer], comm_sms: int | None = None) -> list[str]:
+    """The flags that turn DBO on where it pays, at the token counts it pays from, and
+    (given `comm_sms`, the SMs the simulation reserved for high-throughput comm kernels)
+    vLLM 0.33's `VLLM_DBO_COMM_SMS`, so the engine reserves what the plan assumed."""
     by_phase = {a.phase: a for a in answers}
     paying = [a for a in answers if a.pays_from is not None]
     if not paying:
@@ -81,6 +83,10 @@ def engine_flags(answers: list[PhaseAnswer]) -> list[str]:
             vllm.append(f"--dbo-{phase}-token-threshold 1000000000  # never pays in range")
     counts = sorted({a.best_ubatches for a in paying if a.best_ubatches})
     lines = [f"vLLM:   {' '.join(vllm)}", "SGLang: --enable-two-batch-overlap"]
+    if comm_sms is not None:
+        lines.insert(
+            1, f"vLLM env: VLLM_DBO_COMM_SMS={comm_sms}  # SMs for DeepEP's normal kernels"
+        )
     if counts and counts != [2]:
         lines.append(
             f"best ubatch count {', '.join(map(str, counts))}: both engines run 2; more "
@@ -190,7 +196,7 @@ def report(
         document = {
             "answers": [asdict(a) for a in answers],
             "points": [asdict(p) for p in points],
-            "flags": engine_flags(main),
+            "flags": engine_flags(main, inputs.profile.comm_sms),
         }
         return json.dumps(document, indent=2, allow_nan=False)
     lines = [f"dbo-sim plan: {setup_line(inputs)}"]
@@ -201,7 +207,7 @@ def report(
         lines += _answer_lines(a, _shown_result(shown, a.phase))
         lines += [f"how it moves ({a.phase}):"]
         lines += _skew_lines([b for b in answers if b.phase == a.phase])
-    lines += ["", "engine flags:"] + [f"  {f}" for f in engine_flags(main)]
+    lines += ["", "engine flags:"] + [f"  {f}" for f in engine_flags(main, inputs.profile.comm_sms)]
     return "\n".join(lines)
 
 

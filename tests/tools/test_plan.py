@@ -47,6 +47,12 @@ def test_flags_enable_dbo_from_the_threshold_of_each_phase():
     assert "--enable-two-batch-overlap" in flags
 
 
+def test_flags_recommend_the_comm_sms_the_plan_reserved():
+    answers = [PhaseAnswer("prefill", 64, "balanced", 512, 2, 12.0, 4096)]
+    assert "VLLM_DBO_COMM_SMS=24" in "\n".join(engine_flags(answers, comm_sms=24))
+    assert "VLLM_DBO_COMM_SMS" not in "\n".join(engine_flags(answers))
+
+
 def test_flags_leave_dbo_off_where_it_never_pays():
     answers = [PhaseAnswer("decode", 8, "balanced", None, None, -20.0, 16)]
     assert "leave it off" in engine_flags(answers)[0]
