@@ -1,5 +1,6 @@
 # Two entry points that work on a fresh machine: `make run` (the default scenarios on the
-# simulated device) and `make test`. Both create .venv on first use. `run` and `bench` install
+# simulated device) and `make test` (the suite without the tests marked slow: multi-process
+# groups, whole-verb runs, the doc blocks; `make test-slow` runs those, CI runs both). Both create .venv on first use. `run` and `bench` install
 # only what running needs; the dev extra (pytest, ruff, and HTA with the pandas and jupyterlab
 # it pulls) comes in only for `test` and `lint`.
 PYTHON ?= python3
@@ -13,7 +14,7 @@ PY := $(VENV)/bin/python
 # module of torch at install time costs time and disk for files most runs never import.
 PIP := $(PY) -m pip install -q --no-compile
 
-.PHONY: run test lint bench install install-dev vllm-oracle clean
+.PHONY: run test test-slow lint bench install install-dev vllm-oracle clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,7 +41,10 @@ run: install
 	$(PY) -m scenarios run
 
 test: install-dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: install-dev
+	$(PY) -m pytest -q -m slow
 
 # The formatter and linter configuration lives in pyproject.toml ([tool.ruff]).
 lint: install-dev

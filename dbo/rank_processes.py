@@ -168,7 +168,9 @@ def _child(
         os.dup2(out, 2)
         torch.set_num_threads(1)
         _start_dump_thread(ctx, dump_fd)
-        _join_group(ctx, port, timeout)
+        # gloo's own timeout is a backstop past the launcher's: a rank blocked in a collective
+        # must still be blocked when the launcher's deadline asks it where it stands.
+        _join_group(ctx, port, 2 * timeout + 10.0)
         code = body(ctx) or 0
     except BaseException:  # noqa: BLE001 - a rank reports by its result file and exit code
         traceback.print_exc()

@@ -86,13 +86,7 @@ def run_ubatches(
     and that exception is raised; on an interrupt the launcher waits at most a short grace for
     the ubatches (one still in user code is left to end when that code returns).
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    inputs = _indexed("ubatch_inputs", ubatch_inputs)
-    if len(inputs) < 2:
-        raise ValueError(
-            f"run_ubatches needs >= 2 ubatch inputs, got {len(inputs)}; call fn directly for one"
-        )
+    inputs = _checked_inputs(fn, ubatch_inputs)
     seconds = _check_timeout(timeout)
     contexts = None if forward_contexts is None else _indexed("forward_contexts", forward_contexts)
     request = _StepRequest(
@@ -119,6 +113,17 @@ def run_ubatches(
         return _run_step(request)
     finally:
         _STEP_LOCK.release()
+
+
+def _checked_inputs(fn: Any, ubatch_inputs: Sequence[Any]) -> list[Any]:
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    inputs = _indexed("ubatch_inputs", ubatch_inputs)
+    if len(inputs) < 2:
+        raise ValueError(
+            f"run_ubatches needs >= 2 ubatch inputs, got {len(inputs)}; call fn directly for one"
+        )
+    return inputs
 
 
 # Held by the launcher for a whole step: two launcher threads racing past

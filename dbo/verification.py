@@ -48,6 +48,7 @@ from dbo.errors import UBatchTimeoutError, YieldMismatchError
 from dbo.graph_runner import CUDAGraphRunner, GraphReplay, describe_batch
 from dbo.runner import merge_outputs
 from dbo.sim.device import SimDevice
+from dbo.sim.options import SimOptions
 from dbo.sim.records import COMM, HANDOFF, EventWait, HostRange, OpRecord, RaceReport
 from dbo.sim.reorder import ReorderOutcome, run_adversarially
 from dbo.sim.report import summarize
@@ -128,7 +129,7 @@ def _resolve(device: Any, inputs: Any = None) -> Device:
     if device == "sim" and any(
         isinstance(v, torch.Tensor) and v.device.type == "meta" for v in _leaves(inputs)
     ):
-        device = resolve_device("sim", tensor_device="meta")
+        device = resolve_device("sim", SimOptions(tensor_device="meta"))
     wants_cuda = isinstance(device, str) and (device == "cuda" or device.startswith("cuda:"))
     if wants_cuda and not torch.cuda.is_available():
         raise ValueError(

@@ -140,6 +140,7 @@ def _run_json(tmp_path: Path, capsys, scenario: str) -> dict:
     return line
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_simulated_step_in_profiler_form_analyzes_to_the_simulators_summary(
     tmp_path, capsys

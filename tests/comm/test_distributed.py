@@ -30,6 +30,9 @@ from scenarios.ranks import group, halves
 from scenarios.ranks import launch as distributed
 from scenarios.ranks.step import rank_device
 
+# Multi-process or long-running: `make test-slow` (and CI) runs these.
+pytestmark = pytest.mark.slow
+
 REPO = Path(dbo.__file__).resolve().parent.parent
 
 E, K, H = 8, 2, 16

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+# Multi-process or long-running: `make test-slow` (and CI) runs these.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dbo.sim import COMM, H200, SimDevice
+from dbo.sim import COMM, H200, SimDevice, SimOptions
+from dbo.sim.state import PlannedOp
 from dbo.sm_control import (
     DEFAULT_DBO_COMM_SMS,
     SMControlContextManager,
@@ -22,7 +23,8 @@ ROUND = replace(H200, name="round", num_sms=100, launch_us=1.0)
 
 def _gemm_us(device: SimDevice) -> float:
     with device.thread_scope(0):  # a ubatch's GEMM: what the compute SMs run
-        return device.place_op("aten::mm", 10.0, stream=device.Stream("compute")).dur_us
+        op = PlannedOp("aten::mm", 10.0, track=device.Stream("compute").track)
+        return device.place_op(op).dur_us
 
 
 def _comm_share(device: SimDevice) -> float:
@@ -35,19 +37,19 @@ def _comm_share(device: SimDevice) -> float:
 
 
 def test_inside_the_context_a_ubatchs_gemm_runs_on_the_compute_sms_only():
-    device = SimDevice(ROUND)
+    device = SimDevice(SimOptions(ROUND))
     with create_sm_control_context(DBOConfig(), device=device, comm_sms=20):
         assert _gemm_us(device) == pytest.approx(10.0 * 100 / 80)
 
 
 def test_inside_the_context_comm_kernels_hold_the_reserved_share():
-    device = SimDevice(ROUND)
+    device = SimDevice(SimOptions(ROUND))
     with create_sm_control_context(DBOConfig(), device=device, comm_sms=20):
         assert _comm_share(device) == pytest.approx(0.2)
 
 
 def test_on_exit_the_device_prices_as_before():
-    device = SimDevice(ROUND)
+    device = SimDevice(SimOptions(ROUND))
     before = (device.profile.comm_sms, device.dbo_gemm_sms)
     with create_sm_control_context(DBOConfig(), device=device, comm_sms=20):
         pass
@@ -56,7 +58,7 @@ def test_on_exit_the_device_prices_as_before():
 
 
 def test_zero_comm_sms_reserves_nothing():
-    device = SimDevice(ROUND)
+    device = SimDevice(SimOptions(ROUND))
     with create_sm_control_context(DBOConfig(), device=device, comm_sms=0):
         assert device.dbo_gemm_sms is None and _gemm_us(device) == pytest.approx(10.0)
 
@@ -67,7 +69,7 @@ def test_the_manager_calls_the_setters_as_vllms_does():
         20,
         lambda n: calls.append(("comm", n)),
         lambda n: calls.append(("compute", n)),
-        device=SimDevice(ROUND),
+        device=SimDevice(SimOptions(ROUND)),
     )
     with manager:
         pass
@@ -76,12 +78,14 @@ def test_the_manager_calls_the_setters_as_vllms_does():
 
 def test_comm_sms_at_or_above_the_device_sms_is_refused():
     with pytest.raises(ValueError, match=r"comm_sms must be in \[0, 100\)"):
-        create_sm_control_context(DBOConfig(), device=SimDevice(ROUND), comm_sms=100)
+        create_sm_control_context(DBOConfig(), device=SimDevice(SimOptions(ROUND)), comm_sms=100)
 
 
 def test_the_comm_sm_count_comes_from_vllm_dbo_comm_sms(monkeypatch):
     monkeypatch.setenv("VLLM_DBO_COMM_SMS", "12")
-    assert create_sm_control_context(DBOConfig(), device=SimDevice(ROUND)).comm_sms == 12
+    assert (
+        create_sm_control_context(DBOConfig(), device=SimDevice(SimOptions(ROUND))).comm_sms == 12
+    )
 
 
 def test_vllm_dbo_comm_sms_defaults_to_vllms_default(monkeypatch):

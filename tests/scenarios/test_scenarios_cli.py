@@ -98,6 +98,7 @@ def test_the_catalog_holds_every_named_scenario_and_runs_all_by_default():
     assert catalog.DEFAULT_SCENARIOS == list(catalog.SCENARIOS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(catalog.SCENARIOS))
 def test_every_scenario_passes_through_the_cli(capsys, name):
     code, reports = _run_json(capsys, name, "--no-artifacts")

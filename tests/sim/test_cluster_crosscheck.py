@@ -16,6 +16,9 @@ from scenarios.harness import RunOptions
 from scenarios.ranks.crosscheck import SKEWS, crosscheck_registered, crosscheck_replay
 from scenarios.ranks.processes import run_local_ranks
 
+# Multi-process or long-running: `make test-slow` (and CI) runs these.
+pytestmark = pytest.mark.slow
+
 BOUND = 0.02  # per rank, relative
 replay = lru_cache(maxsize=None)(crosscheck_replay)
 

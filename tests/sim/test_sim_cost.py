@@ -202,11 +202,12 @@ def test_partial_overlap_slows_only_overlapping_part() -> None:
 def test_compute_issued_before_an_ht_comm_kernel_pays_its_sms_before_its_stream_s_next_op():
     # Under DBO the other ubatch's compute is issued before this ubatch's dispatch: the
     # dispatch still takes its SMs from it, charged where its stream goes on.
-    d = SimDevice(ROUND)
+    d = SimDevice(SimOptions(ROUND))
     s1, s2 = d.Stream("compute"), d.Stream("comm")
-    first = d.place_op("mm", 10.0, stream=s1)  # [1, 11)
-    d.place_op("comm", 4.0, kind=COMM, stream=s2, sm_share=0.5)  # [2, 6): 4 us on half the SMs
-    after = d.place_op("mm", 1.0, stream=s1)
+    first = d.place_op(PlannedOp("mm", 10.0, track=s1.track))  # [1, 11)
+    # [2, 6): 4 us on half the SMs
+    d.place_op(PlannedOp("comm", 4.0, kind=COMM, track=s2.track, sm_share=0.5))
+    after = d.place_op(PlannedOp("mm", 1.0, track=s1.track))
     assert (first.start_us, first.end_us) == (1.0, 11.0)  # its record stays as placed
     assert after.start_us == pytest.approx(15.0) and after.args["sm_taken_us"] == pytest.approx(4.0)
 

@@ -32,6 +32,7 @@ def _no_constants(name: str) -> None:
     raise ValueError(f"bench.json holds {name}, which is not JSON")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_quick_writes_every_benchmark(tmp_path, capsys):
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
@@ -191,6 +192,7 @@ def test_a_one_core_baton_sample_leaves_the_pooled_ubatch_threads_unpinned():
     assert after == [os.sched_getaffinity(0)] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_cluster_wall_bench_reports_replay_and_record_plus_replay_against_the_2s_target():
     from scenarios.tools.bench.cluster import WALL_TARGET_MS, bench_cluster_wall

@@ -22,7 +22,8 @@ from scenarios.model import Batch, MoEModel, preset
 from scenarios.tools import fidelity, gpu_check
 from workspace import init_workspace_manager, reset_workspace_manager
 
-pytestmark = pytest.mark.timeout(120)
+# Long-running (the fidelity rows): `make test-slow` (and CI) runs these.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 TINY_MLA = dict(
     attention="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=4, v_head_dim=8

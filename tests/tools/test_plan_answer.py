@@ -10,6 +10,7 @@ import pytest
 from scenarios.cli import main
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_ep32_prefill_answer_is_the_crossover_not_the_range_edge(capsys):
     argv = ["plan", "--phase", "prefill", "--ep", "32", "--skew", "balanced"]

@@ -16,6 +16,9 @@ import pytest
 
 from scenarios.tools import stress
 
+# Multi-process or long-running: `make test-slow` (and CI) runs these.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 # What "a few seconds" over the deadline is: the stopped threads' grace plus slack for a
 # loaded machine. Generous on purpose: the test is that the run does not go on for tens of
