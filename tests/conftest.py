@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 
 import pytest
 
 from dbo.sim import SimDevice
 from workspace import reset_workspace_manager
+
+# A shell starts a background job with SIGINT ignored, and an ignored signal stays ignored in
+# every process started from it; the tests that press Ctrl-C (in-process and in children) need
+# Python's own handler, whatever shell ran pytest.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

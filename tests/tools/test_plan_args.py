@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dbo.sim import H200
 from scenarios.cli import build_parser
 from scenarios.lib.usage import UsageError
 from scenarios.model_config import config_changes
@@ -115,7 +116,7 @@ def test_json_flags_are_the_answers_not_the_last_skews():
         PhaseAnswer("decode", 8, "balanced", None, None, -5.0, 16),
         PhaseAnswer("decode", 8, "zipf:0.5", 64, 2, 12.0, 64),
     ]
-    inputs = SimpleNamespace(eps=[8], skews=["balanced", "zipf:0.5"])
+    inputs = SimpleNamespace(eps=[8], skews=["balanced", "zipf:0.5"], profile=H200)
     document = json.loads(report(inputs, answers, [], {}, as_json=True))
     assert "leave it off" in document["flags"][0]
 
