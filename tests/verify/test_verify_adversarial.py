@@ -112,7 +112,7 @@ def _transformers_block(family: str) -> torch.nn.Module:
             num_local_experts=EXPERTS,
             num_experts_per_tok=2,
         )
-        return m.MixtralSparseMoeBlock(config).eval()
+        return _seeded(m.MixtralSparseMoeBlock(config))
     from transformers.models.qwen2_moe import modeling_qwen2_moe as m
 
     config = m.Qwen2MoeConfig(
@@ -122,7 +122,17 @@ def _transformers_block(family: str) -> torch.nn.Module:
         num_experts=EXPERTS,
         num_experts_per_tok=2,
     )
-    return m.Qwen2MoeSparseMoeBlock(config).eval()
+    return _seeded(m.Qwen2MoeSparseMoeBlock(config))
+
+
+def _seeded(block: torch.nn.Module) -> torch.nn.Module:
+    """transformers 5 allocates a bare block's expert weights with `torch.empty` (a model's
+    `post_init` fills them): whatever the memory held, NaN and 1e38 included, would make the
+    two runs' sums differ. Every weight gets seeded values instead."""
+    with torch.no_grad():
+        for weight in block.parameters():
+            weight.normal_(0.0, 0.1)
+    return block.eval()
 
 
 @pytest.mark.timeout(120)
