@@ -8,96 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from malformed_trace import MALFORMED, trace_text  # tests/, on the path through its conftest
 
 import dbo
 from dbo.analysis import TraceError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-KERNEL = {
-    "ph": "X",
-    "cat": "kernel",
-    "name": "nvjet_gemm",
-    "pid": 0,
-    "tid": 7,
-    "ts": 400.0,
-    "dur": 10.0,
-    "args": {"stream": 7, "correlation": 99},
-}
-LAUNCH = {
-    "ph": "X",
-    "cat": "cuda_runtime",
-    "name": "cudaLaunchKernel",
-    "pid": 1,
-    "tid": 100,
-    "ts": 395.0,
-    "dur": 2.0,
-    "args": {"correlation": 99},
-}
-
-
-def _without(event: dict[str, Any], key: str) -> dict[str, Any]:
-    return {k: v for k, v in event.items() if k != key}
-
-
-MALFORMED = {
-    "kernel-without-ts": _without(KERNEL, "ts"),
-    "kernel-without-name": _without(KERNEL, "name"),
-    "ts-null": {**KERNEL, "ts": None},
-    "ts-string": {**KERNEL, "ts": "400"},
-    "dur-negative": {**KERNEL, "dur": -5.0},
-    "dur-nan": {**KERNEL, "dur": float("nan")},
-    "dur-infinity": {**KERNEL, "dur": float("inf")},
-    "dur-string": {**KERNEL, "dur": "10"},
-    "launch-without-tid": _without(LAUNCH, "tid"),
-    "launch-string-tid": {**LAUNCH, "tid": "main"},
-    "args-string": {**KERNEL, "args": "stream 7"},
-    "args-list": {**KERNEL, "args": [7, 99]},
-    "correlation-list": {**KERNEL, "args": {"stream": 7, "correlation": [99]}},
-    "step-range-string-dur": {
-        "ph": "X",
-        "cat": "user_annotation",
-        "name": "ProfilerStep#3",
-        "pid": 1,
-        "tid": 100,
-        "ts": 80.0,
-        "dur": "300",
-    },
-    "not-an-object": [1, 2, 3],
-}
 
 
 def write_trace(path: Path, *extra: Any) -> Path:
-    """Four kernels on two streams, each launched by thread 100 ten us before it, plus
-    `extra` events."""
-    events: list[Any] = []
-    for k in range(4):
-        stream = 7 if k % 2 == 0 else 9
-        name = "nvjet_gemm" if stream == 7 else "ncclDevKernel_AllToAll"
-        events.append(
-            {
-                "ph": "X",
-                "cat": "kernel",
-                "name": name,
-                "pid": 0,
-                "tid": stream,
-                "ts": 100.0 + 50 * k,
-                "dur": 40.0,
-                "args": {"stream": stream, "correlation": k + 1},
-            }
-        )
-        events.append(
-            {
-                "ph": "X",
-                "cat": "cuda_runtime",
-                "name": "cudaLaunchKernel",
-                "pid": 1,
-                "tid": 100,
-                "ts": 90.0 + 50 * k,
-                "dur": 5.0,
-                "args": {"correlation": k + 1},
-            }
-        )
-    path.write_text(json.dumps({"traceEvents": events + list(extra)}))
+    path.write_text(trace_text(*extra))
     return path
 
 

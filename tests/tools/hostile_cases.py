@@ -8,9 +8,10 @@ trace's contents), so its process imports torch; every other case must be refuse
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from malformed_trace import MALFORMED, trace_text  # tests/, on the path through its conftest
 
 REFUSED, ANSWERED = 2, 0
 
@@ -24,103 +25,6 @@ class Case:
     heavy: bool = False
     says: str = ""  # a phrase the answer (exit 0: stdout) or refusal (stderr) must hold
 
-
-def tiny_trace(*extra: dict[str, Any]) -> dict[str, Any]:
-    """A torch.profiler-shaped trace of four kernels on two streams, launched by one thread,
-    plus `extra` events."""
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 100, "args": {"name": "main"}}
-    ]
-    for k in range(4):
-        stream = 7 if k % 2 == 0 else 9
-        name = "nvjet_gemm" if stream == 7 else "ncclDevKernel_AllToAll"
-        events.append(
-            {
-                "ph": "X",
-                "cat": "kernel",
-                "name": name,
-                "pid": 0,
-                "tid": stream,
-                "ts": 100.0 + 50 * k,
-                "dur": 40.0,
-                "args": {"stream": stream, "correlation": k + 1, "device": 0},
-            }
-        )
-        events.append(
-            {
-                "ph": "X",
-                "cat": "cuda_runtime",
-                "name": "cudaLaunchKernel",
-                "pid": 1,
-                "tid": 100,
-                "ts": 90.0 + 50 * k,
-                "dur": 5.0,
-                "args": {"correlation": k + 1},
-            }
-        )
-    return {
-        "schemaVersion": 1,
-        "deviceProperties": [{"name": "NVIDIA H200"}],
-        "traceEvents": events + list(extra),
-    }
-
-
-def trace_text(*extra: dict[str, Any]) -> str:
-    return json.dumps(tiny_trace(*extra))  # NaN and Infinity as JSON's literals
-
-
-_K = {
-    "ph": "X",
-    "cat": "kernel",
-    "name": "nvjet_gemm",
-    "pid": 0,
-    "tid": 7,
-    "ts": 400.0,
-    "dur": 10.0,
-    "args": {"stream": 7, "correlation": 99},
-}
-_L = {
-    "ph": "X",
-    "cat": "cuda_runtime",
-    "name": "cudaLaunchKernel",
-    "pid": 1,
-    "tid": 100,
-    "ts": 395.0,
-    "dur": 2.0,
-    "args": {"correlation": 99},
-}
-
-
-def _without(event: dict[str, Any], key: str) -> dict[str, Any]:
-    return {k: v for k, v in event.items() if k != key}
-
-
-# The malformed events of the issue, each a kernel, launch or step range.
-MALFORMED: dict[str, dict[str, Any]] = {
-    "kernel-without-ts": _without(_K, "ts"),
-    "kernel-without-name": _without(_K, "name"),
-    "ts-null": {**_K, "ts": None},
-    "ts-string": {**_K, "ts": "400"},
-    "dur-negative": {**_K, "dur": -5.0},
-    "dur-nan": {**_K, "dur": float("nan")},
-    "dur-infinity": {**_K, "dur": float("inf")},
-    "dur-string": {**_K, "dur": "10"},
-    "launch-without-tid": _without(_L, "tid"),
-    "launch-string-tid": {**_L, "tid": "main"},
-    "args-string": {**_K, "args": "stream 7"},
-    "args-list": {**_K, "args": [7, 99]},
-    "correlation-list": {**_K, "args": {"stream": 7, "correlation": [99]}},
-    "step-range-string-dur": {
-        "ph": "X",
-        "cat": "user_annotation",
-        "name": "ProfilerStep#3",
-        "pid": 1,
-        "tid": 100,
-        "ts": 80.0,
-        "dur": "300",
-    },
-    "ts-1e308": {**_K, "ts": 1e308},
-}
 
 _NESTED = 200_000
 _DEEP_JSON = "[" * _NESTED + "]" * _NESTED
