@@ -78,28 +78,13 @@ from dbo.comm.collectives import Collectives, ep_subgroup
 from dbo.comm.records import (
     DispatchPlan,
     DispatchResult,
-    EPError,
     EPHandle,
-    EPPeerFailedError,
-    EPStepMismatchError,
-    EPTimeoutError,
     PeerTraffic,
     checked_counts,
 )
 from dbo.devices import current_device
 
-__all__ = [
-    "MODES",
-    "EPError",
-    "EPPeerFailedError",
-    "EPTimeoutError",
-    "EPStepMismatchError",
-    "DispatchPlan",
-    "EPHandle",
-    "DispatchResult",
-    "EPGroup",
-    "PeerTraffic",
-]
+__all__ = ["MODES", "EPGroup"]  # the records and errors: dbo.comm.records
 
 MODES = ("ht", "ll")
 
