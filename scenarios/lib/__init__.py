@@ -5,6 +5,6 @@ simulate (one whole model step on a fresh simulated device, and its times), clus
 the model and batches a verb runs, by name), trace_window (reading a `--window` and writing a
 windowed trace), fidelity_rows (the published figures, the fidelity row records and the stored
 run that `plan`'s error bars read), usage (the `UsageError` refusals and the checked values of
-the command line), progress (the progress bar). Nothing here takes an argparse namespace: the verbs read their
-arguments and pass values.
+the command line), progress (the progress bar). Nothing here takes an argparse namespace: the
+verbs read their arguments and pass values.
 """
