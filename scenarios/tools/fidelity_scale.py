@@ -105,7 +105,7 @@ def deepep_ll_cluster_us(kind: str, ep: int, profile: HardwareProfile = H800) ->
                 with device.comm_region(k, nbytes=sent[k], mode="ll", ep_size=ep):
                     pass
 
-    program = record_program(step, device, ep_size=ep)
+    program = record_program(step, device)
     base = balanced(1, 256, DEEPEP_TOPK)
     routing = sampled(base, DEEPEP_LL_TOKENS, DEEPEP_TOPK, ranks=ep, seed=SEED)
     result = simulate_cluster(program, routing, contiguous(256, ep))
@@ -134,7 +134,7 @@ def deepep_normal_cluster_gbps(
             with device.comm_region(kind, nbytes=sent, mode="ht", ep_size=ep):
                 pass
 
-    program = record_program(step, device, ep_size=ep)
+    program = record_program(step, device)
     base = replace(balanced(1, 256, DEEPEP_TOPK), groups=groups)
     routing = base
     if random:
