@@ -115,9 +115,11 @@ def check_inputs(parsed: PlanArgs) -> PlanInputs:
     configuration as a whole, the profile, the EP sizes against the experts, the routing."""
     config = _config(parsed)
     try:
-        profile = replace(profile_from_name(parsed.profile), gpus_per_node=parsed.gpus_per_node)
+        profile = profile_from_name(parsed.profile)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    if parsed.gpus_per_node is not None:
+        profile = replace(profile, gpus_per_node=parsed.gpus_per_node)
     experts = config.num_experts + parsed.redundant
     for ep in parsed.eps:
         if experts % ep:
