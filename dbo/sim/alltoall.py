@@ -69,7 +69,6 @@ def all_to_all_ends(
     ready: np.ndarray,
     traffic: np.ndarray,
     *,
-    gpus_per_node: int | None = None,
     rdma_share: float = 1.0,
 ) -> AllToAllEnds:
     """The coupling rule (module docstring) for `ready[r]` (when rank r's kernel starts) and
@@ -77,7 +76,7 @@ def all_to_all_ends(
     ready = np.asarray(ready, dtype=float)
     ranks = ready.shape[0]
     traffic = np.asarray(traffic, dtype=float) * (1.0 - np.eye(ranks))
-    g = int(gpus_per_node or profile.gpus_per_node)
+    g = profile.gpus_per_node
     node = np.arange(ranks) // g
     cross = node[:, None] != node[None, :]
     rdma = traffic * cross * (rdma_share if mode == "ht" else 1.0)

@@ -49,7 +49,7 @@ from dbo.sim.cost import GEMM_OPS
 from dbo.sim.routing import Placement, Routing
 from dbo.sim.traffic import LayerBytes, layer_bytes
 
-__all__ = ["CollectiveResult", "ClusterResult", "simulate_cluster", "gpus_per_node_of"]
+__all__ = ["CollectiveResult", "ClusterResult", "simulate_cluster"]
 
 
 @dataclass
@@ -89,12 +89,16 @@ class ClusterResult:
     collectives: list[CollectiveResult]
     routing: Routing
     placement: Placement
-    gpus_per_node: int
     expert_factor: np.ndarray  # layers x ranks: rows received relative to balanced
 
     @property
     def num_ranks(self) -> int:
         return int(self.start.shape[1])
+
+    @property
+    def gpus_per_node(self) -> int:
+        """The recording's (its profile's): the one source of the group's node size."""
+        return self.program.profile.gpus_per_node
 
     @property
     def origin_us(self) -> float:
@@ -149,23 +153,17 @@ def _union(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     return reach[-1] - s[0] - gaps
 
 
-def gpus_per_node_of(program: StreamProgram, gpus_per_node: int | None) -> int:
-    return int(gpus_per_node or program.profile.gpus_per_node)
-
-
 class _Links:
     """One group's links: bandwidths, latencies, and each layer's bytes per byte of copies
     (computed once per layer and kernel mode)."""
 
-    def __init__(
-        self, program: StreamProgram, routing: Routing, placement: Placement, gpus_per_node: int
-    ) -> None:
+    def __init__(self, program: StreamProgram, routing: Routing, placement: Placement) -> None:
         p = self.profile = program.profile
         self.routing, self.placement = routing, placement
         # A recording whose HT bytes were priced per copy (no `ht_nvl_share`) replays so.
         self.per_copy = None if program.ht_nvl_share is not None else program.ht_rdma_share
-        self.ranks, self.g = placement.num_ranks, gpus_per_node
-        multi_node = self.ranks > gpus_per_node
+        self.ranks, self.g = program.ep_size, p.gpus_per_node
+        multi_node = self.ranks > self.g
         self.latency = {m: collective_latency_us(p, m, multi_node) for m in ("ht", "ll")}
         self.nvl_bw = p.nvlink_gbps * 1e3 * p.nvlink_efficiency  # bytes per us
         self.rdma_bw = p.rdma_gbps * 1e3 * p.rdma_efficiency
@@ -271,18 +269,18 @@ def _collective(
 
 
 def simulate_cluster(
-    program: StreamProgram,
-    routing: Routing,
-    placement: Placement,
-    *,
-    gpus_per_node: int | None = None,
+    program: StreamProgram, routing: Routing, placement: Placement
 ) -> ClusterResult:
-    """Replay `program` for every rank of `placement` (R = its rank count, which must be the
-    program's EP size) under `routing`; returns every op's start and end on every rank."""
-    ranks = placement.num_ranks
-    if ranks != program.ep_size:
+    """Replay `program` for every rank of its EP group under `routing`, its experts placed by
+    `placement`; returns every op's start and end on every rank. The group's shape is the
+    recording's (R = `program.ep_size`, GPUs per node its profile's); a placement over
+    another rank count is refused before any op is replayed."""
+    ranks = program.ep_size
+    if placement.num_ranks != ranks:
         raise ValueError(
-            f"the placement has {ranks} ranks but the program was recorded at EP {program.ep_size}"
+            f"placement {placement.label!r} spreads the experts over {placement.num_ranks} "
+            f"ranks, but the step was recorded exchanging over EP {ranks}; build the placement "
+            f"for {ranks} ranks"
         )
     if routing.num_experts != placement.num_experts:
         raise ValueError(
@@ -293,8 +291,7 @@ def simulate_cluster(
             f"routing {routing.label!r} has {routing.num_sources} source ranks, the group "
             f"{ranks}; give one row per rank or one for all"
         )
-    g = gpus_per_node_of(program, gpus_per_node)
-    links = _Links(program, routing, placement, g)
+    links = _Links(program, routing, placement)
     _, factor = _expert_factor(program, routing, placement)
     n = program.num_ops
     start, end = np.empty((n, ranks)), np.empty((n, ranks))
@@ -324,7 +321,7 @@ def simulate_cluster(
         if k == HT_COMM:
             busy = [*busy[-2:], (start[i].copy(), end[i].copy())]
         sms.placed(i, host)
-    return ClusterResult(program, start, end, collectives, routing, placement, g, factor)
+    return ClusterResult(program, start, end, collectives, routing, placement, factor)
 
 
 class _SmsTaken:

@@ -45,6 +45,7 @@ __all__ = [
     "StreamProgram",
     "program_from_records",
     "record_program",
+    "recorded_ep_size",
     "tile_layers",
 ]
 
@@ -88,8 +89,8 @@ class StreamProgram:
     intensity: np.ndarray  # GEMM: math time over memory time at the recorded rows
     collective: np.ndarray  # index into `collectives`, -1 otherwise
     collectives: list[Collective]
-    ep_size: int
-    profile: HardwareProfile
+    ep_size: int  # the group its all-to-alls spanned, as recorded (`recorded_ep_size`)
+    profile: HardwareProfile  # its GPUs per node are the group's, for the replay too
     ht_rdma_share: float = 1.0
     ht_nvl_share: float | None = None  # None: HT bytes priced per copy (`dbo.sim.regions`)
     records: list[OpRecord] = field(default_factory=list, repr=False)
@@ -268,18 +269,35 @@ def _mark_window(
             layer[i] = j
 
 
+def recorded_ep_size(records: Sequence[OpRecord]) -> int:
+    """The EP size the step's all-to-alls were issued over (each comm record carries its
+    region's `ep_size`; 1 when none left the GPU). The program takes it from the recording,
+    not from its caller, so it cannot disagree with the bytes and rows the step was priced
+    at; a step whose exchanges span two group sizes is not one EP group's step: ValueError."""
+    sizes = {
+        int((r.args or {}).get("ep_size", 1))
+        for r in records
+        if r.kind == COMM and (r.args or {}).get("link") != "local"
+    }
+    if len(sizes) > 1:
+        raise ValueError(
+            f"the step's all-to-alls span EP sizes {sorted(sizes)}; a stream program is one "
+            "EP group's step: record a step whose dispatches and combines share one group"
+        )
+    return sizes.pop() if sizes else 1
+
+
 def program_from_records(
     records: Sequence[OpRecord],
     event_waits: Sequence[EventWait],
     profile: HardwareProfile,
     *,
-    ep_size: int,
     gemm_sms_reserved: bool = False,
     ht_rdma_share: float = 1.0,
     ht_nvl_share: float | None = None,
 ) -> StreamProgram:
     """The stream program of one rank's recorded step (`device.timeline`, `device.event_waits`
-    after a `device.reset()` and the step)."""
+    after a `device.reset()` and the step); its EP size is the recording's own."""
     records = sorted(records, key=lambda r: r.seq)
     klass = np.array([_klass(r) for r in records], dtype=int)
     track_names: list[str] = []
@@ -320,7 +338,7 @@ def program_from_records(
         intensity=rho,
         collective=coll_of,
         collectives=collectives,
-        ep_size=ep_size,
+        ep_size=recorded_ep_size(records),
         profile=profile,
         ht_rdma_share=ht_rdma_share,
         ht_nvl_share=ht_nvl_share,
@@ -328,10 +346,12 @@ def program_from_records(
     )
 
 
-def record_program(step: Callable[[], Any], device: Any, *, ep_size: int) -> StreamProgram:
+def record_program(step: Callable[[], Any], device: Any) -> StreamProgram:
     """Run a prepared step once on `device` (a SimDevice, already warmed up) and return its
     stream program. `step` is any callable issuing one rank's step: a model's forward, a
-    ubatched `run_ubatches` call, or `graph.replay` of a captured step."""
+    ubatched `run_ubatches` call, or `graph.replay` of a captured step. The group's shape is
+    the recording's: its EP size the one its all-to-alls were issued over, its GPUs per node
+    the device profile's."""
     device.synchronize()
     device.reset()
     step()
@@ -340,7 +360,6 @@ def record_program(step: Callable[[], Any], device: Any, *, ep_size: int) -> Str
         list(device.timeline),
         list(device.event_waits),
         device.profile,
-        ep_size=ep_size,
         gemm_sms_reserved=device.dbo_gemm_sms is not None,
         ht_rdma_share=device.ht_rdma_share,
         ht_nvl_share=device.ht_nvl_share,

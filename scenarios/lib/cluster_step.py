@@ -60,14 +60,15 @@ RECORDED_MOE_LAYERS = 4  # enough for `tile_layers` to find a steady layer
 
 @dataclass(frozen=True)
 class StepSpec:
-    """One rank's step: model, phase, tokens per device, ubatches (None: serial)."""
+    """One rank's step: model, phase, tokens per device, ubatches (None: serial). The EP
+    group's shape has one source each: its size is `config.ep_size`, its GPUs per node
+    `profile.gpus_per_node`; the recording and its replay read them from there."""
 
     config: ModelConfig
     phase: str  # "decode" (LL, graph replay) | "prefill" (HT, eager)
     tokens: int
     num_ubatches: int | None
     profile: HardwareProfile
-    gpus_per_node: int = 8
     context: int = 2000  # decode: context length per request
     prompt: int = 4096  # prefill: prompt length
     # Captured once and replayed as a CUDA graph (None: decode yes, prefill no, as engines do).
@@ -133,7 +134,7 @@ def engine_knobs(spec: StepSpec) -> EngineKnobs:
     if spec.mode != "ht":
         return EngineKnobs()
     nvl, rdma = balanced_dedup(
-        c.top_k, c.num_experts, c.ep_size, spec.gpus_per_node, ROUTING_GROUPS.get(c.name)
+        c.top_k, c.num_experts, c.ep_size, p.gpus_per_node, ROUTING_GROUPS.get(c.name)
     )
     gemm_sms = p.num_sms - p.comm_sms if spec.num_ubatches else None
     return EngineKnobs(dbo_gemm_sms=gemm_sms, ht_rdma_share=rdma, ht_nvl_share=nvl)
@@ -147,8 +148,7 @@ def record_step(spec: StepSpec) -> StreamProgram:
     full = moe_layers(config)
     if full > RECORDED_MOE_LAYERS:
         config = config.with_(num_layers=config.num_dense_layers + RECORDED_MOE_LAYERS)
-    profile = replace(spec.profile, gpus_per_node=spec.gpus_per_node)
-    device = SimDevice(SimOptions(profile, tensor_device="meta", engine=engine_knobs(spec)))
+    device = SimDevice(SimOptions(spec.profile, tensor_device="meta", engine=engine_knobs(spec)))
     model = MoEModel(config, spec.batch())
     x = model.inputs()
     if spec.num_ubatches is None:
@@ -162,7 +162,7 @@ def record_step(spec: StepSpec) -> StreamProgram:
             graph = device.graph()
             step.capture(graph)
             run = graph.replay
-        program = record_program(run, device, ep_size=config.ep_size)
+        program = record_program(run, device)
     finally:
         reset_workspace_manager()
     return tile_layers(program, full)
@@ -212,6 +212,6 @@ def placement_from_spec(spec: str, config: ModelConfig, routing: Routing) -> Pla
 
 
 def cluster_step(spec: StepSpec, routing: Routing, placement: Placement) -> ClusterResult:
-    """`spec`'s step on every rank of its EP group under `routing`. The group's GPUs per node
-    are the recording's (its profile's, set from `spec.gpus_per_node`): one source."""
+    """`spec`'s step on every rank of its EP group under `routing`: the group's size and GPUs
+    per node are the recording's (`spec.config.ep_size`, `spec.profile.gpus_per_node`)."""
     return simulate_cluster(record_step(spec), routing, placement)

@@ -182,7 +182,7 @@ def crosscheck_program(
     step = ubatched_step(model, model.inputs(), device, mode=MODE, slices=_slices(num_ubatches))  # type: ignore[arg-type]
     try:
         prepare(device.torch_device, step.num_ubatches, [step])
-        return record_program(step, device, ep_size=ranks)
+        return record_program(step, device)
     finally:
         reset_workspace_manager()
 

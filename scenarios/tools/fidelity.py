@@ -38,10 +38,7 @@ import time
 from collections.abc import Callable
 
 from dbo.sim.hardware import H800
-from scenarios.lib.progress import advance, progress_bar
-from scenarios.lib.usage import Interrupted
-from scenarios.tools.fidelity_kernels import deepep_ll_us, deepep_rows, normal_bandwidth_gbps
-from scenarios.tools.fidelity_rows import (
+from scenarios.lib.fidelity_rows import (
     DEEPEP_LL_PUBLISHED,
     DEEPEP_NVLINK_PUBLISHED,
     DEEPEP_RDMA_PUBLISHED,
@@ -49,6 +46,9 @@ from scenarios.tools.fidelity_rows import (
     FidelityRow,
     describe_profile,
 )
+from scenarios.lib.progress import advance, progress_bar
+from scenarios.lib.usage import Interrupted
+from scenarios.tools.fidelity_kernels import deepep_ll_us, deepep_rows, normal_bandwidth_gbps
 from scenarios.tools.fidelity_scale import scale_rows
 from scenarios.tools.fidelity_steps import sglang_rows, vllm_rows
 

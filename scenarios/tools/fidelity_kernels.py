@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dbo.sim.cost import comm_time_us, node_dedup_share
 from dbo.sim.hardware import H800, HardwareProfile
-from scenarios.tools.fidelity_rows import (
+from scenarios.lib.fidelity_rows import (
     DEEPEP_HIDDEN,
     DEEPEP_LL_PUBLISHED,
     DEEPEP_LL_TOKENS,

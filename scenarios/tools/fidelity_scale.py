@@ -29,8 +29,7 @@ from dbo.sim.options import EngineKnobs, SimOptions
 from dbo.sim.routing import balanced, contiguous, eplb, sampled
 from dbo.sim.traffic import balanced_dedup, layer_bytes
 from scenarios.lib.cluster_step import ROUTING_GROUPS, StepSpec, moe_layers, record_step
-from scenarios.tools.fidelity_kernels import DEEPEP_BYTES
-from scenarios.tools.fidelity_rows import (
+from scenarios.lib.fidelity_rows import (
     DEEPEP_LL_PUBLISHED,
     DEEPEP_LL_TOKENS,
     DEEPEP_NORMAL_TOKENS,
@@ -55,6 +54,7 @@ from scenarios.tools.fidelity_rows import (
     range_pp_row,
     rel_row,
 )
+from scenarios.tools.fidelity_kernels import DEEPEP_BYTES
 
 __all__ = ["scale_rows", "cluster_gain", "deepep_ll_cluster_us", "deepep_normal_cluster_gbps"]
 
@@ -105,7 +105,7 @@ def deepep_ll_cluster_us(kind: str, ep: int, profile: HardwareProfile = H800) ->
                 with device.comm_region(k, nbytes=sent[k], mode="ll", ep_size=ep):
                     pass
 
-    program = record_program(step, device, ep_size=ep)
+    program = record_program(step, device)
     base = balanced(1, 256, DEEPEP_TOPK)
     routing = sampled(base, DEEPEP_LL_TOKENS, DEEPEP_TOPK, ranks=ep, seed=SEED)
     result = simulate_cluster(program, routing, contiguous(256, ep))
@@ -134,7 +134,7 @@ def deepep_normal_cluster_gbps(
             with device.comm_region(kind, nbytes=sent, mode="ht", ep_size=ep):
                 pass
 
-    program = record_program(step, device, ep_size=ep)
+    program = record_program(step, device)
     base = replace(balanced(1, 256, DEEPEP_TOPK), groups=groups)
     routing = base
     if random:

@@ -12,9 +12,7 @@ from typing import Any
 from dbo.sim.cost import node_dedup_share
 from dbo.sim.hardware import HardwareProfile
 from dbo.sim.options import EngineKnobs
-from scenarios.lib.simulate import simulate_step, step_gain
-from scenarios.model import Batch, ModelConfig
-from scenarios.tools.fidelity_rows import (
+from scenarios.lib.fidelity_rows import (
     DSV3_GROUPS,
     DSV3_TOPK_GROUPS,
     SGLANG_BLOG,
@@ -36,6 +34,8 @@ from scenarios.tools.fidelity_rows import (
     pp_row,
     range_pp_row,
 )
+from scenarios.lib.simulate import simulate_step, step_gain
+from scenarios.model import Batch, ModelConfig
 
 __all__ = ["sglang_rows", "vllm_rows"]
 

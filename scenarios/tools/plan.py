@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--profile", default="h800", help="hardware profile: h200, h100, h800 (default), b200")
     a("--ep", default="64", help="EP sizes, comma-separated, 2 or more; the first is the answer's")
     a("--dp", type=int_in(1, MAX_EP), help="DP attention ranks: 1 or the EP size (default: EP)")
-    a("--gpus-per-node", type=int_in(1, MAX_EP), default=8, help="GPUs per node, default 8")
+    a("--gpus-per-node", type=int_in(1, MAX_EP), help="GPUs per node (default: the profile's)")
     a(
         "--phase",
         choices=("decode", "prefill", "both"),

@@ -65,7 +65,7 @@ class PlanArgs:
     profile: str
     eps: list[int]
     dp: int | None
-    gpus_per_node: int
+    gpus_per_node: int | None  # None: the profile's (the one source; no default of our own)
     phases: list[str]
     tokens: dict[str, list[int]]
     dp_spread: float

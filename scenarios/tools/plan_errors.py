@@ -1,26 +1,24 @@
 """How far off the replay is known to be near a `plan` answer: its error on the published rows.
 
-One job: pick, from a stored `dbo-sim fidelity --json` run (`FIDELITY_JSON`, committed; rerun
-the verb to refresh it), the all-ranks rows (`scale-*`: the same replay `plan` runs) nearest
+One job: pick, from the stored `dbo-sim fidelity --json` run (`scenarios.lib.fidelity_rows`
+reads it), the all-ranks rows (`scale-*`: the same replay `plan` runs) nearest
 an answer, and say by how much the replay missed them. Nearest: for decode, DeepEP's
 low-latency kernel rows at the EP size closest to the answer's (on a log scale) and SGLang's
 TBO decode gains; for prefill, DeepEP's normal-kernel bandwidth rows and SGLang's TBO prefill
 gain. Each kind gives its largest miss: kernel rows in percent of the published figure, gain
-rows in percentage points. Reading a file costs nothing; running the fidelity verb per plan
-call would cost a minute.
+rows in percentage points.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-__all__ = ["FIDELITY_JSON", "ErrorBar", "error_bars", "load_rows"]
+from scenarios.lib.fidelity_rows import load_rows
 
-FIDELITY_JSON = Path(__file__).with_name("fidelity.json")
+__all__ = ["ErrorBar", "error_bars"]
+
 # Row key prefixes (after "scale-") per phase: the kernels the phase runs, its step gain.
 NEAREST = {
     "decode": ("deepep-ll-", "sglang-decode-"),
@@ -42,16 +40,6 @@ class ErrorBar:
     def describe(self) -> str:
         cal = " (calibration row)" if self.calibration else ""
         return f"{self.delta:+.0f}{'%' if self.unit == '%' else ' pp'} on {self.what}{cal}"
-
-
-def load_rows(path: Path = FIDELITY_JSON) -> list[dict]:
-    """The stored fidelity rows, or none when the file is missing or unreadable."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    rows = data.get("rows") if isinstance(data, dict) else None
-    return [r for r in rows or [] if isinstance(r, dict) and isinstance(r.get("key"), str)]
 
 
 def _ep(key: str) -> int:

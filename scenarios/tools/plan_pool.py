@@ -76,7 +76,7 @@ def local_cores() -> int:
 
 def replay(spec: StepSpec, routing: Routing, placement: Placement) -> ClusterResult:
     """`spec`'s step on every rank of its group, from the (cached) recording."""
-    return simulate_cluster(recording(spec), routing, placement, gpus_per_node=spec.gpus_per_node)
+    return simulate_cluster(recording(spec), routing, placement)
 
 
 def run_task(task: StepTask) -> list[GroupStep]:

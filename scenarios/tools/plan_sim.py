@@ -75,9 +75,8 @@ class PlanInputs:
     from one place."""
 
     config: ModelConfig
-    profile: HardwareProfile
+    profile: HardwareProfile  # its gpus_per_node is --gpus-per-node: the group's one source
     eps: list[int]
-    gpus_per_node: int
     phases: list[str]
     tokens: dict[str, list[int]]
     skews: list[str]
@@ -88,6 +87,10 @@ class PlanInputs:
     histogram: Path | None = None  # measured tokens per expert per layer
     dp: int | None = None  # DP ranks deciding ubatching (None: the EP size)
     dp_spread: float = 0.0
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.profile.gpus_per_node
 
 
 def _config(parsed: PlanArgs) -> ModelConfig:
@@ -115,6 +118,8 @@ def check_inputs(parsed: PlanArgs) -> PlanInputs:
         profile = profile_from_name(parsed.profile)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    if parsed.gpus_per_node is not None:
+        profile = replace(profile, gpus_per_node=parsed.gpus_per_node)
     experts = config.num_experts + parsed.redundant
     for ep in parsed.eps:
         if experts % ep:
@@ -132,7 +137,6 @@ def check_inputs(parsed: PlanArgs) -> PlanInputs:
         config,
         profile,
         parsed.eps,
-        parsed.gpus_per_node,
         parsed.phases,
         parsed.tokens,
         parsed.skews,
@@ -153,7 +157,7 @@ def _check_recordable(config: ModelConfig, profile: HardwareProfile, parsed: Pla
     ep = parsed.eps[0]
     shaped = config.with_(ep_size=ep, num_experts=config.num_experts + parsed.redundant)
     for phase in parsed.phases:
-        spec = StepSpec(shaped, phase, parsed.tokens[phase][0], None, profile, parsed.gpus_per_node)
+        spec = StepSpec(shaped, phase, parsed.tokens[phase][0], None, profile)
         try:
             record_step(spec)
         except (RuntimeError, NotImplementedError) as error:
@@ -230,7 +234,7 @@ def point_specs(
     config = inputs.config.with_(ep_size=ep)
     record_config = config.with_(num_experts=config.num_experts + inputs.redundant)
     real = _dp_tokens(tokens, ep if parsed.dp is None else parsed.dp, parsed.dp_spread, parsed.seed)
-    base = StepSpec(record_config, phase, tokens, None, inputs.profile, parsed.gpus_per_node)
+    base = StepSpec(record_config, phase, tokens, None, inputs.profile)
     out = [PointSpec(1, base, dp_agreement(real, 2))]
     for n in inputs.ubatches:
         dp = dp_agreement(real, n)

@@ -17,7 +17,7 @@ PACKAGES = ("dbo", "workspace", "scenarios")
 PUBLISHED_FIGURES = {
     "dbo/sim/hardware.py",  # datasheets and DeepEP/DeepGEMM tables, each with its source
     "scenarios/tools/fidelity.py",  # the published experiments it scores the simulator against
-    "scenarios/tools/fidelity_rows.py",  # the published figures and setups (its sources)
+    "scenarios/lib/fidelity_rows.py",  # the published figures and setups (its sources)
     "scenarios/tools/fidelity_kernels.py",
     "scenarios/tools/fidelity_steps.py",
     "scenarios/tools/fidelity_scale.py",

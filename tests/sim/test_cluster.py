@@ -36,7 +36,7 @@ from scenarios.model import preset
 def _spec(phase: str, ep: int, n: int | None, moe_layers: int = 4, tokens: int = 0) -> StepSpec:
     config = preset("deepseek-v3", ep_size=ep, num_layers=1 + moe_layers, num_dense_layers=1)
     tokens = tokens or (64 if phase == "decode" else 8192)
-    return StepSpec(config, phase, tokens, n, H800, gpus_per_node=8)
+    return StepSpec(config, phase, tokens, n, H800)
 
 
 def _replay(spec: StepSpec, routing=None):
@@ -181,7 +181,7 @@ def _comm_beside_a_gemm(mode: str):
             device.set_stream(compute)
             a @ w
 
-    return record_program(step, device, ep_size=16)
+    return record_program(step, device)
 
 
 @pytest.mark.parametrize("mode,slower", [("ht", True), ("ll", False)])
@@ -222,7 +222,7 @@ def test_dp_ranks_split_only_if_every_rank_can_and_pad_to_the_largest():
 
 def test_a_placement_of_another_ep_size_is_refused():
     program = record_step(_spec("decode", 16, 2))
-    with pytest.raises(ValueError, match="recorded at EP 16"):
+    with pytest.raises(ValueError, match="recorded exchanging over EP 16"):
         simulate_cluster(program, balanced(4, 256, 8), contiguous(256, 8))
 
 

@@ -8,8 +8,11 @@ import sys
 
 import pytest
 
-from scenarios.cli import main
+from dbo.sim.hardware import H800
+from scenarios.cli import build_parser, main
+from scenarios.tools.plan_args import parse_args
 from scenarios.tools.plan_output import PhaseAnswer, engine_flags
+from scenarios.tools.plan_sim import check_inputs
 
 
 @pytest.mark.parametrize(
@@ -34,6 +37,17 @@ def test_a_histogram_whose_shape_does_not_match_the_model_is_refused(tmp_path, c
     path.write_text("1,2,3\n")
     assert main(["plan", "--histogram", str(path)]) == 2
     assert "3 experts per row but the model has 256" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,gpus", [([], H800.gpus_per_node), (["--gpus-per-node", "2"], 2)])
+def test_gpus_per_node_is_the_profile_the_steps_are_recorded_and_replayed_on(tmp_path, flag, gpus):
+    """One source for the group's node size: the profile's field, which `--gpus-per-node`
+    sets when given (no default of the verb's own to shadow the profile)."""
+    config = tmp_path / "bf16.json"
+    config.write_text('{"dtype": "bfloat16"}')
+    argv = ["plan", "--preset", "tiny", "--config", str(config), "--ep", "4", *flag]
+    inputs = check_inputs(parse_args(build_parser(["plan"]).parse_args(argv)))
+    assert inputs.profile.gpus_per_node == inputs.gpus_per_node == gpus
 
 
 def test_flags_enable_dbo_from_the_threshold_of_each_phase():

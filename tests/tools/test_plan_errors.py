@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from scenarios.tools.plan_errors import FIDELITY_JSON, error_bars, load_rows
+from scenarios.lib.fidelity_rows import FIDELITY_JSON, load_rows
+from scenarios.tools.plan_errors import error_bars
 from scenarios.tools.plan_output import PhaseAnswer, error_text
 
 

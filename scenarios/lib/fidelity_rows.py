@@ -1,11 +1,15 @@
-"""Fidelity's common parts: the published sources and figures, the row records and their
-acceptance rules, and the profile description every assumption set starts with. The kernel,
-step and scale rows all build on one simulated whole step (`scenarios.lib.simulate`)."""
+"""Fidelity's rows, as the verbs share them: the published sources and figures, the row
+records and their acceptance rules, the profile description every assumption set starts with,
+and the stored run (`FIDELITY_JSON`) that `dbo-sim fidelity --json` writes and `plan`'s error
+bars read (`load_rows`), so the row format has one writer and its reader beside it. The
+kernel, step and scale rows all build on one simulated whole step (`scenarios.lib.simulate`)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from dbo.jsonsafe import json_safe
@@ -13,6 +17,7 @@ from dbo.sim.hardware import H100, H200, HardwareProfile
 from scenarios.model import ModelConfig, preset
 
 __all__ = [
+    "FIDELITY_JSON",
     "FidelityRow",
     "FidelityReport",
     "deepseek_config",
@@ -20,6 +25,7 @@ __all__ = [
     "range_pp_row",
     "rel_row",
     "describe_profile",
+    "load_rows",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -71,6 +77,10 @@ STEP_PROFILE = replace(
     host_op_scale=dict(H200.host_op_scale),
     handoff_us=H200.handoff_us,
 )
+
+# The committed `dbo-sim fidelity --json` run (rerun the verb to refresh it): reading it costs
+# nothing, running the verb per `plan` call would cost a minute.
+FIDELITY_JSON = Path(__file__).parents[1] / "tools" / "fidelity.json"
 
 GAIN_TOLERANCE_PP = 5.0
 KERNEL_TOLERANCE = 0.10
@@ -124,6 +134,17 @@ class FidelityReport:
             "assumptions": self.assumptions,
             "extra": self.extra,
         }
+
+
+def load_rows(path: Path = FIDELITY_JSON) -> list[dict]:
+    """The stored run's rows (`FidelityRow.to_dict`), or none when the file is missing or
+    unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    rows = data.get("rows") if isinstance(data, dict) else None
+    return [r for r in rows or [] if isinstance(r, dict) and isinstance(r.get("key"), str)]
 
 
 def pp_row(
