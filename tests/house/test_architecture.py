@@ -43,7 +43,6 @@ MAX_FUNCTION_LINES = 60
 LONG_MODULES = {
     "dbo.verification": "verify's driver, where layouts, graphs, runtimes and the race order "
     "meet; it splits with the verify tools' own package (the layers, still open)",
-    "scenarios.tools.stress": "a verb whose lanes, schedule and report are its own, unshared",
 }
 FMT_SKIP_BUDGET = 5  # a table laid out by hand may keep one, with its reason above it
 COMMENT_ROOTS = ("dbo", "workspace", "scenarios", "tests", "examples")
