@@ -20,6 +20,18 @@ __all__ = ["check_padding", "check_rows", "check_shapes", "check_tiling", "infer
 
 
 def check_shapes(k: int | None, u: HostMetadata) -> None:
+    """Record `k` (None: the parent) agrees with itself: per-request rows, then per-token
+    entries, then the optional fields by what they are indexed by."""
+    _check_request_rows(k, u)
+    _check_token_entries(k, u)
+    for field, kind in OPTIONAL_FIELDS.items():
+        values = u.optional[field]
+        want = u.num_tokens if kind == "token" else u.num_reqs
+        if values is not None and len(values) != want:
+            fail("shapes", field, k, None, f"has {len(values)} entries for {want} {kind}s")
+
+
+def _check_request_rows(k: int | None, u: HostMetadata) -> None:
     n = u.num_reqs
     rows = {
         "seq_lens": len(u.seq),
@@ -38,6 +50,9 @@ def check_shapes(k: int | None, u: HostMetadata) -> None:
             )
     if len(u.qsl) != n + 1:
         fail("shapes", "query_start_loc_cpu", k, None, f"has {len(u.qsl)} entries for {n} requests")
+
+
+def _check_token_entries(k: int | None, u: HostMetadata) -> None:
     if u.qsl_dev != u.qsl:
         fail("shapes", "query_start_loc", k, None, "differs from query_start_loc_cpu")
     if u.qsl[0] != 0 or any(b < a for a, b in zip(u.qsl, u.qsl[1:])) or u.qsl[-1] > u.num_tokens:
@@ -56,11 +71,6 @@ def check_shapes(k: int | None, u: HostMetadata) -> None:
             None,
             f"has {len(u.slots)} entries but num_actual_tokens is {u.num_tokens}",
         )
-    for field, kind in OPTIONAL_FIELDS.items():
-        values = u.optional[field]
-        want = u.num_tokens if kind == "token" else n
-        if values is not None and len(values) != want:
-            fail("shapes", field, k, None, f"has {len(values)} entries for {want} {kind}s")
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,6 +99,8 @@ def infer_slices(p: HostMetadata, ubatches: list[HostMetadata]) -> list[UBatchSl
 def check_tiling(
     p: HostMetadata, slices: Sequence[UBatchSlice], ubatches: list[HostMetadata]
 ) -> None:
+    """The slices follow each other from token 0, each the size of its record, and together
+    end where the parent's real tokens (or its padding) end."""
     if len(slices) != len(ubatches):
         fail(
             "coverage",
@@ -99,33 +111,8 @@ def check_tiling(
         )
     expected = 0
     for k, (s, u) in enumerate(zip(slices, ubatches)):
-        toks, reqs = s.token_slice, s.request_slice
-        if toks.start != expected:
-            fail(
-                "coverage",
-                "num_actual_tokens",
-                k,
-                None,
-                f"starts at token {toks.start}, but the ubatches before it end at {expected}",
-            )
-        if u.num_tokens != toks.stop - toks.start or u.num_reqs != reqs.stop - reqs.start:
-            fail(
-                "coverage",
-                "num_actual_tokens",
-                k,
-                None,
-                f"holds {u.num_tokens} tokens of {u.num_reqs} requests, its slice {s} "
-                f"{toks.stop - toks.start} of {reqs.stop - reqs.start}",
-            )
-        if reqs.stop > p.num_reqs:
-            fail(
-                "coverage",
-                "num_reqs",
-                k,
-                None,
-                f"requests {reqs} run past the parent's {p.num_reqs}",
-            )
-        expected = toks.stop
+        _check_slice(k, p, s, u, expected)
+        expected = s.token_slice.stop
     if expected not in (real_tokens(p), p.num_tokens):
         fail(
             "coverage",
@@ -135,6 +122,31 @@ def check_tiling(
             f"the ubatches cover {expected} tokens; the parent has {real_tokens(p)} "
             f"({p.num_tokens} padded)",
         )
+
+
+def _check_slice(k: int, p: HostMetadata, s: UBatchSlice, u: HostMetadata, expected: int) -> None:
+    """Ubatch k's slice starts at `expected` (where the ones before it end), is the size of
+    its record and stays inside the parent's requests."""
+    toks, reqs = s.token_slice, s.request_slice
+    if toks.start != expected:
+        fail(
+            "coverage",
+            "num_actual_tokens",
+            k,
+            None,
+            f"starts at token {toks.start}, but the ubatches before it end at {expected}",
+        )
+    if u.num_tokens != toks.stop - toks.start or u.num_reqs != reqs.stop - reqs.start:
+        fail(
+            "coverage",
+            "num_actual_tokens",
+            k,
+            None,
+            f"holds {u.num_tokens} tokens of {u.num_reqs} requests, its slice {s} "
+            f"{toks.stop - toks.start} of {reqs.stop - reqs.start}",
+        )
+    if reqs.stop > p.num_reqs:
+        fail("coverage", "num_reqs", k, None, f"requests {reqs} run past the parent's {p.num_reqs}")
 
 
 def check_rows(k: int, p: HostMetadata, s: UBatchSlice, u: HostMetadata) -> None:

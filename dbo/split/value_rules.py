@@ -20,7 +20,8 @@ __all__ = ["check_blocks", "check_computed", "check_fields"]
 
 
 def check_computed(k: int, p: HostMetadata, s: UBatchSlice, u: HostMetadata) -> None:
-    ts = s.token_slice.start
+    """Each row of ubatch k counts its computed tokens consistently with its own lengths, and
+    as the parent's count plus what earlier ubatches ran of the request."""
     for i in range(u.num_reqs):
         r = s.request_slice.start + i
         query = u.qsl[i + 1] - u.qsl[i]
@@ -43,26 +44,34 @@ def check_computed(k: int, p: HostMetadata, s: UBatchSlice, u: HostMetadata) -> 
                     f"is {u.seq[i]}; the parent's row for this request says {p.seq[r]}",
                 )
             continue
-        earlier = ts + u.qsl[i] - p.qsl[r]  # this request's tokens run by earlier ubatches
-        want_computed = p.computed[r] + earlier
-        if u.computed[i] != want_computed:
-            fail(
-                "computed tokens",
-                "num_computed_tokens_cpu",
-                k,
-                r,
-                f"is {u.computed[i]}; the parent's {p.computed[r]} plus the {earlier} tokens "
-                f"earlier ubatches ran of this request make {want_computed}",
-            )
-        if u.seq[i] != want_computed + query:
-            fail(
-                "computed tokens",
-                "seq_lens",
-                k,
-                r,
-                f"is {u.seq[i]}; its computed tokens plus this ubatch's {query} make "
-                f"{want_computed + query}",
-            )
+        _check_continued(k, r, p, s.token_slice.start + u.qsl[i], u.computed[i], u.seq[i], query)
+
+
+def _check_continued(
+    k: int, r: int, p: HostMetadata, first_token: int, computed: int, seq: int, query: int
+) -> None:
+    """A row running `query` tokens of request r from `first_token` on: its computed count
+    is the parent's plus the request's tokens earlier ubatches ran."""
+    earlier = first_token - p.qsl[r]  # this request's tokens run by earlier ubatches
+    want_computed = p.computed[r] + earlier
+    if computed != want_computed:
+        fail(
+            "computed tokens",
+            "num_computed_tokens_cpu",
+            k,
+            r,
+            f"is {computed}; the parent's {p.computed[r]} plus the {earlier} tokens "
+            f"earlier ubatches ran of this request make {want_computed}",
+        )
+    if seq != want_computed + query:
+        fail(
+            "computed tokens",
+            "seq_lens",
+            k,
+            r,
+            f"is {seq}; its computed tokens plus this ubatch's {query} make "
+            f"{want_computed + query}",
+        )
 
 
 # --------------------------------------------------------------------------------------------
