@@ -36,7 +36,9 @@ class StressChecks:
     confirmed: list[tuple[int, int, int] | None]
     allocations_while_locked: int
 
-    def check_views(self, slot: int, pairs, views) -> list[str]:
+    def check_views(
+        self, slot: int, pairs: list[tuple[tuple[int, ...], torch.dtype]], views: list[torch.Tensor]
+    ) -> list[str]:
         """Each view has the shape and dtype asked for and lies wholly inside a buffer of
         `slot` (its current one, or a former one another thread's growth just replaced)."""
         problems = []
