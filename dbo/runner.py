@@ -25,8 +25,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,29 +79,30 @@ def run_ubatches(
     capture from `device.graph()`, entered after every thread is ready (so threads create
     their handles before capture, as vLLM does) and exited after they finish; if the step
     fails, its `replay()` raises instead of replaying the partial step. `token_offsets`: each
-    ubatch's first row in the parent batch (`dbo_current_ubatch_token_offset()`).
-
-    One step at a time per process: a call made while another step runs (from another
-    thread, or from inside a ubatch) raises RuntimeError at once. If the launcher itself
-    fails (the graph cannot be entered, KeyboardInterrupt), every ubatch is released first
-    and that exception is raised; on an interrupt the launcher waits at most a short grace for
-    the ubatches (one still in user code is left to end when that code returns).
+    ubatch's first row in the parent batch (`dbo_current_ubatch_token_offset()`). One step
+    runs at a time per process; a failing launcher (the graph cannot be entered, Ctrl-C)
+    releases every ubatch, waits a short grace for them, then raises its own exception.
     """
-    inputs = _checked_inputs(fn, ubatch_inputs)
-    seconds = _check_timeout(timeout)
-    contexts = None if forward_contexts is None else _indexed("forward_contexts", forward_contexts)
     request = _StepRequest(
         fn=fn,
-        inputs=inputs,
+        inputs=_checked_inputs(fn, ubatch_inputs),
+        timeout=_check_timeout(timeout),
+        forward_contexts=_optional_indexed("forward_contexts", forward_contexts),
         device=resolve_device(device),
-        timeout=seconds,
-        forward_contexts=contexts,
         compute_stream=compute_stream,
         comm_stream=comm_stream,
         schedule=schedule,
         graph=graph,
         token_offsets=token_offsets,
     )
+    with _one_step_at_a_time():
+        return _run_step(request)
+
+
+@contextmanager
+def _one_step_at_a_time() -> Iterator[None]:
+    """The process's one step: a call made while another step runs (from another thread, or
+    from inside a ubatch) raises RuntimeError at once, as the registries are process-wide."""
     # Non-blocking: the holder may be this very thread's caller (fn calling run_ubatches),
     # which would deadlock a blocking acquire.
     if not _STEP_LOCK.acquire(blocking=False):
@@ -110,9 +112,13 @@ def run_ubatches(
             "are process-wide)"
         )
     try:
-        return _run_step(request)
+        yield
     finally:
         _STEP_LOCK.release()
+
+
+def _optional_indexed(name: str, values: Sequence[Any] | None) -> list[Any] | None:
+    return None if values is None else _indexed(name, values)
 
 
 def _checked_inputs(fn: Any, ubatch_inputs: Sequence[Any]) -> list[Any]:

@@ -304,25 +304,12 @@ def make_ubatch_contexts(
     barrier to let ubatch 0 run. `token_offsets[i]`: the row where ubatch i starts in the
     parent batch (`dbo_current_ubatch_token_offset()`); None or empty: 0 for every ubatch,
     as in vLLM."""
-    num_micro_batches = as_int("num_micro_batches", num_micro_batches)
-    if num_micro_batches < 2:
-        raise ValueError(
-            f"num_micro_batches must be >= 2 for DBO, got {num_micro_batches}; run the step "
-            f"without ubatching instead"
-        )
+    # Every argument is checked before a registry slot is claimed: a refused ring leaves
+    # nothing to release.
+    num_micro_batches = _checked_ring_size(num_micro_batches, forward_contexts, ready_barrier)
     device = compute_stream.device
     device.check_stream(compute_stream, "compute_stream")
     device.check_stream(comm_stream, "comm_stream")
-    if len(forward_contexts) != num_micro_batches:
-        raise ValueError(
-            f"forward_contexts has {len(forward_contexts)} entries, expected one per ubatch "
-            f"({num_micro_batches})"
-        )
-    if ready_barrier.parties != num_micro_batches + 1:
-        raise ValueError(
-            f"ready_barrier must have num_micro_batches + 1 = {num_micro_batches + 1} parties "
-            f"(the ubatch threads and the launcher), got {ready_barrier.parties}"
-        )
     offsets = _token_offsets(token_offsets, num_micro_batches)
     registry.claim_slots(num_micro_batches)
     step = UBatchStep(num_micro_batches, ready_barrier)
@@ -343,6 +330,30 @@ def make_ubatch_contexts(
         for i in range(num_micro_batches)
     ]
     return list(step.contexts)
+
+
+def _checked_ring_size(
+    num_micro_batches: Any, forward_contexts: Sequence[Any], ready_barrier: threading.Barrier
+) -> int:
+    """N, checked against the forward contexts (one per ubatch) and the ready barrier (the N
+    ubatch threads and the launcher)."""
+    num_micro_batches = as_int("num_micro_batches", num_micro_batches)
+    if num_micro_batches < 2:
+        raise ValueError(
+            f"num_micro_batches must be >= 2 for DBO, got {num_micro_batches}; run the step "
+            f"without ubatching instead"
+        )
+    if len(forward_contexts) != num_micro_batches:
+        raise ValueError(
+            f"forward_contexts has {len(forward_contexts)} entries, expected one per ubatch "
+            f"({num_micro_batches})"
+        )
+    if ready_barrier.parties != num_micro_batches + 1:
+        raise ValueError(
+            f"ready_barrier must have num_micro_batches + 1 = {num_micro_batches + 1} parties "
+            f"(the ubatch threads and the launcher), got {ready_barrier.parties}"
+        )
+    return num_micro_batches
 
 
 def _token_offsets(token_offsets: Sequence[int] | None, num_micro_batches: int) -> list[int]:

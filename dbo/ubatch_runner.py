@@ -19,6 +19,7 @@ gets the record with no request rows).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from dbo.split import (
     slice_model_inputs,
     split_attn_metadata,
 )
-from dbo.streams import Device
+from dbo.streams import Device, Stream
 from dbo.ubatching import set_forward_context
 
 __all__ = ["UBatchForwardContext", "UBatchRunner", "UBatchState"]
@@ -117,37 +118,18 @@ class UBatchRunner:
         """Check the run and reserve the SMs; the callback runs it and returns the merged
         output. Call the callback once, or `abort_pending_run()` instead. `for_capture`: run
         on the capture stream; `graph`: a `device.graph()` capture the run is recorded in."""
-        self._check_state(ubatch_state)
-        if self._pending is not None:
-            raise RuntimeError(
-                "a run is still pending: call its callback or abort_pending_run() first"
-            )
-        inputs = [slice_model_inputs(model_inputs, s.token_slice) for s in ubatch_state.slices]
+        self._check_no_pending(ubatch_state)
         compute_stream = self.capture_stream if for_capture else self.device.current_stream()
-        offsets = [s.token_slice.start for s in ubatch_state.slices]
+        launch = self._launcher(model, model_inputs, ubatch_state, compute_stream, graph)
         stack = ExitStack()
         stack.enter_context(set_forward_context(None))  # the threads own the forward context
         stack.enter_context(self.sm_control)  # SMs reserved until the run is over
-
-        def forward(ubatch_inputs: dict[str, Any]) -> Any:
-            with torch.inference_mode():
-                return model(**ubatch_inputs)
 
         def finish() -> Any:
             if self._pending is None or self._pending[0] is not finish:
                 raise RuntimeError("this run already finished or was aborted")
             try:
-                outputs = run_ubatches(
-                    forward,
-                    inputs,
-                    device=self.device,
-                    timeout=self.timeout,
-                    forward_contexts=ubatch_state.forward_contexts,
-                    compute_stream=compute_stream,
-                    comm_stream=self.comm_stream,
-                    graph=graph,
-                    token_offsets=offsets,
-                )
+                outputs = launch()
             finally:
                 self._pending = None
                 stack.close()
@@ -155,6 +137,44 @@ class UBatchRunner:
 
         self._pending = (finish, stack)
         return finish
+
+    def _check_no_pending(self, ubatch_state: UBatchState) -> None:
+        self._check_state(ubatch_state)
+        if self._pending is not None:
+            raise RuntimeError(
+                "a run is still pending: call its callback or abort_pending_run() first"
+            )
+
+    def _launcher(
+        self,
+        model: Any,
+        model_inputs: Mapping[str, Any],
+        ubatch_state: UBatchState,
+        compute_stream: Stream,
+        graph: Any,
+    ) -> Callable[[], list[Any]]:
+        """The step the callback launches: `model(**inputs)` on each ubatch's slice of the
+        inputs, in its thread. The inputs are sliced now, so a bad input fails before any SM
+        is reserved."""
+        inputs = [slice_model_inputs(model_inputs, s.token_slice) for s in ubatch_state.slices]
+        offsets = [s.token_slice.start for s in ubatch_state.slices]
+
+        def forward(ubatch_inputs: dict[str, Any]) -> Any:
+            with torch.inference_mode():
+                return model(**ubatch_inputs)
+
+        return functools.partial(
+            run_ubatches,
+            forward,
+            inputs,
+            device=self.device,
+            timeout=self.timeout,
+            forward_contexts=ubatch_state.forward_contexts,
+            compute_stream=compute_stream,
+            comm_stream=self.comm_stream,
+            graph=graph,
+            token_offsets=offsets,
+        )
 
     def abort_pending_run(self) -> None:
         """Give up a run begun but not finished (a failed capture): the SMs and the forward

@@ -26,6 +26,7 @@ from .steps import describe_current_step
 __all__ = [
     "Allocate",
     "AllocationHook",
+    "HookedAllocations",
     "SlotStore",
     "nbytes_of",
     "device_total_bytes",
@@ -275,3 +276,26 @@ class SlotStore:
                 "workspace rollback to %s failed too; every slot of the lane is now empty",
                 mb(old_bytes),
             )
+
+
+class HookedAllocations(AbstractContextManager[None]):
+    """`WorkspaceManager.allocation_hook`'s block: the hook is put in and taken out under the
+    manager's growth lock (`mutex`), so no growth in flight sees half of either."""
+
+    def __init__(self, store: SlotStore, mutex: AbstractContextManager, hook: AllocationHook):
+        if not callable(hook):
+            raise TypeError(f"an allocation hook must be callable, got {type(hook).__name__}")
+        self._store = store
+        self._mutex = mutex
+        self._hook = hook
+        self._block: AbstractContextManager[None] | None = None
+
+    def __enter__(self) -> None:
+        with self._mutex:
+            self._block = self._store.allocation_hook(self._hook)
+            self._block.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._block is not None
+        with self._mutex:
+            self._block.__exit__(None, None, None)

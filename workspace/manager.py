@@ -68,6 +68,10 @@ difference: vLLM's V1 manager grows only the requesting slot (see "Known tension
 Pointer checks. `describe_buffer(ptr)` names the slot buffer (current or former, with its
 generation) a device pointer falls in, for the simulator's graph-replay check; it needs a
 real device: on `meta` every data_ptr is 0, so it returns None there.
+
+The class is vLLM's API surface; its persistent resources are in `workspace.persistent`, what
+it reports about itself (sizes, growths, orphans, pointers, stats) in `workspace.reporting`,
+and the slot buffers' growth in `workspace.growth`.
 """
 
 from __future__ import annotations
@@ -75,27 +79,24 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
-import numpy as np
 import torch
 
 from dbo.checks import as_int
 from dbo.ubatching import check_not_abandoned
 from dbo.ubatching import dbo_current_ubatch_id as _current_ubatch_id
 
-from .buffers import BufferLedger
 from .diagnostics import caller_info, debug_enabled, logger, mb
 from .errors import WorkspaceLockedError, WorkspaceSlotError
-from .growth import AllocationHook, SlotStore, nbytes_of
+from .growth import AllocationHook, HookedAllocations, SlotStore, nbytes_of
 from .lanes import current_workspace_lane as _current_lane
 from .layout import Layout, plan_layout
-from .records import BufferInfo, GrowthRecord, WorkspaceStats
+from .persistent import PersistentResources
+from .reporting import WorkspaceReport
 from .steps import sizing_story
 
 __all__ = ["WorkspaceManager"]
-
-T = TypeVar("T")
 
 # Distinct signatures cached per slot before the cache is dropped and refilled. Token counts
 # vary per step, so signatures are unbounded in principle; a cleared cache costs one slow
@@ -141,7 +142,7 @@ def _check_alloc_context(alloc_context: Any) -> Callable[[], AbstractContextMana
     return cast(Callable[[], AbstractContextManager], alloc_context)
 
 
-class WorkspaceManager:
+class WorkspaceManager(PersistentResources, WorkspaceReport):
     """Per-ubatch scratch slots on one device (see the module docstring for the contract).
 
     Failure modes of a growth. A request no slot or device could hold (beyond int64, or
@@ -237,81 +238,6 @@ class WorkspaceManager:
         wid = self._slot_id(_current_ubatch_id(), _current_lane())
         with self._mutex:
             return nbytes_of(self._slots[wid])
-
-    # ---------------------------------------------------------------- persistent resources
-
-    def get_persistent_resource(self, key: Hashable, factory: Callable[[], T]) -> T:
-        """The object kept under `key` for the caller's (ubatch, lane), made by `factory()`
-        on first request and returned as is afterwards.
-
-        Every (ubatch, lane) has its own; they live apart from the scratch slots, so growth
-        never moves them. Once locked, a key this (ubatch, lane) did not create during warmup
-        raises `WorkspaceLockedError`. If `factory` raises, nothing is stored.
-        """
-        if not callable(factory):
-            raise TypeError(
-                f"get_persistent_resource: factory must be callable, got "
-                f"{type(factory).__name__} {factory!r:.100}"
-            )
-        try:
-            hash(key)
-        except TypeError:
-            raise TypeError(
-                f"get_persistent_resource: key must be hashable, got {type(key).__name__}"
-            ) from None
-        ubatch, lane = _current_ubatch_id(), _current_lane()
-        resources = self._persistent[self._slot_id(ubatch, lane)]
-        try:
-            return cast(T, resources[key])
-        except KeyError:
-            pass
-        with self._mutex:
-            if key in resources:  # made by another thread while we waited
-                return cast(T, resources[key])
-            if self._locked:
-                raise WorkspaceLockedError(
-                    f"Workspace is locked but persistent resource {key!r:.200} requested from "
-                    f"'{caller_info()}' was not allocated during warmup for ubatch {ubatch}, "
-                    f"lane {lane}; create it in every ubatch and lane before "
-                    f"lock_workspace() (or unlock_workspace() to re-warm)"
-                )
-            value = factory()
-            resources[key] = value
-            return value
-
-    def get_persistent(
-        self,
-        key: Hashable,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        *,
-        zero_init: bool = False,
-    ) -> torch.Tensor:
-        """A fixed-shape tensor kept under `key` for the caller's (ubatch, lane); zeroed on
-        its first allocation only if `zero_init`. Asking again with another shape or dtype
-        raises ValueError (use a new key)."""
-        layout = plan_layout(((shape, dtype),), "get_persistent")
-        dims, dtype = layout.key[0]
-        if not isinstance(zero_init, (bool, np.bool_)):
-            raise TypeError(
-                f"get_persistent: zero_init must be a bool, got {type(zero_init).__name__}"
-            )
-        device = self._device
-
-        def make() -> torch.Tensor:
-            with torch.inference_mode(False):  # usable in place outside inference mode too
-                if zero_init:
-                    return torch.zeros(dims, dtype=dtype, device=device)
-                return torch.empty(dims, dtype=dtype, device=device)
-
-        tensor = self.get_persistent_resource((torch.Tensor, key), make)
-        if tuple(tensor.shape) != dims or tensor.dtype != dtype:
-            raise ValueError(
-                f"get_persistent: persistent tensor {key!r:.200} has shape="
-                f"{tuple(tensor.shape)}, dtype={tensor.dtype}; requested shape={dims}, "
-                f"dtype={dtype} (a key names one fixed shape and dtype: use a new key)"
-            )
-        return tensor
 
     # ---------------------------------------------------------------- slow path
 
@@ -409,7 +335,7 @@ class WorkspaceManager:
         returns the buffer, normally `allocate(nbytes)` (the next hook out, or the real
         allocator); it may count, watch or fail the allocation instead. Hooks nest; rollback
         allocations pass through them too. `workspace.testing` builds its helpers on it."""
-        return _Hooked(self, hook)
+        return HookedAllocations(self._store, self._mutex, hook)
 
     def _grow(self, lane: int, new_bytes: int, caller: str) -> None:
         """Grow every ubatch's slot of `lane` to new_bytes (`SlotStore.grow`).
@@ -450,140 +376,8 @@ class WorkspaceManager:
     def is_locked(self) -> bool:
         return self._locked
 
-    # ---------------------------------------------------------------- introspection
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def num_ubatches(self) -> int:
-        return self._num_ubatches
-
-    @property
-    def num_lanes(self) -> int:
-        return self._num_lanes
-
-    @property
-    def capacity(self) -> int:
-        """Bytes of the largest slot (a lane's slots are equal after every growth)."""
-        with self._mutex:
-            return max(nbytes_of(b) for b in self._slots)
-
-    def lane_capacity(self, lane: int) -> int:
-        """Bytes per slot of `lane` (every ubatch's slot of a lane is equal)."""
-        if isinstance(lane, bool) or not isinstance(lane, int):
-            raise TypeError(f"lane must be an int, got {type(lane).__name__}")
-        with self._mutex:
-            return self._store.lane_capacity(self._check_lane(lane))
-
-    def slot_capacities(self) -> list[int]:
-        """Bytes per slot, indexed `ubatch * num_lanes + lane`."""
-        with self._mutex:
-            return [nbytes_of(b) for b in self._slots]
-
-    def slot_generation(self, k: int) -> int:
-        """How many buffers slot k has been given (0 before its first growth)."""
-        count = len(self._slots)
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < count:
-            raise ValueError(f"slot must be an int in [0, {count}), got {k!r}")
-        return self._store.generations[k]
-
-    def persistent_resource_count(self) -> int:
-        """Persistent resources held, over every (ubatch, lane)."""
-        with self._mutex:
-            return sum(len(r) for r in self._persistent)
-
-    def growth_history(self) -> list[GrowthRecord]:
-        with self._mutex:
-            return list(self._store.growths)
-
-    @property
-    def peak_bytes(self) -> int:
-        """Most bytes of slot buffers alive at once, orphans included."""
-        return self._store.peak_bytes
-
-    def orphaned_bytes(self) -> int:
-        """Bytes of replaced slot buffers that views still keep alive right now."""
-        with self._mutex:
-            return self._store.ledger.orphaned_bytes()
-
-    @property
-    def orphaning_growths(self) -> int:
-        """Cumulative count of growths that left at least one old buffer alive."""
-        return self._store.ledger.orphaning_events
-
-    def describe_buffer(self, data_ptr: int) -> BufferInfo | None:
-        """The current or former slot buffer that `data_ptr` falls in, or None.
-
-        Needs a real device: on `meta` every pointer is 0 and None is returned.
-        """
-        if isinstance(data_ptr, bool) or not isinstance(data_ptr, int):
-            raise TypeError(f"data_ptr must be an int, got {type(data_ptr).__name__}")
-        if self._device.type == "meta":
-            return None
-        with self._mutex:
-            for k, buffer in enumerate(self._slots):
-                if buffer is not None and buffer.numel():
-                    start = buffer.data_ptr()
-                    if start <= data_ptr < start + buffer.numel():
-                        return BufferLedger.current(k, self._store.generations[k], buffer, data_ptr)
-            return self._store.ledger.find(data_ptr)
-
-    def slot_buffers(self) -> list[BufferInfo | None]:
-        """The current buffer of each slot (None before its first growth)."""
-        with self._mutex:
-            return [
-                None
-                if b is None
-                else BufferLedger.current(k, self._store.generations[k], b, b.data_ptr())
-                for k, b in enumerate(self._slots)
-            ]
-
-    def stats(self) -> WorkspaceStats:
-        with self._mutex:
-            return WorkspaceStats(
-                device=self._device,
-                num_ubatches=self._num_ubatches,
-                capacities=tuple(nbytes_of(b) for b in self._slots),
-                generations=tuple(self._store.generations),
-                locked=self._locked,
-                growths=tuple(self._store.growths),
-                failed_growths=self._store.failed_growths,
-                allocations=self._store.allocations,
-                peak_bytes=self._store.peak_bytes,
-                orphaned_bytes=self._store.ledger.orphaned_bytes(),
-                orphaned_buffers=self._store.ledger.orphaned_buffers(),
-                orphaning_growths=self._store.ledger.orphaning_events,
-                num_lanes=self._num_lanes,
-                persistent_resources=sum(len(r) for r in self._persistent),
-            )
-
     def __repr__(self) -> str:
         return (
             f"<WorkspaceManager {self._device} slots={self.slot_capacities()} "
             f"{'locked' if self._locked else 'unlocked'}>"
         )
-
-
-class _Hooked(AbstractContextManager[None]):
-    """`WorkspaceManager.allocation_hook`'s block: the hook is put in and taken out under the
-    manager's lock, so no growth in flight sees half of either."""
-
-    def __init__(self, manager: WorkspaceManager, hook: AllocationHook) -> None:
-        if not callable(hook):
-            raise TypeError(f"an allocation hook must be callable, got {type(hook).__name__}")
-        self._manager = manager
-        self._hook = hook
-        self._block: AbstractContextManager[None] | None = None
-
-    def __enter__(self) -> None:
-        manager = self._manager
-        with manager._mutex:
-            self._block = manager._store.allocation_hook(self._hook)
-            self._block.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        assert self._block is not None
-        with self._manager._mutex:
-            self._block.__exit__(None, None, None)

@@ -3,7 +3,8 @@ torch.distributed ranks), its records and errors, and the process's EP group.
 
 ep_group (`EPGroup`: prepare, dispatch, combine), across (the data movement between
 processes), collectives (EP subgroups, abort keys, bounded collectives), records (plans,
-handles, results, the `EP*Error`s), registry (`current_ep_group`, `use_ep_group`, ...).
+handles, results, the `EP*Error`s), checks (the argument checks), registry
+(`current_ep_group`, `use_ep_group`, ...).
 """
 
 from dbo.comm.ep_group import MODES, EPGroup

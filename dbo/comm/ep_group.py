@@ -72,8 +72,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.checks import as_int
 from dbo.comm.across import caused_by_peer, combine_across, dispatch_across
+from dbo.comm.checks import (
+    MODES,
+    as_positive,
+    check_mode,
+    check_plan,
+    check_routing,
+    check_rows,
+    positive_seconds,
+)
 from dbo.comm.collectives import Collectives, ep_subgroup
 from dbo.comm.records import (
     DispatchPlan,
@@ -83,37 +91,9 @@ from dbo.comm.records import (
     checked_counts,
 )
 from dbo.devices import current_device
+from dbo.streams import CommHandle
 
 __all__ = ["MODES", "EPGroup"]  # the records and errors: dbo.comm.records
-
-MODES = ("ht", "ll")
-
-
-# --------------------------------------------------------------------------------------------
-# Argument checks
-
-
-def _as_positive(name: str, value: Any) -> int:
-    return as_int(name, value, minimum=1)
-
-
-def _check_mode(mode: Any) -> str:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return mode
-
-
-def _check_rows(name: str, t: Any, rows: int | None, cols: int | None = None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D (rows, hidden), got shape {tuple(t.shape)}")
-    if rows is not None and t.shape[0] != rows:
-        raise ValueError(f"{name} must have {rows} rows, got shape {tuple(t.shape)}")
-    if cols is not None and t.shape[1] != cols:
-        raise ValueError(f"{name} must have {cols} columns, got shape {tuple(t.shape)}")
-    return t
-
 
 # --------------------------------------------------------------------------------------------
 # The group
@@ -139,21 +119,15 @@ class EPGroup:
         timeout_s: float = 60.0,
         abort_poll_s: float = 0.02,
     ) -> None:
-        self.num_experts = _as_positive("num_experts", num_experts)
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        if not (isinstance(abort_poll_s, (int, float)) and abort_poll_s > 0):
-            raise ValueError(
-                f"abort_poll_s must be a positive number of seconds, got {abort_poll_s!r}"
-            )
-        self.timeout_s = float(timeout_s)
-        self.abort_poll_s = float(abort_poll_s)
+        self.num_experts = as_positive("num_experts", num_experts)
+        self.timeout_s = positive_seconds("timeout_s", timeout_s)
+        self.abort_poll_s = positive_seconds("abort_poll_s", abort_poll_s)
         # The torch.distributed path (None in one process): made below, once the arguments
         # are known to be good, so that a refused group draws no abort key.
         self.collectives: Collectives | None = None
         pg: Any = None
         if group is None:
-            self.ep_size = 1 if ep_size is None else _as_positive("ep_size", ep_size)
+            self.ep_size = 1 if ep_size is None else as_positive("ep_size", ep_size)
             self.rank = 0
             self.backend = "local"
         else:
@@ -215,7 +189,7 @@ class EPGroup:
 
     def begin_step(self, num_ubatches: int) -> None:
         """Check that every EP rank runs this step with the same ubatch count (1: no DBO)."""
-        n = _as_positive("num_ubatches", num_ubatches)
+        n = as_positive("num_ubatches", num_ubatches)
         if self.collectives is not None:
             self.collectives.begin_step(n)
 
@@ -246,25 +220,9 @@ class EPGroup:
         in advance (a seeded routing): then nothing is exchanged; wrong counts fail the
         dispatch's collective on every rank. Ignored in one process.
         """
-        _check_mode(mode)
-        if not isinstance(topk_ids, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
-            raise TypeError(
-                f"topk_ids and topk_weights must be tensors, got {type(topk_ids).__name__} and "
-                f"{type(topk_weights).__name__}"
-            )
-        if topk_ids.dim() != 2:
-            raise ValueError(
-                f"topk_ids must be 2-D (tokens, top_k), got shape {tuple(topk_ids.shape)}"
-            )
-        if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
-            raise TypeError(f"topk_ids must hold integer expert ids, got dtype {topk_ids.dtype}")
-        if topk_weights.shape != topk_ids.shape:
-            raise ValueError(
-                f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got "
-                f"{tuple(topk_weights.shape)}"
-            )
-        if not topk_weights.is_floating_point():
-            raise TypeError(f"topk_weights must be floating point, got dtype {topk_weights.dtype}")
+        check_mode(mode)
+        check_routing(topk_ids, topk_weights)
+        # The layout: the (token, k) rows sorted by expert, so each owner's rows are one run.
         t, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
         order = flat.argsort(stable=True)
@@ -273,18 +231,28 @@ class EPGroup:
         row_weight = topk_weights.reshape(-1)[order].unsqueeze(1).to(dtype or topk_weights.dtype)
         if self.collectives is None:
             return DispatchPlan(t, k, order, token_of_row, row_expert, row_weight, (), (), t * k)
-        if topk_ids.is_meta:
+        send, recv = self._row_counts(self.collectives, flat, mode, counts)
+        return DispatchPlan(
+            t, k, order, token_of_row, row_expert, row_weight, send, recv, sum(recv)
+        )
+
+    def _row_counts(
+        self,
+        collectives: Collectives,
+        flat: torch.Tensor,
+        mode: str,
+        counts: tuple[Sequence[int], Sequence[int]] | None,
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(rows sent to, rows received from) each EP rank: the caller's `counts` checked, or
+        exchanged with the peers."""
+        if flat.is_meta:
             raise ValueError(
                 "an EPGroup over a process group moves real data, and meta tensors have none; "
                 "run shape-only models with an in-process EPGroup (group=None)"
             )
         if counts is not None:
-            send, recv = checked_counts(counts, self.ep_size, t * k)
-        else:
-            send, recv = self._exchange_counts(self.collectives, flat, mode)
-        return DispatchPlan(
-            t, k, order, token_of_row, row_expert, row_weight, send, recv, sum(recv)
-        )
+            return checked_counts(counts, self.ep_size, flat.numel())
+        return self._exchange_counts(collectives, flat, mode)
 
     def _exchange_counts(
         self, collectives: Collectives, flat: torch.Tensor, mode: str
@@ -340,42 +308,55 @@ class EPGroup:
         (`plan.num_recv_rows` x hidden), before dispatching. `bytes_per_elem` is what the
         cost model charges per element sent (DeepEP sends FP8: 1), default x's element size.
         """
-        _check_mode(mode)
-        _check_rows("x", x, None)
+        check_mode(mode)
+        check_rows("x", x, None)
         if plan is None:
             plan = self.prepare(topk_ids, topk_weights, dtype=x.dtype, mode=mode)
         else:
-            _check_plan(plan, topk_ids)
-        _check_rows("x", x, plan.num_tokens)
-        hidden = x.shape[1]
-        if out is None:
-            out = torch.empty(plan.num_recv_rows, hidden, dtype=x.dtype, device=x.device)
-        else:
-            _check_rows("out", out, plan.num_recv_rows, hidden)
-            if out.dtype != x.dtype:
-                raise TypeError(f"out must have x's dtype {x.dtype}, got {out.dtype}")
+            check_plan(plan, topk_ids)
+        check_rows("x", x, plan.num_tokens)
+        out = _receive_buffer(out, x, plan.num_recv_rows)
         bpe = x.element_size() if bytes_per_elem is None else bytes_per_elem
         handle = EPHandle(plan)
         if self.collectives is None:
-            nbytes = int(plan.num_rows * hidden * bpe * self._remote_share)
-            with current_device().comm_region(
-                "dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size
-            ) as sent:
-                torch.index_select(x, 0, plan.token_of_row, out=out)
-            recv_ids = plan.row_expert
+            sent, recv_ids = self._dispatch_in_process(x, plan, out, mode, bpe)
         else:
-            nbytes = int((plan.num_rows - plan.send_counts[self.rank]) * hidden * bpe)
-            arrived_ids = torch.empty(
-                plan.num_recv_rows, dtype=plan.row_expert.dtype, device=x.device
-            )
-            arrived = torch.empty(plan.num_recv_rows, hidden, dtype=x.dtype, device=x.device)
-            peers = self._peers([c * hidden * bpe for c in plan.send_counts], "dispatch")
-            with current_device().comm_region(
-                "dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size, peers=peers
-            ) as sent:
-                recv_ids = dispatch_across(self.collectives, x, handle, out, arrived_ids, arrived)
+            sent, recv_ids = self._dispatch_across(self.collectives, x, handle, out, mode, bpe)
         handle.dispatch_event = sent.event
         return DispatchResult(out, recv_ids, handle)
+
+    def _dispatch_in_process(
+        self, x: torch.Tensor, plan: DispatchPlan, out: torch.Tensor, mode: str, bpe: float
+    ) -> tuple[CommHandle, torch.Tensor]:
+        """Every row gathered here; the comm op is priced for the share that would leave."""
+        nbytes = int(plan.num_rows * x.shape[1] * bpe * self._remote_share)
+        with current_device().comm_region(
+            "dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size
+        ) as sent:
+            torch.index_select(x, 0, plan.token_of_row, out=out)
+        return sent, plan.row_expert
+
+    def _dispatch_across(
+        self,
+        collectives: Collectives,
+        x: torch.Tensor,
+        handle: EPHandle,
+        out: torch.Tensor,
+        mode: str,
+        bpe: float,
+    ) -> tuple[CommHandle, torch.Tensor]:
+        """The rows sent to their owners over the process group (the rows a rank keeps cost
+        no transfer); the received rows' expert ids come back with them."""
+        plan, hidden = handle.plan, x.shape[1]
+        nbytes = int((plan.num_rows - plan.send_counts[self.rank]) * hidden * bpe)
+        arrived_ids = torch.empty(plan.num_recv_rows, dtype=plan.row_expert.dtype, device=x.device)
+        arrived = torch.empty(plan.num_recv_rows, hidden, dtype=x.dtype, device=x.device)
+        peers = self._peers([c * hidden * bpe for c in plan.send_counts], "dispatch")
+        with current_device().comm_region(
+            "dispatch", nbytes=nbytes, mode=mode, ep_size=self.ep_size, peers=peers
+        ) as sent:
+            recv_ids = dispatch_across(collectives, x, handle, out, arrived_ids, arrived)
+        return sent, recv_ids
 
     def combine(
         self,
@@ -389,43 +370,62 @@ class EPGroup:
         """Bring the expert outputs (one row per received row, in `recv_x`'s order) back to
         their tokens and add them, each times its router weight, into `out` (default: zeros of
         tokens x hidden). Returns `out`; `handle.combine_event` marks its arrival."""
-        _check_mode(mode)
+        check_mode(mode)
         if not isinstance(handle, EPHandle):
             raise TypeError(
                 f"handle must be the EPHandle of a dispatch, got {type(handle).__name__}"
             )
         plan = handle.plan
-        _check_rows("expert_out", expert_out, plan.num_recv_rows)
+        check_rows("expert_out", expert_out, plan.num_recv_rows)
         hidden = expert_out.shape[1]
         if out is None:
             out = torch.zeros(
                 plan.num_tokens, hidden, dtype=expert_out.dtype, device=expert_out.device
             )
         else:
-            _check_rows("out", out, plan.num_tokens, hidden)
+            check_rows("out", out, plan.num_tokens, hidden)
         bpe = expert_out.element_size() if bytes_per_elem is None else bytes_per_elem
-        device = current_device()
         if self.collectives is None:
-            nbytes = int(plan.num_rows * hidden * bpe * self._remote_share)
-            with device.comm_region(
-                "combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size
-            ) as sent:
-                out.index_add_(0, plan.token_of_row, expert_out * plan.row_weight)
+            sent = self._combine_in_process(expert_out, plan, out, mode, bpe)
         else:
-            nbytes = int((plan.num_recv_rows - plan.recv_counts[self.rank]) * hidden * bpe)
-            if handle.recv_order is None:
-                raise ValueError("handle comes from an in-process dispatch, not from this group's")
-            staged = torch.empty_like(expert_out, memory_format=torch.contiguous_format)
-            back = torch.empty(
-                plan.num_rows, hidden, dtype=expert_out.dtype, device=expert_out.device
-            )
-            peers = self._peers([c * hidden * bpe for c in plan.recv_counts], "combine")
-            with device.comm_region(
-                "combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size, peers=peers
-            ) as sent:
-                combine_across(self.collectives, expert_out, handle, out, staged, back)
+            sent = self._combine_across(self.collectives, expert_out, handle, out, mode, bpe)
         handle.combine_event = sent.event
         return out
+
+    def _combine_in_process(
+        self, expert_out: torch.Tensor, plan: DispatchPlan, out: torch.Tensor, mode: str, bpe: float
+    ) -> CommHandle:
+        """Every row added back here; the comm op is priced for the share that would arrive
+        from other ranks."""
+        nbytes = int(plan.num_rows * expert_out.shape[1] * bpe * self._remote_share)
+        with current_device().comm_region(
+            "combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size
+        ) as sent:
+            out.index_add_(0, plan.token_of_row, expert_out * plan.row_weight)
+        return sent
+
+    def _combine_across(
+        self,
+        collectives: Collectives,
+        expert_out: torch.Tensor,
+        handle: EPHandle,
+        out: torch.Tensor,
+        mode: str,
+        bpe: float,
+    ) -> CommHandle:
+        """The rows sent back to their tokens' ranks over the process group and added there."""
+        plan, hidden = handle.plan, expert_out.shape[1]
+        nbytes = int((plan.num_recv_rows - plan.recv_counts[self.rank]) * hidden * bpe)
+        if handle.recv_order is None:
+            raise ValueError("handle comes from an in-process dispatch, not from this group's")
+        staged = torch.empty_like(expert_out, memory_format=torch.contiguous_format)
+        back = torch.empty(plan.num_rows, hidden, dtype=expert_out.dtype, device=expert_out.device)
+        peers = self._peers([c * hidden * bpe for c in plan.recv_counts], "combine")
+        with current_device().comm_region(
+            "combine", nbytes=nbytes, mode=mode, ep_size=self.ep_size, peers=peers
+        ) as sent:
+            combine_across(collectives, expert_out, handle, out, staged, back)
+        return sent
 
     def _peers(self, send_bytes: Sequence[float], what: str) -> PeerTraffic:
         """A transfer's peers, for a simulated device to couple its virtual time to theirs."""
@@ -443,11 +443,13 @@ class EPGroup:
         return (self.ep_size - 1) / self.ep_size
 
 
-def _check_plan(plan: Any, topk_ids: torch.Tensor) -> None:
-    if not isinstance(plan, DispatchPlan):
-        raise TypeError(f"plan must be a DispatchPlan from prepare(), got {type(plan).__name__}")
-    if tuple(topk_ids.shape) != (plan.num_tokens, plan.top_k):
-        raise ValueError(
-            f"topk_ids has shape {tuple(topk_ids.shape)} but the plan was prepared for "
-            f"{(plan.num_tokens, plan.top_k)}"
-        )
+def _receive_buffer(out: torch.Tensor | None, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """The dispatch's receive buffer: the caller's `out` (rows x hidden, x's dtype), checked,
+    or a new one."""
+    hidden = x.shape[1]
+    if out is None:
+        return torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    check_rows("out", out, rows, hidden)
+    if out.dtype != x.dtype:
+        raise TypeError(f"out must have x's dtype {x.dtype}, got {out.dtype}")
+    return out

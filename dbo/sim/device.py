@@ -20,7 +20,9 @@ by the race checker, recorded into the graph being captured. `place_op` places o
 and event handles feed their calls to the device one way (`dbo.sim.handles.HandleSink`).
 
 Communication regions are placed as `dbo.sim.regions` plans them (one SM-holding op, a send
-and a transfer, or a one-rank group's own ops as a full-grid kernel).
+and a transfer, or a one-rank group's own ops as a full-grid kernel). What the device offers
+beside placement (the race checker's feed, graph capture, a measurement's views) is in
+`dbo.sim.device_hooks`; SM control in `dbo.sim.sm_control`.
 """
 
 from __future__ import annotations
@@ -31,28 +33,20 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from dbo.sim.alltoall import couple_to_peers
 from dbo.sim.clock import DeviceClock
 from dbo.sim.cost import OpCall, OpCost, price_op
+from dbo.sim.device_hooks import CaptureHooks, CheckerHooks, LogViews
 from dbo.sim.families import GEMM_OPS, host_family
-from dbo.sim.graph import BufferOwners, SimGraph
+from dbo.sim.graph import BufferOwners
 from dbo.sim.handles import SimEvent, SimMark, SimStream
 from dbo.sim.hardware import HardwareProfile
 from dbo.sim.intercept import enter_modes
 from dbo.sim.log import DeviceLog
 from dbo.sim.options import SimOptions
-from dbo.sim.races import RaceChecker, RaceReport, user_stack
+from dbo.sim.races import RaceChecker, user_stack
 from dbo.sim.ranges import HostRanges, device_scope
-from dbo.sim.records import (
-    GRAPH_LAUNCH,
-    HANDOFF,
-    SYNC,
-    EventWait,
-    HostRange,
-    OpRecord,
-)
+from dbo.sim.records import GRAPH_LAUNCH, HANDOFF, SYNC, OpRecord
 from dbo.sim.regions import open_region, region_ops
 from dbo.sim.sm_control import SmControlHooks
 from dbo.sim.state import CommRegion, PlannedOp, ThreadState
@@ -72,7 +66,7 @@ def _trace_args(call: OpCall, priced: OpCost) -> dict[str, Any]:
     return {"shapes": shapes, "dtype": str(call.dtype).replace("torch.", ""), "cost": priced.source}
 
 
-class SimDevice(SmControlHooks, Device):
+class SimDevice(LogViews, CheckerHooks, CaptureHooks, SmControlHooks, Device):
     """A virtual-time GPU on which ops run eagerly (for their values) and are placed on a
     timeline (for their time)."""
 
@@ -91,7 +85,6 @@ class SimDevice(SmControlHooks, Device):
         self._checker: RaceChecker | None = None
         if options.check_races and self.torch_device.type != "meta":
             self._checker = RaceChecker(self.log.on_race, transfer_tracks=(self._link.index,))
-        self._graph: SimGraph | None = None  # the graph being captured, if any
         self._buffer_owners = BufferOwners()
 
     @property
@@ -121,23 +114,6 @@ class SimDevice(SmControlHooks, Device):
         self._streams: dict[str, SimStream] = {}
         self._default = self.Stream("default")
         self._link = self._clock.new_track("link")
-
-    @property
-    def timeline(self) -> list[OpRecord]:
-        """The ops placed since the last reset, in placement order (`dbo.sim.log`)."""
-        return self.log.timeline
-
-    @property
-    def races(self) -> list[RaceReport]:
-        return self.log.races
-
-    @property
-    def event_waits(self) -> list[EventWait]:
-        return self.log.event_waits
-
-    @property
-    def host_ranges(self) -> list[HostRange]:
-        return self.log.host_ranges
 
     # ---------------------------------------------------------------------------- factories
 
@@ -236,20 +212,6 @@ class SimDevice(SmControlHooks, Device):
         """The latest virtual time anything (host or any stream) has reached."""
         with self._lock:
             return self._clock.frontier_us
-
-    def mark(self) -> SimMark:
-        with self._lock:
-            return SimMark(len(self.timeline), self._clock.host_us, self._clock.frontier_us)
-
-    def since(self, mark: SimMark) -> list[OpRecord]:
-        """The records placed after `mark`."""
-        with self._lock:
-            return self.timeline[mark.index :]
-
-    def elapsed_us(self, mark: SimMark) -> float:
-        """Virtual time from the host at `mark` to the latest work placed since (a step time
-        when the caller synchronizes before marking and after the step)."""
-        return self.frontier_us - mark.host_us
 
     def reset(self) -> None:
         """Start a new measurement: clocks at 0, empty timeline and race list, no history.
@@ -483,78 +445,11 @@ class SimDevice(SmControlHooks, Device):
         if self._graph is not None and not replaying:
             self._graph.on_comm(region, event)
 
-    # ------------------------------------------------- internals for intercept, graph, checker
-
-    @property
-    def race_checker(self) -> RaceChecker | None:
-        """The race checker (None with check_races=False or on meta tensors)."""
-        return self._checker
-
-    def accesses(self, func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[list, list, list]:
-        """(reads, writes, fresh storage keys) of one executed op, as the checker parses
-        them; all empty without a checker."""
-        if self._checker is None:
-            return [], [], []
-        with self._lock:
-            return self._checker.parse(func, args, kwargs, out)
-
-    def note_allocation(self, tensor: torch.Tensor) -> None:
-        """A kernel-less allocation (`empty`) on the calling thread's current stream (the
-        comm region's stream inside one): the allocator may hand it freed memory."""
-        if self._checker is None or tensor.device.type == "meta":
-            return
-        state = self.thread_state()
-        stream = state.comm.stream if state.comm is not None else state.stream
-        stack = user_stack() if self.options.capture_stacks else None
-        with self._lock:
-            self._checker.allocated(tensor, stream.track, stack)
-
-    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
-        """`Tensor.record_stream` for the simulated device: the caching allocator will not
-        hand `tensor`'s memory to a new tensor before the work issued on `stream` up to the
-        moment the memory is freed. (torch's own method only accepts CUDA streams.)"""
-        track = self.check_stream(stream).track
-        if self._checker is not None and tensor.device.type != "meta":
-            with self._lock:
-                self._checker.record_stream(tensor, track)
-
-    @property
-    def capturing_graph(self) -> SimGraph | None:
-        """The SimGraph being captured, or None."""
-        return self._graph
-
-    def begin_capture(self, graph: Any) -> None:
-        with self._lock:
-            if self._graph is not None:
-                raise RuntimeError("a graph is already being captured on this device")
-            self._graph = graph
-
-    def end_capture(self, graph: Any) -> None:
-        with self._lock:
-            if self._graph is graph:
-                self._graph = None
-
-    def buffer_owners(self) -> list[Any]:
-        """The registered buffer owners (see add_buffer_owner)."""
-        return self._buffer_owners.snapshot()
+    # ------------------------------------------------------------------------- host launches
 
     def launch_graph(self) -> None:
         """Host time of launching a whole replayed graph, drawn on the host track."""
         self._host_launch("graph-launch", self.profile.graph_launch_us, GRAPH_LAUNCH)
-
-    # ---------------------------------------------------------------------- graphs, buffers
-
-    def graph(self) -> SimGraph:
-        """Capture the ops of a step for replay: `with device.graph() as g: ...; g.replay()`."""
-        return SimGraph(self)
-
-    def add_buffer_owner(self, owner: Any) -> None:
-        """Register an object with `describe_buffer(data_ptr) -> info | None` (info has
-        `label` and `live`), consulted by graph replay's pointer-stability check."""
-        self._buffer_owners.add(owner)
-
-    def remove_buffer_owner(self, owner: Any) -> None:
-        self._buffer_owners.remove(owner)
 
     def __repr__(self) -> str:
         return f"<SimDevice {self.profile.name} rank={self.rank} tensors on {self.torch_device}>"

@@ -15,9 +15,10 @@ or to match other DP ranks) to `num_tokens_padded` tokens and `num_reqs_padded` 
 The jobs, one module each: `dbo.split.slicing` (where and whether to cut),
 `dbo.split.metadata` (`CommonAttentionMetadata` and `split_attn_metadata`),
 `dbo.split.agreement` (`coordinate_batch_across_dp`), `dbo.split.checker`
-(`check_ubatch_metadata`), `dbo.split.v2` (model runner V2's `create_ubatch_slices`,
-`slice_model_inputs`, `merge_ubatch_outputs`); `dbo.split.records` holds the small records
-they share. Every public name is importable from `dbo.split`.
+(`check_ubatch_metadata`; its rules in `layout_rules` and `value_rules`, over `violations`),
+`dbo.split.v2` (model runner V2's `create_ubatch_slices`, `slice_model_inputs`,
+`merge_ubatch_outputs`); `dbo.split.records` holds the small records they share. Every public
+name is importable from `dbo.split`.
 
 Deliberate differences from vLLM (each safer, none on a path vLLM's own runner takes):
 - `is_last_ubatch_empty` is also True when the split point is 0 (fewer padded tokens than

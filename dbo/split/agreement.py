@@ -110,17 +110,7 @@ def decide_ubatching(proposals: Sequence[UBatchProposal]) -> UBatchDecision:
     n = counts[0]
     padded = max(p.num_tokens_padded for p in proposals)
     mode = min(p.cudagraph_mode for p in proposals)
-    refusing = [p.rank for p in proposals if not p.should_split]
-    if refusing:
-        reason = f"rank(s) {refusing} cannot split"
-    else:
-        fewest = min(proposals, key=lambda p: p.num_tokens)
-        reason = ""
-        if is_last_ubatch_empty(fewest.num_tokens, padded, n):
-            reason = (
-                f"rank {fewest.rank}'s {fewest.num_tokens} real tokens, padded to {padded}, "
-                f"would leave its last of {n} ubatches empty"
-            )
+    reason = _why_not_split(proposals, padded, n)
     split = not reason
     dp_padded = split or mode != 0
     across = tuple(padded if dp_padded else p.num_tokens_padded for p in proposals)
@@ -134,6 +124,27 @@ def decide_ubatching(proposals: Sequence[UBatchProposal]) -> UBatchDecision:
         num_tokens_across_dp=across,
         dp_padded=dp_padded,
     )
+
+
+def _why_not_split(proposals: tuple[UBatchProposal, ...], padded: int, n: int) -> str:
+    """Why the ranks do not split ("" when they do): a rank refuses, or the rank with the
+    fewest real tokens would leave its last ubatch empty once padded to `padded`."""
+    refusing = [p.rank for p in proposals if not p.should_split]
+    if refusing:
+        return f"rank(s) {refusing} cannot split"
+    fewest = min(proposals, key=lambda p: p.num_tokens)
+    if is_last_ubatch_empty(fewest.num_tokens, padded, n):
+        return (
+            f"rank {fewest.rank}'s {fewest.num_tokens} real tokens, padded to {padded}, "
+            f"would leave its last of {n} ubatches empty"
+        )
+    return ""
+
+
+def _world_size(group: Any) -> int:
+    """Ranks in `group` (default: the world); 1 without a process group."""
+    distributed = dist.is_available() and dist.is_initialized()
+    return dist.get_world_size(group) if distributed else 1
 
 
 # One int64 row per rank on the wire: ok flag, then the proposal's fields.
@@ -183,18 +194,13 @@ def coordinate_ubatching(
             slices = split_batch(query_start_loc, decision.num_tokens_padded, 2)
     """
     real = num_tokens_padded if num_tokens is None else num_tokens
-    distributed = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size(group) if distributed else 1
-    if world <= 1:
-        local = UBatchProposal(
-            0, should_split, real, num_tokens_padded, num_ubatches, cudagraph_mode
-        )
-        return decide_ubatching([local])
-
+    args = (should_split, real, num_tokens_padded, num_ubatches, cudagraph_mode)
+    world = _world_size(group)
+    if world <= 1:  # no peers: this rank's proposal decides, nothing is exchanged
+        return decide_ubatching([UBatchProposal(0, *args)])
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("this process is not a member of group")
-    args = (should_split, real, num_tokens_padded, num_ubatches, cudagraph_mode)
     table = _exchange_rows(rank, world, args, group)
     proposals = [UBatchProposal(r, bool(v[1]), v[2], v[3], v[4], v[5]) for r, v in enumerate(table)]
     return decide_ubatching(proposals)
@@ -256,26 +262,29 @@ def coordinate_batch_across_dp(
     allow = as_bool("allow_microbatching", allow_microbatching)
     unpadded = as_count("num_tokens_unpadded", num_tokens_unpadded)
     padded = unpadded if num_tokens_padded is None else num_tokens_padded
-    try:
-        num_ubatches = parallel_config.num_ubatches
-    except AttributeError:
-        raise TypeError(
-            f"parallel_config must have num_ubatches and the dbo thresholds (a DBOConfig or "
-            f"vLLM ParallelConfig), got {type(parallel_config).__name__}"
-        ) from None
+    num_ubatches = _num_ubatches_of(parallel_config)
     attempt = False
     if allow:
         if uniform_decode is None:
             raise ValueError("uniform_decode is required when allow_microbatching is True")
         attempt = check_ubatch_thresholds(parallel_config, unpadded, uniform_decode)
-    distributed = dist.is_available() and dist.is_initialized()
-    if not distributed or dist.get_world_size(group) <= 1:
+    if _world_size(group) <= 1:  # no DP: nothing to agree on, no padding across ranks
         return False, None, as_count("cudagraph_mode", cudagraph_mode)
     decision = coordinate_ubatching(
         attempt, padded, num_ubatches, group, num_tokens=unpadded, cudagraph_mode=cudagraph_mode
     )
     across = torch.tensor(decision.num_tokens_across_dp, dtype=torch.int32)
     return decision.split, across, decision.cudagraph_mode
+
+
+def _num_ubatches_of(parallel_config: Any) -> int:
+    try:
+        return parallel_config.num_ubatches
+    except AttributeError:
+        raise TypeError(
+            f"parallel_config must have num_ubatches and the dbo thresholds (a DBOConfig or "
+            f"vLLM ParallelConfig), got {type(parallel_config).__name__}"
+        ) from None
 
 
 def check_dp_padding(num_tokens: int, num_tokens_across_dp: Any, group: Any = None) -> None:

@@ -10,6 +10,7 @@ starting at the cut, full `seq_lens`, and the earlier part counted as computed).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from typing import Any
@@ -90,32 +91,25 @@ class CommonAttentionMetadata:
         prompt_lens: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
     ) -> CommonAttentionMetadata:
-        """Metadata for requests with these query and sequence lengths, blocks numbered in
-        order (request r's blocks follow request r - 1's). Padding requests have no tokens and
-        seq_len 0; padding tokens map to slot `PAD_SLOT_ID` and position 0. `prompt_lens`
-        (per request) fills `is_prefilling`: a request whose computed tokens stop short of its
-        prompt."""
+        """Metadata for requests of these query and sequence lengths, blocks numbered in order
+        (request r's follow request r - 1's). Padding requests have no tokens and seq_len 0;
+        padding tokens map to slot `PAD_SLOT_ID`, position 0. `prompt_lens` (per request) fills
+        `is_prefilling`: a request whose computed tokens stop short of its prompt."""
         q, s = _lengths(query_lens, seq_lens)
-        bs = as_count("block_size", block_size)
-        if bs < 1:
-            raise ValueError("block_size must be >= 1")
+        bs = _block_size(block_size)
         tokens, padded_reqs = _padded_counts(q, num_tokens_padded, num_reqs_padded)
         pad_r = padded_reqs - len(q)
-        qsl = [0]
-        for ql in q:
-            qsl.append(qsl[-1] + ql)
-        qsl += [qsl[-1]] * pad_r
+        qsl = list(itertools.accumulate(q, initial=0)) + [sum(q)] * pad_r  # padding: no tokens
         table = _block_table(s, bs, padded_reqs)
         slots, positions = _slots_and_positions(q, s, qsl, table, bs, tokens)
         qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
         seq_cpu = torch.tensor(s + [0] * pad_r, dtype=torch.int32)
+        computed = [sl - ql for sl, ql in zip(s, q)] + [0] * pad_r
         return cls(
             query_start_loc=qsl_cpu.to(device),
             query_start_loc_cpu=qsl_cpu,
             seq_lens=seq_cpu.to(device),
-            num_computed_tokens_cpu=torch.tensor(
-                [sl - ql for sl, ql in zip(s, q)] + [0] * pad_r, dtype=torch.int32
-            ),
+            num_computed_tokens_cpu=torch.tensor(computed, dtype=torch.int32),
             block_table_tensor=table.to(device),
             slot_mapping=slots.to(device),
             num_reqs=padded_reqs,
@@ -126,6 +120,13 @@ class CommonAttentionMetadata:
             is_prefilling=_is_prefilling(q, s, prompt_lens, pad_r, device),
             seq_lens_cpu_upper_bound=seq_cpu.clone(),
         )
+
+
+def _block_size(block_size: Any) -> int:
+    bs = as_count("block_size", block_size)
+    if bs < 1:
+        raise ValueError("block_size must be >= 1")
+    return bs
 
 
 def _lengths(query_lens: Sequence[int], seq_lens: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -289,27 +290,7 @@ def _make_metadata_with_slice(
     cu = [int(v) for v in attn_metadata.query_start_loc_cpu.tolist()]
     _check_slice_against(ubatch_slice, attn_metadata, cu)
     reqs, toks = ubatch_slice.request_slice, ubatch_slice.token_slice
-    # Tokens of the first request that an earlier ubatch ran, and of the last request that a
-    # later ubatch runs (0 unless the boundary cuts it; padding tokens past it are not cut).
-    head_cut = toks.start - cu[reqs.start]
-    tail_cut = max(0, cu[reqs.stop] - toks.stop)
-
-    qsl_cpu = slice_query_start_locs(attn_metadata.query_start_loc_cpu, reqs).clone()
-    qsl = slice_query_start_locs(attn_metadata.query_start_loc, reqs).clone()
-    seq_lens = attn_metadata.seq_lens[reqs].clone()
-    computed = attn_metadata.num_computed_tokens_cpu[reqs].clone()
-    upper = _optional(attn_metadata.seq_lens_cpu_upper_bound, reqs)
-    upper = None if upper is None else upper.clone()
-    if head_cut:
-        qsl_cpu[1:] -= head_cut
-        qsl[1:] -= head_cut
-        computed[0] += head_cut
-    if tail_cut:
-        qsl_cpu[-1] -= tail_cut
-        qsl[-1] -= tail_cut
-        seq_lens[-1] -= tail_cut
-        if upper is not None:
-            upper[-1] -= tail_cut
+    qsl_cpu, qsl, seq_lens, computed, upper = _trimmed_rows(attn_metadata, reqs, toks, cu)
     # >= 1: the checks above put the first token inside the first request (vLLM's fallback
     # for a dummy run of empty queries is unreachable behind the same assert)
     max_query_len = int((qsl_cpu[1:] - qsl_cpu[:-1]).max())
@@ -330,6 +311,35 @@ def _make_metadata_with_slice(
         is_prefilling=_optional(attn_metadata.is_prefilling, reqs),
         seq_lens_cpu_upper_bound=upper,
     )
+
+
+def _trimmed_rows(
+    meta: CommonAttentionMetadata, reqs: slice, toks: slice, cu: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Copies of the per-request rows of `reqs` (query_start_loc on the host and the device,
+    seq_lens, num_computed_tokens_cpu, seq_lens_cpu_upper_bound), trimmed to the tokens in
+    `toks` where the slice cuts its first or last request."""
+    # Tokens of the first request that an earlier ubatch ran, and of the last request that a
+    # later ubatch runs (0 unless the boundary cuts it; padding tokens past it are not cut).
+    head_cut = toks.start - cu[reqs.start]
+    tail_cut = max(0, cu[reqs.stop] - toks.stop)
+    qsl_cpu = slice_query_start_locs(meta.query_start_loc_cpu, reqs).clone()
+    qsl = slice_query_start_locs(meta.query_start_loc, reqs).clone()
+    seq_lens = meta.seq_lens[reqs].clone()
+    computed = meta.num_computed_tokens_cpu[reqs].clone()
+    upper = _optional(meta.seq_lens_cpu_upper_bound, reqs)
+    upper = None if upper is None else upper.clone()
+    if head_cut:
+        qsl_cpu[1:] -= head_cut
+        qsl[1:] -= head_cut
+        computed[0] += head_cut
+    if tail_cut:
+        qsl_cpu[-1] -= tail_cut
+        qsl[-1] -= tail_cut
+        seq_lens[-1] -= tail_cut
+        if upper is not None:
+            upper[-1] -= tail_cut
+    return qsl_cpu, qsl, seq_lens, computed, upper
 
 
 def _empty_slice_metadata(
