@@ -169,12 +169,13 @@ class _Links:
         self.latency = {m: collective_latency_us(p, m, multi_node) for m in ("ht", "ll")}
         self.nvl_bw = p.nvlink_gbps * 1e3 * p.nvlink_efficiency  # bytes per us
         self.rdma_bw = p.rdma_gbps * 1e3 * p.rdma_efficiency
-        self._bytes: dict[tuple[int, str], LayerBytes] = {}
+        self._bytes: dict[tuple[int, str, int | None], LayerBytes] = {}
 
-    def layer(self, layer: int, mode: str) -> LayerBytes:
-        key = (layer, mode)
+    def layer(self, layer: int, mode: str, ubatch: int | None = None) -> LayerBytes:
+        """The bytes of `ubatch`'s collective in MoE `layer` (its own tokens' routing)."""
+        key = (layer, mode, ubatch)
         if key not in self._bytes:
-            r = self.routing
+            r = self.routing.of_ubatch(ubatch)
             legacy = mode == "ht" and self.per_copy is not None
             b = layer_bytes(
                 r.layer(layer),
@@ -201,16 +202,23 @@ class _Links:
         return np.maximum(nvl / self.nvl_bw, rdma / self.rdma_bw)
 
 
-def _expert_factor(
-    program: StreamProgram, routing: Routing, placement: Placement
-) -> tuple[np.ndarray, np.ndarray]:
-    """(rank shares per layer, rows received relative to balanced), both layers x ranks."""
+def _expert_factor(program: StreamProgram, routing: Routing, placement: Placement) -> np.ndarray:
+    """Rows each rank's experts receive relative to balanced, layers x ranks."""
     layers = max(program.num_layers, 1)
     ranks = placement.num_ranks
     shares = np.stack(
         [placement.rank_shares(routing.sources(j, ranks).mean(axis=0), j) for j in range(layers)]
     )
-    return shares, shares * ranks
+    return shares * ranks
+
+
+def _ubatch_factors(
+    program: StreamProgram, routing: Routing, placement: Placement
+) -> dict[int | None, np.ndarray]:
+    """`_expert_factor` of each ubatch the program runs, under that ubatch's own routing."""
+    return {
+        u: _expert_factor(program, routing.of_ubatch(u), placement) for u in set(program.ubatch)
+    }
 
 
 def _scaled_work(program: StreamProgram, i: int, factor: np.ndarray) -> np.ndarray:
@@ -247,7 +255,7 @@ def _collective(
     """End times of one all-to-all on every rank, and who gated each."""
     c = program.collectives[c_index]
     r = links.ranks
-    b = links.layer(c.layer, c.mode)
+    b = links.layer(c.layer, c.mode, c.ubatch)
     if c.kind == "combine":  # the rows go back the way they came
         b = b.reversed()
     full = c.nbytes * r / (r - 1)  # the recording's copies, its own rank's included
@@ -293,9 +301,15 @@ def simulate_cluster(
             f"routing {routing.label!r} has {routing.num_sources} source ranks, the group "
             f"{ranks}; give one row per rank or one for all"
         )
+    runs = {u for u in program.ubatch if u is not None}
+    if runs and routing.ubatches and len(routing.ubatches) != len(runs):
+        raise ValueError(
+            f"routing {routing.label!r} was drawn for {len(routing.ubatches)} ubatches but the "
+            f"step runs {len(runs)}; sample it with one token count per ubatch of the step"
+        )
     g = gpus_per_node_of(program, gpus_per_node)
     links = _Links(program, routing, placement, g)
-    _, factor = _expert_factor(program, routing, placement)
+    factors = _ubatch_factors(program, routing, placement)
     n = program.num_ops
     start, end = np.empty((n, ranks)), np.empty((n, ranks))
     host = np.full(ranks, float(program.issue0[0]) if n else 0.0)
@@ -316,6 +330,7 @@ def simulate_cluster(
             work = np.full(ranks, float(program.work[i]))
             layer = int(program.expert_layer[i])
             if layer >= 0:
+                factor = factors[program.ubatch[i]]
                 work = _scaled_work(program, i, factor[min(layer, len(factor) - 1)])
             if program.stretchable[i] and busy:
                 end[i] = _stretch(ready, work, busy, sm_share)
@@ -324,7 +339,8 @@ def simulate_cluster(
         if k == HT_COMM:
             busy = [*busy[-2:], (start[i].copy(), end[i].copy())]
         sms.placed(i, host)
-    return ClusterResult(program, start, end, collectives, routing, placement, g, factor)
+    whole = _expert_factor(program, routing, placement)
+    return ClusterResult(program, start, end, collectives, routing, placement, g, whole)
 
 
 class _SmsTaken:

@@ -68,12 +68,8 @@ def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, 
     logical = physical.with_(num_experts=physical.num_experts - SGLANG_REDUNDANT_EXPERTS)
     layers = moe_layers(physical)
     family = balanced(layers, logical.num_experts, DEEPEP_TOPK)
-    routing = sampled(family, tokens, DEEPEP_TOPK, ranks=ep, seed=SEED)
-    routing = replace(routing, groups=ROUTING_GROUPS["deepseek-v3"])
-    placement = eplb(routing.expert_load(), ep, SGLANG_REDUNDANT_EXPERTS)
-    steps, facts = {}, {}
-    for n in (None, 2):
-        spec = StepSpec(
+    specs = {
+        n: StepSpec(
             physical,
             phase,
             tokens,
@@ -82,6 +78,15 @@ def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, 
             context=SGLANG_DECODE_CONTEXT,
             prompt=SGLANG_PROMPT,
         )
+        for n in (None, 2)
+    }
+    # Each rank draws each ubatch's tokens on its own; the serial step routes their union.
+    split = specs[2].ubatch_tokens()
+    routing = sampled(family, tokens, DEEPEP_TOPK, ranks=ep, seed=SEED, ubatches=split)
+    routing = replace(routing, groups=ROUTING_GROUPS["deepseek-v3"])
+    placement = eplb(routing.expert_load(), ep, SGLANG_REDUNDANT_EXPERTS)
+    steps, facts = {}, {}
+    for n, spec in specs.items():
         result = simulate_cluster(record_step(spec), routing, placement)
         steps[n] = float(result.step_us.max())
         facts[f"{'serial' if n is None else 'tbo'}_peer_wait_us"] = float(result.peer_wait_us.max())
