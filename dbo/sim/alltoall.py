@@ -95,14 +95,16 @@ def pair_ends(
     send_t: np.ndarray,
     recv_t: np.ndarray,
     sends_to: np.ndarray,
+    pair_t: np.ndarray | None = None,
 ) -> AllToAllEnds:
     """The coupling rule on wire times: rank r's own kernel ends at its start + `latency` +
     its slower direction; the rows of every peer p with `sends_to[p, r]` land at p's start +
-    `latency` + p's whole send time; r ends when the last of them (its slowest pair) has."""
+    `latency` + `pair_t[p, r]` (default: p's whole send time); r ends when the last of them
+    (its slowest pair) has."""
     ranks = ready.shape[0]
     own = ready + latency + np.maximum(send_t, recv_t)
-    arrive = ready + latency + send_t
-    senders = np.where(sends_to, arrive[:, None], -np.inf)  # [p, r]: p's rows for r land
+    lag = send_t[:, None] if pair_t is None else pair_t
+    senders = np.where(sends_to, ready[:, None] + latency + lag, -np.inf)  # [p, r]: p's rows land
     from_peer = senders.max(axis=0) if ranks else np.zeros(0)
     end = np.maximum(own, from_peer)
     gate = np.where(from_peer > own + 1e-9, np.argmax(senders, axis=0), np.arange(ranks))

@@ -13,10 +13,15 @@
   expert) copy; normal kernels one copy per token and destination rank over NVLink, one per
   token and destination node over RDMA). Rank r's ends when its own kernel has sent and
   received its bytes (the two links in parallel) *and* every peer's rows for it have
-  arrived, a peer's last row leaving at that peer's start plus its own send time
-  (`dbo.sim.alltoall.pair_ends`): the collective ends on each rank when its slowest pair
-  does, so the slowest sender gates the receiver, and a rank late to a collective (more
-  expert work before it) delays everyone it sends to. A recording whose HT bytes were
+  arrived (`dbo.sim.alltoall.pair_ends`): the collective ends on each rank when its slowest
+  pair does, so the slowest sender gates the receiver, and a rank late to a collective (more
+  expert work before it) delays everyone it sends to. A peer's last row for r leaves at the
+  peer's start plus its whole send time where DeepEP sends token by token (normal kernels,
+  the LL dispatch over NVLink), and, where DeepEP gives each (expert, destination) pair its
+  own sender (the LL combine, the LL dispatch over RDMA), when that pair's flow has left a
+  link shared fairly among the flows still sending (`dbo.sim.traffic.fair_share_ends`).
+  Each ubatch's collectives and expert rows follow that ubatch's own draw where the routing
+  has one (`Routing.of_ubatch`). A recording whose HT bytes were
   priced per expert copy (a `SimDevice` without `ht_nvl_share`, as the cross-check's rank
   processes, which move rows per expert) is replayed per copy too.
   High-throughput (HT) kernels hold `comm_sms` of the SMs while they run and compute on the
@@ -47,7 +52,7 @@ from dbo.sim.cluster_program import (
 )
 from dbo.sim.cost import GEMM_OPS
 from dbo.sim.routing import Placement, Routing
-from dbo.sim.traffic import LayerBytes, layer_bytes
+from dbo.sim.traffic import LayerBytes, fair_share_ends, layer_bytes
 
 __all__ = ["CollectiveResult", "ClusterResult", "simulate_cluster", "gpus_per_node_of"]
 
@@ -194,6 +199,8 @@ class _Links:
                     nvl_recv=b.nvl_recv + b.rdma_recv * (1 - keep),
                     rdma_send=b.rdma_send * keep,
                     rdma_recv=b.rdma_recv * keep,
+                    pair_nvl=None,  # HT kernels send token by token: a pair ends with the send
+                    pair_rdma=None,
                 )
             self._bytes[key] = b
         return self._bytes[key]
@@ -249,6 +256,22 @@ def _stretch(
     return t + rem
 
 
+def _ll_pair_lag(b: LayerBytes, kind: str, links: _Links) -> np.ndarray:
+    """[p, r]: how long after p's low-latency kernel starts its last row for r leaves, per
+    byte of the recording's copies. DeepEP's LL kernels give every (local expert,
+    destination) pair its own sender: the combine a warp group per pair on both links, the
+    dispatch a queue pair per (destination, expert) over RDMA, its puts posted at once. So a
+    link is shared among the flows still sending and a small flow leaves before the sender's
+    last row (`fair_share_ends`). The dispatch copies over NVLink token by token: an NVLink
+    pair's last row leaves with the sender's last NVLink row."""
+    rdma = fair_share_ends(b.pair_rdma) / links.rdma_bw
+    if kind == "combine":
+        nvl = fair_share_ends(b.pair_nvl) / links.nvl_bw
+    else:
+        nvl = np.broadcast_to((b.pair_nvl.sum(axis=1) / links.nvl_bw)[:, None], b.pair_nvl.shape)
+    return np.where(b.pair_rdma > 0, rdma, nvl)
+
+
 def _collective(
     program: StreamProgram, c_index: int, links: _Links, ready: np.ndarray
 ) -> tuple[np.ndarray, CollectiveResult]:
@@ -261,7 +284,8 @@ def _collective(
     full = c.nbytes * r / (r - 1)  # the recording's copies, its own rank's included
     send_t = links.wire_us(b.nvl_send * full, b.rdma_send * full)
     recv_t = links.wire_us(b.nvl_recv * full, b.rdma_recv * full)
-    ends = pair_ends(ready, links.latency[c.mode], send_t, recv_t, b.sends_to)
+    lag = None if b.pair_nvl is None else _ll_pair_lag(b, c.kind, links) * full
+    ends = pair_ends(ready, links.latency[c.mode], send_t, recv_t, b.sends_to, lag)
     mb = full * 1e-6
     result = CollectiveResult(
         c.kind,
