@@ -22,6 +22,17 @@ def test_one_node_stays_close_to_the_balanced_formula():
     )
 
 
+@pytest.mark.parametrize("ep", [8, 64])
+def test_back_to_back_runs_cost_every_rank_the_same_period(ep):
+    # every rank's LL kernel waits for every peer: whatever a rank gains in its combine it
+    # waits for in its next dispatch, so dispatch + combine is the group's period on each
+    # rank, and no shorter than one run started together
+    period = [deepep_ll_cluster_us(k, ep, runs=12) for k in ("dispatch", "combine")]
+    once = [deepep_ll_cluster_us(k, ep, runs=1) for k in ("dispatch", "combine")]
+    assert sum(period) >= sum(once) * (1 - 1e-9)
+    assert sum(period) == pytest.approx(sum(once), rel=0.03)
+
+
 @pytest.mark.parametrize(("kind", "ep"), [("dispatch", 8), ("combine", 8), ("dispatch", 32)])
 def test_normal_mode_random_routing_stays_close_to_the_balanced_group(kind, ep):
     # 4096 tokens x top-8 on each rank: its own batch is near balanced
