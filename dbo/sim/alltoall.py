@@ -3,8 +3,9 @@ bytes every rank sends every other: the coupling rule of a dispatch or combine i
 
 A rank's collective ends when its own kernel has sent and received its bytes (NVLink inside a
 node, RDMA across nodes, the two links working in parallel) *and* every peer that sends it
-rows has finished sending: that peer's last row leaves at its own start plus the link latency
-plus its whole send time. So the slowest sender gates the receiver, and a rank that reaches the
+rows has finished sending them: that peer's last row for it leaves at the peer's own start
+plus the link latency plus its whole send time (or, given per pair, the time its rows for that
+rank take to leave). So the slowest sender gates the receiver, and a rank that reaches the
 collective late delays everyone it sends to. The RDMA bytes of high-throughput (DeepEP normal)
 kernels are scaled by `rdma_share`, the share of remote copies left after per-node
 de-duplication.

@@ -174,11 +174,18 @@ class _Links:
         self.latency = {m: collective_latency_us(p, m, multi_node) for m in ("ht", "ll")}
         self.nvl_bw = p.nvlink_gbps * 1e3 * p.nvlink_efficiency  # bytes per us
         self.rdma_bw = p.rdma_gbps * 1e3 * p.rdma_efficiency
-        self._bytes: dict[tuple[int, str, int | None], LayerBytes] = {}
+        self._bytes: dict[tuple, LayerBytes] = {}
+        self._lags: dict[tuple, np.ndarray] = {}
+
+    def _key(self, layer: int, mode: str, ubatch: int | None) -> tuple:
+        """What a layer's bytes depend on: the routing's and the placement's layer (a layer
+        past their last repeats it), the kernel mode and the ubatch."""
+        placed = self.placement.share.shape[0] - 1 if self.placement.share.ndim == 3 else 0
+        return (min(layer, self.routing.num_layers - 1), min(layer, placed), mode, ubatch)
 
     def layer(self, layer: int, mode: str, ubatch: int | None = None) -> LayerBytes:
         """The bytes of `ubatch`'s collective in MoE `layer` (its own tokens' routing)."""
-        key = (layer, mode, ubatch)
+        key = self._key(layer, mode, ubatch)
         if key not in self._bytes:
             r = self.routing.of_ubatch(ubatch)
             legacy = mode == "ht" and self.per_copy is not None
@@ -207,6 +214,14 @@ class _Links:
 
     def wire_us(self, nvl: np.ndarray, rdma: np.ndarray) -> np.ndarray:
         return np.maximum(nvl / self.nvl_bw, rdma / self.rdma_bw)
+
+    def ll_lag(self, layer: int, ubatch: int | None, kind: str) -> np.ndarray:
+        """`_ll_pair_lag` of a low-latency collective (per byte of copies), computed once."""
+        key = (*self._key(layer, "ll", ubatch), kind)
+        if key not in self._lags:
+            b = self.layer(layer, "ll", ubatch)
+            self._lags[key] = _ll_pair_lag(b.reversed() if kind == "combine" else b, kind, self)
+        return self._lags[key]
 
 
 def _expert_factor(program: StreamProgram, routing: Routing, placement: Placement) -> np.ndarray:
@@ -284,7 +299,7 @@ def _collective(
     full = c.nbytes * r / (r - 1)  # the recording's copies, its own rank's included
     send_t = links.wire_us(b.nvl_send * full, b.rdma_send * full)
     recv_t = links.wire_us(b.nvl_recv * full, b.rdma_recv * full)
-    lag = None if b.pair_nvl is None else _ll_pair_lag(b, c.kind, links) * full
+    lag = None if b.pair_nvl is None else links.ll_lag(c.layer, c.ubatch, c.kind) * full
     ends = pair_ends(ready, links.latency[c.mode], send_t, recv_t, b.sends_to, lag)
     mb = full * 1e-6
     result = CollectiveResult(
