@@ -181,7 +181,8 @@ class _Links:
         """What a layer's bytes depend on: the routing's and the placement's layer (a layer
         past their last repeats it), the kernel mode and the ubatch."""
         placed = self.placement.share.shape[0] - 1 if self.placement.share.ndim == 3 else 0
-        return (min(layer, self.routing.num_layers - 1), min(layer, placed), mode, ubatch)
+        own = ubatch if self.routing.ubatches else None  # else every ubatch routes alike
+        return (min(layer, self.routing.num_layers - 1), min(layer, placed), mode, own)
 
     def layer(self, layer: int, mode: str, ubatch: int | None = None) -> LayerBytes:
         """The bytes of `ubatch`'s collective in MoE `layer` (its own tokens' routing)."""
@@ -280,8 +281,14 @@ def _ll_pair_lag(b: LayerBytes, kind: str, links: _Links) -> np.ndarray:
     last row (`fair_share_ends`). The dispatch copies over NVLink token by token: an NVLink
     pair's last row leaves with the sender's last NVLink row."""
     rdma = fair_share_ends(b.pair_rdma) / links.rdma_bw
-    if kind == "combine":
-        nvl = fair_share_ends(b.pair_nvl) / links.nvl_bw
+    if kind == "combine":  # NVLink flows stay inside a node: share each rank's node columns
+        rows = np.arange(links.ranks)[:, None]
+        cols = rows // links.g * links.g + np.arange(links.g)[None, :]
+        inside = cols < links.ranks
+        cols = np.minimum(cols, links.ranks - 1)
+        local = fair_share_ends(np.where(inside, b.pair_nvl[rows, cols], 0.0))
+        nvl = np.zeros_like(b.pair_nvl)
+        nvl[np.broadcast_to(rows, cols.shape)[inside], cols[inside]] = local[inside] / links.nvl_bw
     else:
         nvl = np.broadcast_to((b.pair_nvl.sum(axis=1) / links.nvl_bw)[:, None], b.pair_nvl.shape)
     return np.where(b.pair_rdma > 0, rdma, nvl)

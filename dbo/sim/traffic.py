@@ -193,10 +193,17 @@ def fair_share_ends(pair: np.ndarray) -> np.ndarray:
     starting together and the link shared fairly among those still sending (processor
     sharing): a flow of s bytes ends after sum_j min(s_pj, s); the largest ends with p's
     whole send."""
-    order = np.argsort(pair, axis=1, kind="stable")
-    ranked = np.take_along_axis(pair, order, axis=1)
-    n = pair.shape[1]
+    pair = np.asarray(pair, dtype=float)
+    if pair.shape[0] == 0:
+        return pair.copy()
+    # Senders with the same flows (a node's ranks under one routing row) share one sort.
+    new_row = np.ones(pair.shape[0], dtype=bool)
+    new_row[1:] = (pair[1:] != pair[:-1]).any(axis=1)
+    rows = pair[new_row]
+    order = np.argsort(rows, axis=1, kind="stable")
+    ranked = np.take_along_axis(rows, order, axis=1)
+    n = rows.shape[1]
     done = np.cumsum(ranked, axis=1) + ranked * (n - 1 - np.arange(n))  # sum_j min(s_j, s_k)
     out = np.empty_like(done)
     np.put_along_axis(out, order, done, axis=1)
-    return out
+    return out[np.cumsum(new_row) - 1]

@@ -233,7 +233,9 @@ def _deepep_rows() -> list[FidelityRow]:
                     "S-K",
                     DEEPEP_README,
                     "calibration: the one-rank row's constants (ll_latency_us at EP 8, "
-                    "rdma_efficiency at EP >= 64) came off this figure"
+                    "rdma_efficiency at EP >= 64) came off this figure, read as if every pair "
+                    "were equal; over the 30-run loop a rank that ends its combine early "
+                    "waits in its next dispatch"
                     if calibration
                     else "each rank waits for its slowest pair: under random routing the "
                     "busiest receiver of the dispatch sends the most back and starts last",
