@@ -324,15 +324,8 @@ def _collective(
     return ends.end, result
 
 
-def simulate_cluster(
-    program: StreamProgram,
-    routing: Routing,
-    placement: Placement,
-    *,
-    gpus_per_node: int | None = None,
-) -> ClusterResult:
-    """Replay `program` for every rank of `placement` (R = its rank count, which must be the
-    program's EP size) under `routing`; returns every op's start and end on every rank."""
+def _check_group(program: StreamProgram, routing: Routing, placement: Placement) -> None:
+    """ValueError, before any work, when the routing, placement and program disagree."""
     ranks = placement.num_ranks
     if ranks != program.ep_size:
         raise ValueError(
@@ -353,6 +346,19 @@ def simulate_cluster(
             f"routing {routing.label!r} was drawn for {len(routing.ubatches)} ubatches but the "
             f"step runs {len(runs)}; sample it with one token count per ubatch of the step"
         )
+
+
+def simulate_cluster(
+    program: StreamProgram,
+    routing: Routing,
+    placement: Placement,
+    *,
+    gpus_per_node: int | None = None,
+) -> ClusterResult:
+    """Replay `program` for every rank of `placement` (R = its rank count, which must be the
+    program's EP size) under `routing`; returns every op's start and end on every rank."""
+    _check_group(program, routing, placement)
+    ranks = placement.num_ranks
     g = gpus_per_node_of(program, gpus_per_node)
     links = _Links(program, routing, placement, g)
     factors = _ubatch_factors(program, routing, placement)
