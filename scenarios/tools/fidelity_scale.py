@@ -24,7 +24,7 @@ a constant read off a figure still makes its row a calibration row here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ from dbo.sim.cluster import simulate_cluster
 from dbo.sim.cluster_program import record_program
 from dbo.sim.hardware import H800, HardwareProfile
 from dbo.sim.options import EngineKnobs, SimOptions
-from dbo.sim.routing import balanced, contiguous, eplb, sampled
+from dbo.sim.routing import Placement, Routing, balanced, contiguous, eplb, sampled
 from dbo.sim.traffic import balanced_dedup, layer_bytes
 from scenarios.lib.cluster_step import ROUTING_GROUPS, StepSpec, moe_layers, record_step
 from scenarios.tools.fidelity_kernels import DEEPEP_BYTES
@@ -64,7 +64,14 @@ from scenarios.tools.fidelity_rows import (
     rel_row,
 )
 
-__all__ = ["scale_rows", "cluster_gain", "deepep_ll_cluster_us", "deepep_normal_cluster_gbps"]
+__all__ = [
+    "SGLangGroup",
+    "sglang_group",
+    "scale_rows",
+    "cluster_gain",
+    "deepep_ll_cluster_us",
+    "deepep_normal_cluster_gbps",
+]
 
 SCALE_PREFILL_TOKENS = 16384
 SEED = 0
@@ -73,12 +80,22 @@ SEED = 0
 DEEPEP_BENCH_RUNS = 30
 
 
-def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, dict[str, Any]]:
-    """SGLang's setup on the virtual group: the slowest rank's serial step over its TBO step."""
+@dataclass(frozen=True)
+class SGLangGroup:
+    """SGLang's setup as the virtual group runs it: the serial and TBO steps, the group's
+    sampled routing and EPLB's placement."""
+
+    specs: dict[int | None, StepSpec]
+    routing: Routing
+    placement: Placement
+
+
+def sglang_group(phase: str, ep: int, tokens: int, quick: bool, *, seed: int = SEED) -> SGLangGroup:
+    """The serial and 2-ubatch steps of SGLang's `phase` at EP `ep`, each rank's batch drawn
+    per ubatch (the serial step routes their union), EPLB placed by the long-run load."""
     physical = deepseek_config(ep, quick)
     logical = physical.with_(num_experts=physical.num_experts - SGLANG_REDUNDANT_EXPERTS)
-    layers = moe_layers(physical)
-    family = balanced(layers, logical.num_experts, DEEPEP_TOPK)
+    family = balanced(moe_layers(physical), logical.num_experts, DEEPEP_TOPK)
     specs = {
         n: StepSpec(
             physical,
@@ -91,16 +108,21 @@ def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, 
         )
         for n in (None, 2)
     }
-    # Each rank draws each ubatch's tokens on its own; the serial step routes their union.
     split = specs[2].ubatch_tokens()
-    routing = sampled(family, tokens, DEEPEP_TOPK, ranks=ep, seed=SEED, ubatches=split)
+    routing = sampled(family, tokens, DEEPEP_TOPK, ranks=ep, seed=seed, ubatches=split)
     routing = replace(routing, groups=ROUTING_GROUPS["deepseek-v3"])
     # EPLB places each layer by its long-run load (the statistics it collects over many
     # batches, here the family's shares), never by the batch it is about to run.
     placement = eplb(family.expert_load(), ep, SGLANG_REDUNDANT_EXPERTS)
+    return SGLangGroup(specs, routing, placement)
+
+
+def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, dict[str, Any]]:
+    """SGLang's setup on the virtual group: the slowest rank's serial step over its TBO step."""
+    group = sglang_group(phase, ep, tokens, quick)
     steps, facts = {}, {}
-    for n, spec in specs.items():
-        result = simulate_cluster(record_step(spec), routing, placement)
+    for n, spec in group.specs.items():
+        result = simulate_cluster(record_step(spec), group.routing, group.placement)
         steps[n] = float(result.step_us.max())
         facts[f"{'serial' if n is None else 'tbo'}_peer_wait_us"] = float(result.peer_wait_us.max())
         facts["max_rank_rows"] = float(result.expert_factor.max())

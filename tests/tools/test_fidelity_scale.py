@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dbo.sim.hardware import H800
 from scenarios.tools.fidelity_kernels import deepep_ll_us, normal_bandwidth_gbps
-from scenarios.tools.fidelity_scale import deepep_ll_cluster_us, deepep_normal_cluster_gbps
+from scenarios.tools.fidelity_scale import (
+    deepep_ll_cluster_us,
+    deepep_normal_cluster_gbps,
+    sglang_group,
+)
 
 
 @pytest.mark.parametrize("kind", ["dispatch", "combine"])
@@ -59,3 +64,16 @@ def test_the_rdma_figure_counts_the_own_node_as_deepep_s_test_does():
     # own node's tokens, so the figure exceeds it (by about 4/3 over 4 nodes)
     nic = H800.rdma_gbps * H800.rdma_efficiency
     assert 1.2 * nic < deepep_normal_cluster_gbps("dispatch", 32, random=False) < 1.4 * nic
+
+
+def test_sglang_s_eplb_places_by_the_long_run_load_not_by_the_batch_it_runs():
+    one, other = (sglang_group("decode", 72, 32, True, seed=s) for s in (0, 1))
+    assert not np.allclose(one.routing.load, other.routing.load)
+    assert np.array_equal(one.placement.share, other.placement.share)
+
+
+def test_sglang_s_tbo_step_routes_each_ubatch_s_own_half_of_the_serial_tokens():
+    group = sglang_group("decode", 72, 32, True)
+    assert group.specs[2].ubatch_tokens() == (16, 16)
+    halves = [group.routing.of_ubatch(u).load for u in (0, 1)]
+    assert np.allclose((halves[0] + halves[1]) / 2, group.routing.load)
