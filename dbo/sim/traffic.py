@@ -194,16 +194,22 @@ def fair_share_ends(pair: np.ndarray) -> np.ndarray:
     sharing): a flow of s bytes ends after sum_j min(s_pj, s); the largest ends with p's
     whole send."""
     pair = np.asarray(pair, dtype=float)
-    if pair.shape[0] == 0:
-        return pair.copy()
-    # Senders with the same flows (a node's ranks under one routing row) share one sort.
-    new_row = np.ones(pair.shape[0], dtype=bool)
-    new_row[1:] = (pair[1:] != pair[:-1]).any(axis=1)
-    rows = pair[new_row]
-    order = np.argsort(rows, axis=1, kind="stable")
-    ranked = np.take_along_axis(rows, order, axis=1)
-    n = rows.shape[1]
+    out = np.where(pair > 0, pair.sum(axis=1, keepdims=True), 0.0)
+    # A sender whose flows are all equal ends them together, with its whole send; senders
+    # with the same flows (a node's ranks under one routing row) share one sort.
+    low = np.where(pair > 0, pair, np.inf).min(axis=1)
+    mixed = np.flatnonzero(pair.max(axis=1) > low)
+    if mixed.size == 0:
+        return out
+    rows = pair[mixed]
+    first = np.ones(len(rows), dtype=bool)
+    first[1:] = (rows[1:] != rows[:-1]).any(axis=1)
+    distinct = rows[first]
+    order = np.argsort(distinct, axis=1, kind="stable")
+    ranked = np.take_along_axis(distinct, order, axis=1)
+    n = distinct.shape[1]
     done = np.cumsum(ranked, axis=1) + ranked * (n - 1 - np.arange(n))  # sum_j min(s_j, s_k)
-    out = np.empty_like(done)
-    np.put_along_axis(out, order, done, axis=1)
-    return out[np.cumsum(new_row) - 1]
+    ends = np.empty_like(done)
+    np.put_along_axis(ends, order, done, axis=1)
+    out[mixed] = ends[np.cumsum(first) - 1]
+    return out
