@@ -3,8 +3,9 @@ bytes every rank sends every other: the coupling rule of a dispatch or combine i
 
 A rank's collective ends when its own kernel has sent and received its bytes (NVLink inside a
 node, RDMA across nodes, the two links working in parallel) *and* every peer that sends it
-rows has finished sending: that peer's last row leaves at its own start plus the link latency
-plus its whole send time. So the slowest sender gates the receiver, and a rank that reaches the
+rows has finished sending them: that peer's last row for it leaves at the peer's own start
+plus the link latency plus its whole send time (or, given per pair, the time its rows for that
+rank take to leave). So the slowest sender gates the receiver, and a rank that reaches the
 collective late delays everyone it sends to. The RDMA bytes of high-throughput (DeepEP normal)
 kernels are scaled by `rdma_share`, the share of remote copies left after per-node
 de-duplication.
@@ -94,14 +95,16 @@ def pair_ends(
     send_t: np.ndarray,
     recv_t: np.ndarray,
     sends_to: np.ndarray,
+    pair_t: np.ndarray | None = None,
 ) -> AllToAllEnds:
     """The coupling rule on wire times: rank r's own kernel ends at its start + `latency` +
     its slower direction; the rows of every peer p with `sends_to[p, r]` land at p's start +
-    `latency` + p's whole send time; r ends when the last of them (its slowest pair) has."""
+    `latency` + `pair_t[p, r]` (default: p's whole send time); r ends when the last of them
+    (its slowest pair) has."""
     ranks = ready.shape[0]
     own = ready + latency + np.maximum(send_t, recv_t)
-    arrive = ready + latency + send_t
-    senders = np.where(sends_to, arrive[:, None], -np.inf)  # [p, r]: p's rows for r land
+    lag = send_t[:, None] if pair_t is None else pair_t
+    senders = np.where(sends_to, ready[:, None] + latency + lag, -np.inf)  # [p, r]: p's rows land
     from_peer = senders.max(axis=0) if ranks else np.zeros(0)
     end = np.maximum(own, from_peer)
     gate = np.where(from_peer > own + 1e-9, np.argmax(senders, axis=0), np.arange(ranks))

@@ -13,10 +13,15 @@
   expert) copy; normal kernels one copy per token and destination rank over NVLink, one per
   token and destination node over RDMA). Rank r's ends when its own kernel has sent and
   received its bytes (the two links in parallel) *and* every peer's rows for it have
-  arrived, a peer's last row leaving at that peer's start plus its own send time
-  (`dbo.sim.alltoall.pair_ends`): the collective ends on each rank when its slowest pair
-  does, so the slowest sender gates the receiver, and a rank late to a collective (more
-  expert work before it) delays everyone it sends to. A recording whose HT bytes were
+  arrived (`dbo.sim.alltoall.pair_ends`): the collective ends on each rank when its slowest
+  pair does, so the slowest sender gates the receiver, and a rank late to a collective (more
+  expert work before it) delays everyone it sends to. A peer's last row for r leaves at the
+  peer's start plus its whole send time where DeepEP sends token by token (normal kernels,
+  the LL dispatch over NVLink), and, where DeepEP gives each (expert, destination) pair its
+  own sender (the LL combine, the LL dispatch over RDMA), when that pair's flow has left a
+  link shared fairly among the flows still sending (`dbo.sim.traffic.fair_share_ends`).
+  Each ubatch's collectives and expert rows follow that ubatch's own draw where the routing
+  has one (`Routing.of_ubatch`). A recording whose HT bytes were
   priced per expert copy (a `SimDevice` without `ht_nvl_share`, as the cross-check's rank
   processes, which move rows per expert) is replayed per copy too.
   High-throughput (HT) kernels hold `comm_sms` of the SMs while they run and compute on the
@@ -47,7 +52,7 @@ from dbo.sim.cluster_program import (
 )
 from dbo.sim.cost import GEMM_OPS
 from dbo.sim.routing import Placement, Routing
-from dbo.sim.traffic import LayerBytes, layer_bytes
+from dbo.sim.traffic import LayerBytes, fair_share_ends, layer_bytes
 
 __all__ = ["CollectiveResult", "ClusterResult", "simulate_cluster"]
 
@@ -167,12 +172,21 @@ class _Links:
         self.latency = {m: collective_latency_us(p, m, multi_node) for m in ("ht", "ll")}
         self.nvl_bw = p.nvlink_gbps * 1e3 * p.nvlink_efficiency  # bytes per us
         self.rdma_bw = p.rdma_gbps * 1e3 * p.rdma_efficiency
-        self._bytes: dict[tuple[int, str], LayerBytes] = {}
+        self._bytes: dict[tuple, LayerBytes] = {}
+        self._lags: dict[tuple, np.ndarray] = {}
 
-    def layer(self, layer: int, mode: str) -> LayerBytes:
-        key = (layer, mode)
+    def _key(self, layer: int, mode: str, ubatch: int | None) -> tuple:
+        """What a layer's bytes depend on: the routing's and the placement's layer (a layer
+        past their last repeats it), the kernel mode and the ubatch."""
+        placed = self.placement.share.shape[0] - 1 if self.placement.share.ndim == 3 else 0
+        own = ubatch if self.routing.ubatches else None  # else every ubatch routes alike
+        return (min(layer, self.routing.num_layers - 1), min(layer, placed), mode, own)
+
+    def layer(self, layer: int, mode: str, ubatch: int | None = None) -> LayerBytes:
+        """The bytes of `ubatch`'s collective in MoE `layer` (its own tokens' routing)."""
+        key = self._key(layer, mode, ubatch)
         if key not in self._bytes:
-            r = self.routing
+            r = self.routing.of_ubatch(ubatch)
             legacy = mode == "ht" and self.per_copy is not None
             b = layer_bytes(
                 r.layer(layer),
@@ -191,6 +205,8 @@ class _Links:
                     nvl_recv=b.nvl_recv + b.rdma_recv * (1 - keep),
                     rdma_send=b.rdma_send * keep,
                     rdma_recv=b.rdma_recv * keep,
+                    pair_nvl=None,  # HT kernels send token by token: a pair ends with the send
+                    pair_rdma=None,
                 )
             self._bytes[key] = b
         return self._bytes[key]
@@ -198,17 +214,32 @@ class _Links:
     def wire_us(self, nvl: np.ndarray, rdma: np.ndarray) -> np.ndarray:
         return np.maximum(nvl / self.nvl_bw, rdma / self.rdma_bw)
 
+    def ll_lag(self, layer: int, ubatch: int | None, kind: str) -> np.ndarray:
+        """`_ll_pair_lag` of a low-latency collective (per byte of copies), computed once."""
+        key = (*self._key(layer, "ll", ubatch), kind)
+        if key not in self._lags:
+            b = self.layer(layer, "ll", ubatch)
+            self._lags[key] = _ll_pair_lag(b.reversed() if kind == "combine" else b, kind, self)
+        return self._lags[key]
 
-def _expert_factor(
-    program: StreamProgram, routing: Routing, placement: Placement
-) -> tuple[np.ndarray, np.ndarray]:
-    """(rank shares per layer, rows received relative to balanced), both layers x ranks."""
+
+def _expert_factor(program: StreamProgram, routing: Routing, placement: Placement) -> np.ndarray:
+    """Rows each rank's experts receive relative to balanced, layers x ranks."""
     layers = max(program.num_layers, 1)
     ranks = placement.num_ranks
     shares = np.stack(
         [placement.rank_shares(routing.sources(j, ranks).mean(axis=0), j) for j in range(layers)]
     )
-    return shares, shares * ranks
+    return shares * ranks
+
+
+def _ubatch_factors(
+    program: StreamProgram, routing: Routing, placement: Placement
+) -> dict[int | None, np.ndarray]:
+    """`_expert_factor` of each ubatch the program runs, under that ubatch's own routing."""
+    return {
+        u: _expert_factor(program, routing.of_ubatch(u), placement) for u in set(program.ubatch)
+    }
 
 
 def _scaled_work(program: StreamProgram, i: int, factor: np.ndarray) -> np.ndarray:
@@ -239,19 +270,42 @@ def _stretch(
     return t + rem
 
 
+def _ll_pair_lag(b: LayerBytes, kind: str, links: _Links) -> np.ndarray:
+    """[p, r]: how long after p's low-latency kernel starts its last row for r leaves, per
+    byte of the recording's copies. DeepEP's LL kernels give every (local expert,
+    destination) pair its own sender: the combine a warp group per pair on both links, the
+    dispatch a queue pair per (destination, expert) over RDMA, its puts posted at once. So a
+    link is shared among the flows still sending and a small flow leaves before the sender's
+    last row (`fair_share_ends`). The dispatch copies over NVLink token by token: an NVLink
+    pair's last row leaves with the sender's last NVLink row."""
+    rdma = fair_share_ends(b.pair_rdma) / links.rdma_bw
+    if kind == "combine":  # NVLink flows stay inside a node: share each rank's node columns
+        rows = np.arange(links.ranks)[:, None]
+        cols = rows // links.g * links.g + np.arange(links.g)[None, :]
+        inside = cols < links.ranks
+        cols = np.minimum(cols, links.ranks - 1)
+        local = fair_share_ends(np.where(inside, b.pair_nvl[rows, cols], 0.0))
+        nvl = np.zeros_like(b.pair_nvl)
+        nvl[np.broadcast_to(rows, cols.shape)[inside], cols[inside]] = local[inside] / links.nvl_bw
+    else:
+        nvl = np.broadcast_to((b.pair_nvl.sum(axis=1) / links.nvl_bw)[:, None], b.pair_nvl.shape)
+    return np.where(b.pair_rdma > 0, rdma, nvl)
+
+
 def _collective(
     program: StreamProgram, c_index: int, links: _Links, ready: np.ndarray
 ) -> tuple[np.ndarray, CollectiveResult]:
     """End times of one all-to-all on every rank, and who gated each."""
     c = program.collectives[c_index]
     r = links.ranks
-    b = links.layer(c.layer, c.mode)
+    b = links.layer(c.layer, c.mode, c.ubatch)
     if c.kind == "combine":  # the rows go back the way they came
         b = b.reversed()
     full = c.nbytes * r / (r - 1)  # the recording's copies, its own rank's included
     send_t = links.wire_us(b.nvl_send * full, b.rdma_send * full)
     recv_t = links.wire_us(b.nvl_recv * full, b.rdma_recv * full)
-    ends = pair_ends(ready, links.latency[c.mode], send_t, recv_t, b.sends_to)
+    lag = None if b.pair_nvl is None else links.ll_lag(c.layer, c.ubatch, c.kind) * full
+    ends = pair_ends(ready, links.latency[c.mode], send_t, recv_t, b.sends_to, lag)
     mb = full * 1e-6
     result = CollectiveResult(
         c.kind,
@@ -268,13 +322,8 @@ def _collective(
     return ends.end, result
 
 
-def simulate_cluster(
-    program: StreamProgram, routing: Routing, placement: Placement
-) -> ClusterResult:
-    """Replay `program` for every rank of its EP group under `routing`, its experts placed by
-    `placement`; returns every op's start and end on every rank. The group's shape is the
-    recording's (R = `program.ep_size`, GPUs per node its profile's); a placement over
-    another rank count is refused before any op is replayed."""
+def _check_group(program: StreamProgram, routing: Routing, placement: Placement) -> None:
+    """ValueError, before any work, when the routing, placement and program disagree."""
     ranks = program.ep_size
     if placement.num_ranks != ranks:
         raise ValueError(
@@ -291,8 +340,25 @@ def simulate_cluster(
             f"routing {routing.label!r} has {routing.num_sources} source ranks, the group "
             f"{ranks}; give one row per rank or one for all"
         )
+    runs = {u for u in program.ubatch if u is not None}
+    if runs and routing.ubatches and len(routing.ubatches) != len(runs):
+        raise ValueError(
+            f"routing {routing.label!r} was drawn for {len(routing.ubatches)} ubatches but the "
+            f"step runs {len(runs)}; sample it with one token count per ubatch of the step"
+        )
+
+
+def simulate_cluster(
+    program: StreamProgram, routing: Routing, placement: Placement
+) -> ClusterResult:
+    """Replay `program` for every rank of its EP group under `routing`, its experts placed by
+    `placement`; returns every op's start and end on every rank. The group's shape is the
+    recording's (R = `program.ep_size`, GPUs per node its profile's); a placement over
+    another rank count is refused before any op is replayed."""
+    _check_group(program, routing, placement)
+    ranks = program.ep_size
     links = _Links(program, routing, placement)
-    _, factor = _expert_factor(program, routing, placement)
+    factors = _ubatch_factors(program, routing, placement)
     n = program.num_ops
     start, end = np.empty((n, ranks)), np.empty((n, ranks))
     host = np.full(ranks, float(program.issue0[0]) if n else 0.0)
@@ -313,6 +379,7 @@ def simulate_cluster(
             work = np.full(ranks, float(program.work[i]))
             layer = int(program.expert_layer[i])
             if layer >= 0:
+                factor = factors[program.ubatch[i]]
                 work = _scaled_work(program, i, factor[min(layer, len(factor) - 1)])
             if program.stretchable[i] and busy:
                 end[i] = _stretch(ready, work, busy, sm_share)
@@ -321,7 +388,8 @@ def simulate_cluster(
         if k == HT_COMM:
             busy = [*busy[-2:], (start[i].copy(), end[i].copy())]
         sms.placed(i, host)
-    return ClusterResult(program, start, end, collectives, routing, placement, factor)
+    whole = _expert_factor(program, routing, placement)
+    return ClusterResult(program, start, end, collectives, routing, placement, whole)
 
 
 class _SmsTaken:

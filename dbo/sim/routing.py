@@ -17,7 +17,11 @@ Families (all seeded, all documented on their constructor):
   the file has it.
 - `sampled(routing, tokens, top_k, ranks=R)`: what a batch routes when each of R ranks draws
   its own `tokens` tokens from the shares (seeded): the statistical imbalance of finite
-  batches, rank by rank (DeepEP's benchmarks route random scores this way).
+  batches, rank by rank (DeepEP's benchmarks route random scores this way). With
+  `ubatches=(t0, t1, ...)` each rank draws each ubatch's slice of its tokens on its own, and
+  the batch is their union: a ubatched step routes each ubatch's tokens when that ubatch
+  runs, so each of its collectives gates on its own busiest pair (the larger relative spread
+  of a smaller sample), while the serial step routes the same tokens at once.
 - `routed_counts(routing, tokens, top_k)` / `assign_experts(counts, tokens, top_k)`: the
   whole rows per expert a batch routes under the group's shares (largest remainder), and a
   token-to-expert assignment realising them exactly (what rank processes route by in the
@@ -37,7 +41,8 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +96,9 @@ class Routing:
     label: str
     top_k: int = 1
     groups: tuple[int, int] | None = None
+    # Each ubatch's own routing (its slice of every rank's tokens; `load` is their union);
+    # empty: every ubatch routes as the whole batch (expected shares split evenly).
+    ubatches: tuple[Routing, ...] = ()
 
     def __post_init__(self) -> None:
         load = np.asarray(self.load, dtype=float)
@@ -111,6 +119,19 @@ class Routing:
     @property
     def num_experts(self) -> int:
         return int(self.load.shape[2])
+
+    def of_ubatch(self, ubatch: int | None) -> Routing:
+        """What ubatch `ubatch` routes (None, or a batch without ubatch draws: the whole)."""
+        if ubatch is None or not self.ubatches:
+            return self
+        if not 0 <= ubatch < len(self.ubatches):
+            raise ValueError(
+                f"routing {self.label!r} was drawn for {len(self.ubatches)} ubatches, the step "
+                f"runs ubatch {ubatch}; sample it with one token count per ubatch of the step"
+            )
+        part = self.ubatches[ubatch]
+        # The batch's group-limited routing is its ubatches' (set on the batch after drawing).
+        return part if part.groups == self.groups else replace(part, groups=self.groups)
 
     def layer(self, index: int) -> np.ndarray:
         """Sources x experts of MoE layer `index` (a recording with more layers repeats the
@@ -225,21 +246,45 @@ def from_histogram(path: str | Path, num_layers: int, num_experts: int, top_k: i
     return _routing(load, top_k, f"histogram {path.name}")
 
 
-def sampled(routing: Routing, tokens: int, top_k: int, *, ranks: int = 1, seed: int = 0) -> Routing:
+def sampled(
+    routing: Routing,
+    tokens: int,
+    top_k: int,
+    *,
+    ranks: int = 1,
+    seed: int = 0,
+    ubatches: Sequence[int] | None = None,
+) -> Routing:
     """What `ranks` ranks of `tokens` tokens each route under `routing`'s shares, each rank
     drawing its own batch (seeded): per layer and rank, the counts per expert of a
     multinomial of tokens * top_k copies over the rank's shares, capped at `tokens` (a
     token's copies go to distinct experts; the multinomial ignores that within a token, a
-    variance (E - 1) / (E - k) too large: 3% for 8 of 256 experts)."""
-    rng = np.random.default_rng(seed)
-    shares = cap_shares(routing.load, top_k)
+    variance (E - 1) / (E - k) too large: 3% for 8 of 256 experts). `ubatches`: the token
+    counts of the step's ubatches (summing to `tokens`); each rank draws each ubatch's slice
+    on its own and the result is their union, carrying each ubatch's draw (`of_ubatch`)."""
+    sizes = [int(tokens)] if ubatches is None else [int(t) for t in ubatches]
+    if sum(sizes) != int(tokens) or min(sizes) < 1:
+        raise ValueError(
+            f"ubatch token counts {sizes} must be >= 1 each and sum to the batch's {tokens}"
+        )
     if routing.num_sources not in (1, ranks):
         raise ValueError(f"routing has {routing.num_sources} sources, cannot sample {ranks}")
+    rng = np.random.default_rng(seed)
+    shares = cap_shares(routing.load, top_k)
     shares = np.broadcast_to(shares, (routing.num_layers, ranks, routing.num_experts))
-    counts = rng.multinomial(int(tokens) * int(top_k), shares)
-    load = cap_shares(counts / (int(tokens) * int(top_k)), top_k)
+    k = int(top_k)
+    parts = [cap_shares(rng.multinomial(t * k, shares) / (t * k), top_k) for t in sizes]
+    # The union's rows are the slices' rows: the serial step routes the very same tokens.
+    load = parts[0] if len(parts) == 1 else sum(p * t for p, t in zip(parts, sizes)) / tokens
     label = f"{routing.label}, {tokens} tokens" + (f" on each of {ranks} ranks" * (ranks > 1))
-    return Routing(load, label, int(top_k), routing.groups)
+    drawn = ()
+    if ubatches is not None:
+        drawn = tuple(
+            Routing(part, f"{label}, ubatch {u} ({t} tokens)", k, routing.groups)
+            for u, (part, t) in enumerate(zip(parts, sizes))
+        )
+        label += f", drawn per ubatch {'/'.join(map(str, sizes))}"
+    return Routing(load, label, k, routing.groups, drawn)
 
 
 def routed_counts(routing: Routing, tokens: int, top_k: int) -> np.ndarray:

@@ -24,6 +24,9 @@ V3's 8 and 4; each chosen group receives about k / g of them) changes how often 
 rank that holds whole groups, or lies inside one, is missed: computed for balanced routing,
 and applied to skewed shares as the same power of the free miss probability.
 
+`fair_share_ends` says when each of a sender's flows has left a link the flows share
+fairly, all starting together: the LL kernels' (expert, destination) senders.
+
 `balanced_dedup` is the one-rank form of the same count (the `ht_nvl_share` and
 `ht_rdma_share` a `SimDevice` prices an HT region with), so a group under balanced routing
 replays its recording exactly.
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LayerBytes", "miss_probability", "layer_bytes", "balanced_dedup"]
+__all__ = ["LayerBytes", "miss_probability", "layer_bytes", "balanced_dedup", "fair_share_ends"]
 
 
 def _free_miss(c: np.ndarray, top_k: int, num_experts: int) -> np.ndarray:
@@ -98,6 +101,8 @@ class LayerBytes:
     rdma_recv: np.ndarray
     sends_to: np.ndarray  # [p, r]: p has rows for r
     rdma_counted: np.ndarray | None = None  # per sender, (token, node) pairs, own node too
+    pair_nvl: np.ndarray | None = None  # LL: [p, r] bytes p sends r over NVLink
+    pair_rdma: np.ndarray | None = None  # LL: [p, r] bytes p sends r over RDMA
 
     def reversed(self) -> LayerBytes:
         return LayerBytes(
@@ -107,6 +112,8 @@ class LayerBytes:
             self.rdma_send,
             self.sends_to.T,
             self.rdma_counted,
+            None if self.pair_nvl is None else self.pair_nvl.T,
+            None if self.pair_rdma is None else self.pair_rdma.T,
         )
 
 
@@ -134,7 +141,9 @@ def layer_bytes(
     if mode == "ll":
         pair = copy_bytes * c * off_diag
         nvl, rdma = pair * same, pair * ~same
-        return LayerBytes(nvl.sum(1), nvl.sum(0), rdma.sum(1), rdma.sum(0), sends_to)
+        return LayerBytes(
+            nvl.sum(1), nvl.sum(0), rdma.sum(1), rdma.sum(0), sends_to, None, nvl, rdma
+        )
     token_bytes = copy_bytes / max(int(top_k), 1)
     e = placement.shape[0]
     to_rank = token_bytes * (1.0 - miss_probability(c, top_k, e, ranks, groups))  # [p, r]
@@ -177,3 +186,30 @@ def balanced_dedup(
     off_node = (ranks - min(gpus_per_node, ranks)) / ranks
     rdma = float(b.rdma_send[0]) / off_node if off_node > 0 else 1.0
     return float(b.nvl_send[0]) / sent, rdma
+
+
+def fair_share_ends(pair: np.ndarray) -> np.ndarray:
+    """[p, r]: when p's flow to r has fully left, in bytes of p's link, every flow of p
+    starting together and the link shared fairly among those still sending (processor
+    sharing): a flow of s bytes ends after sum_j min(s_pj, s); the largest ends with p's
+    whole send."""
+    pair = np.asarray(pair, dtype=float)
+    out = np.where(pair > 0, pair.sum(axis=1, keepdims=True), 0.0)
+    # A sender whose flows are all equal ends them together, with its whole send; senders
+    # with the same flows (a node's ranks under one routing row) share one sort.
+    low = np.where(pair > 0, pair, np.inf).min(axis=1)
+    mixed = np.flatnonzero(pair.max(axis=1) > low)
+    if mixed.size == 0:
+        return out
+    rows = pair[mixed]
+    first = np.ones(len(rows), dtype=bool)
+    first[1:] = (rows[1:] != rows[:-1]).any(axis=1)
+    distinct = rows[first]
+    order = np.argsort(distinct, axis=1, kind="stable")
+    ranked = np.take_along_axis(distinct, order, axis=1)
+    n = distinct.shape[1]
+    done = np.cumsum(ranked, axis=1) + ranked * (n - 1 - np.arange(n))  # sum_j min(s_j, s_k)
+    ends = np.empty_like(done)
+    np.put_along_axis(ends, order, done, axis=1)
+    out[mixed] = ends[np.cumsum(first) - 1]
+    return out

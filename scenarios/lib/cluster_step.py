@@ -35,7 +35,7 @@ from dbo.sim.routing import (
     zipf,
 )
 from dbo.sim.traffic import balanced_dedup
-from dbo.split import UBatchProposal, decide_ubatching, is_last_ubatch_empty
+from dbo.split import UBatchProposal, decide_ubatching, is_last_ubatch_empty, split_batch
 from scenarios.model import Batch, ModelConfig, MoEModel
 from scenarios.steps import prepare, serial_step, ubatched_step
 from workspace import reset_workspace_manager
@@ -81,6 +81,14 @@ class StepSpec:
     @property
     def mode(self) -> str:
         return "ll" if self.phase == "decode" else "ht"
+
+    def ubatch_tokens(self) -> tuple[int, ...] | None:
+        """Each ubatch's token count, as the step splits its batch (None: serial)."""
+        if self.num_ubatches is None:
+            return None
+        batch = self.batch()
+        slices = split_batch(batch.query_start_loc, batch.num_tokens, self.num_ubatches)
+        return tuple(s.num_tokens for s in slices)
 
     def batch(self) -> Batch:
         if self.phase == "decode":

@@ -5,9 +5,17 @@ EP 72 decode over 9 nodes; DeepEP's low-latency kernel times and normal-mode RDM
 now replayed for every rank (`dbo.sim.cluster`) with the routing each publication states:
 SGLang serves DeepSeek-V3 with EPLB over 32 redundant experts (288 physical); DeepEP's
 benchmarks route random scores. Both become sampled batches (`dbo.sim.routing.sampled`), each
-rank drawing its own tokens' top-8 (seeded), so an expert's load is a sum over the ranks'
-batches, EPLB places each layer by that layer's load, and the slowest pair of ranks ends each
-collective. Bytes move as DeepEP's kernels move them (`dbo.sim.traffic`) and the normal-mode
+rank drawing its own tokens' top-8 (seeded; under TBO each ubatch's tokens on their own, the
+serial step routing their union), so an expert's load is a sum over the ranks' batches; EPLB
+places each layer by its long-run load (the uniform shares the batches are drawn from), as
+DeepSeek's EPLB places by statistics gathered over many batches, not by the batch it runs;
+and the slowest pair of ranks ends each collective. DeepEP's low-latency figure is what a
+rank's kineto trace shows for its own kernel, averaged over 30 back-to-back runs that start
+together after a barrier: the replay runs the same loop and averages over ranks and runs.
+Every rank's kernel waits for every peer's flags, so a rank that finished its combine early
+waits inside its next dispatch: each rank's dispatch and combine add up to the group's
+period, which its slowest chain of pairs sets.
+Bytes move as DeepEP's kernels move them (`dbo.sim.traffic`) and the normal-mode
 bandwidths count them as DeepEP's tests do (`recv_x` rows per rank over NVLink; (token, node)
 pairs, own node included, over RDMA). The calibration marks of the one-rank rows carry over:
 a constant read off a figure still makes its row a calibration row here.
@@ -16,7 +24,7 @@ a constant read off a figure still makes its row a calibration row here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,7 +34,7 @@ from dbo.sim.cluster import simulate_cluster
 from dbo.sim.cluster_program import record_program
 from dbo.sim.hardware import H800, HardwareProfile
 from dbo.sim.options import EngineKnobs, SimOptions
-from dbo.sim.routing import balanced, contiguous, eplb, sampled
+from dbo.sim.routing import Placement, Routing, balanced, contiguous, eplb, sampled
 from dbo.sim.traffic import balanced_dedup, layer_bytes
 from scenarios.lib.cluster_step import ROUTING_GROUPS, StepSpec, moe_layers, record_step
 from scenarios.lib.fidelity_rows import (
@@ -56,24 +64,40 @@ from scenarios.lib.fidelity_rows import (
 )
 from scenarios.tools.fidelity_kernels import DEEPEP_BYTES
 
-__all__ = ["scale_rows", "cluster_gain", "deepep_ll_cluster_us", "deepep_normal_cluster_gbps"]
+__all__ = [
+    "SGLangGroup",
+    "sglang_group",
+    "scale_rows",
+    "cluster_gain",
+    "deepep_ll_cluster_us",
+    "deepep_normal_cluster_gbps",
+]
 
 SCALE_PREFILL_TOKENS = 16384
 SEED = 0
+# DeepEP's `bench_kineto` times `num_tests` (30) back-to-back dispatch + combine runs after
+# one barrier and averages each kernel's time on the rank that prints it.
+DEEPEP_BENCH_RUNS = 30
 
 
-def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, dict[str, Any]]:
-    """SGLang's setup on the virtual group: the slowest rank's serial step over its TBO step."""
+@dataclass(frozen=True)
+class SGLangGroup:
+    """SGLang's setup as the virtual group runs it: the serial and TBO steps, the group's
+    sampled routing and EPLB's placement."""
+
+    specs: dict[int | None, StepSpec]
+    routing: Routing
+    placement: Placement
+
+
+def sglang_group(phase: str, ep: int, tokens: int, quick: bool, *, seed: int = SEED) -> SGLangGroup:
+    """The serial and 2-ubatch steps of SGLang's `phase` at EP `ep`, each rank's batch drawn
+    per ubatch (the serial step routes their union), EPLB placed by the long-run load."""
     physical = deepseek_config(ep, quick)
     logical = physical.with_(num_experts=physical.num_experts - SGLANG_REDUNDANT_EXPERTS)
-    layers = moe_layers(physical)
-    family = balanced(layers, logical.num_experts, DEEPEP_TOPK)
-    routing = sampled(family, tokens, DEEPEP_TOPK, ranks=ep, seed=SEED)
-    routing = replace(routing, groups=ROUTING_GROUPS["deepseek-v3"])
-    placement = eplb(routing.expert_load(), ep, SGLANG_REDUNDANT_EXPERTS)
-    steps, facts = {}, {}
-    for n in (None, 2):
-        spec = StepSpec(
+    family = balanced(moe_layers(physical), logical.num_experts, DEEPEP_TOPK)
+    specs = {
+        n: StepSpec(
             physical,
             phase,
             tokens,
@@ -82,17 +106,36 @@ def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, 
             context=SGLANG_DECODE_CONTEXT,
             prompt=SGLANG_PROMPT,
         )
-        result = simulate_cluster(record_step(spec), routing, placement)
+        for n in (None, 2)
+    }
+    split = specs[2].ubatch_tokens()
+    routing = sampled(family, tokens, DEEPEP_TOPK, ranks=ep, seed=seed, ubatches=split)
+    routing = replace(routing, groups=ROUTING_GROUPS["deepseek-v3"])
+    # EPLB places each layer by its long-run load (the statistics it collects over many
+    # batches, here the family's shares), never by the batch it is about to run.
+    placement = eplb(family.expert_load(), ep, SGLANG_REDUNDANT_EXPERTS)
+    return SGLangGroup(specs, routing, placement)
+
+
+def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, dict[str, Any]]:
+    """SGLang's setup on the virtual group: the slowest rank's serial step over its TBO step."""
+    group = sglang_group(phase, ep, tokens, quick)
+    steps, facts = {}, {}
+    for n, spec in group.specs.items():
+        result = simulate_cluster(record_step(spec), group.routing, group.placement)
         steps[n] = float(result.step_us.max())
         facts[f"{'serial' if n is None else 'tbo'}_peer_wait_us"] = float(result.peer_wait_us.max())
         facts["max_rank_rows"] = float(result.expert_factor.max())
     return (steps[None] / steps[2] - 1.0) * 100.0, {"step_us": steps, **facts}
 
 
-def deepep_ll_cluster_us(kind: str, ep: int, profile: HardwareProfile = H800) -> float:
-    """DeepEP's low-latency benchmark on the virtual group: one dispatch and one combine of
-    128 random-routed tokens on each rank (its own draw); the mean over ranks of the
-    kernel's time."""
+def deepep_ll_cluster_us(
+    kind: str, ep: int, profile: HardwareProfile = H800, *, runs: int = DEEPEP_BENCH_RUNS
+) -> float:
+    """DeepEP's low-latency benchmark on the virtual group: `runs` back-to-back dispatches
+    and combines of 128 random-routed tokens on each rank (its own draw, the same every run,
+    as DeepEP's test keeps its `topk_idx`); the mean over ranks and runs of each rank's own
+    kernel time, as DeepEP's test prints it per rank (`bench_kineto`)."""
     device = SimDevice(SimOptions(profile, tensor_device="meta"))
     sent = {
         k: int(DEEPEP_LL_TOKENS * DEEPEP_TOPK * DEEPEP_BYTES[k] * (ep - 1) / ep)
@@ -101,16 +144,17 @@ def deepep_ll_cluster_us(kind: str, ep: int, profile: HardwareProfile = H800) ->
 
     def step() -> None:
         with device.thread_scope(None):
-            for k in ("dispatch", "combine"):
-                with device.comm_region(k, nbytes=sent[k], mode="ll", ep_size=ep):
-                    pass
+            for _ in range(runs):
+                for k in ("dispatch", "combine"):
+                    with device.comm_region(k, nbytes=sent[k], mode="ll", ep_size=ep):
+                        pass
 
     program = record_program(step, device)
     base = balanced(1, 256, DEEPEP_TOPK)
     routing = sampled(base, DEEPEP_LL_TOKENS, DEEPEP_TOPK, ranks=ep, seed=SEED)
     result = simulate_cluster(program, routing, contiguous(256, ep))
-    op = next(c.op for c in program.collectives if c.kind == kind)
-    return float(np.mean(result.end[op] - result.start[op]))
+    ops = [c.op for c in program.collectives if c.kind == kind]
+    return float(np.mean(result.end[ops] - result.start[ops]))
 
 
 def deepep_normal_cluster_gbps(
@@ -211,9 +255,12 @@ def _deepep_rows() -> list[FidelityRow]:
                     "S-K",
                     DEEPEP_README,
                     "calibration: the one-rank row's constants (ll_latency_us at EP 8, "
-                    "rdma_efficiency at EP >= 64) came off this figure"
+                    "rdma_efficiency at EP >= 64) came off this figure, read as if every pair "
+                    "were equal; over the 30-run loop a rank that ends its combine early "
+                    "waits in its next dispatch"
                     if calibration
-                    else "each rank waits for the most loaded rank's rows (its own draw)",
+                    else "each rank waits for its slowest pair: under random routing the "
+                    "busiest receiver of the dispatch sends the most back and starts last",
                     calibration=calibration,
                 )
             )
@@ -253,8 +300,10 @@ def scale_rows(
                 gain,
                 "S-D",
                 SGLANG_BLOG,
-                "the group's imbalance is small and gates both runs alike; the miss is "
-                "per-ubatch cost, as in the one-rank row",
+                "EPLB on uniform long-run load leaves 8 of 72 ranks 4 whole experts (1.125x "
+                "the mean rows); serial steps wait for them in every collective, TBO hides "
+                "part of it, so the gain exceeds the one-rank row's, whose miss (per-ubatch "
+                "cost) it keeps",
             )
         )
         if on_point:
@@ -268,22 +317,27 @@ def _assumptions() -> dict[str, str]:
     return {
         "S-P": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_PREFILL_EP} (4 nodes) "
-            f"replayed; 288 physical experts placed by EPLB per layer on that layer's load; "
-            f"routing: {SCALE_PREFILL_TOKENS} tokens on each rank, its own draw of top-8 of "
-            f"uniform scores inside 4 of 8 groups (seed {SEED}); bytes as DeepEP's normal "
+            f"replayed; 288 physical experts placed by EPLB per layer on its long-run "
+            f"(uniform) load; routing: {SCALE_PREFILL_TOKENS} tokens on each rank, its own draw "
+            f"of top-8 of uniform scores inside 4 of 8 groups, each ubatch's tokens drawn on "
+            f"their own (seed {SEED}); bytes as DeepEP's normal "
             "kernels move them (one row per token and destination rank over NVLink, per token "
             "and remote node over RDMA); otherwise as [P]"
         ),
         "S-D": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_DECODE_EP} (9 nodes) "
-            "replayed; EPLB 288 physical experts per layer; routing: each rank's own batch "
-            "sampled top-8 (seeded); otherwise as [D]"
+            "replayed; EPLB 288 physical experts per layer on its long-run (uniform) load; "
+            "routing: each rank's own batch sampled top-8, each ubatch's tokens drawn on "
+            "their own (seeded); LL pairs leave as DeepEP's per-(expert, destination) "
+            "senders share a link; otherwise as [D]"
         ),
         "S-K": (
             f"{describe_profile(H800)}. DeepEP's LL benchmark on every rank: one dispatch and "
             f"one combine of {DEEPEP_LL_TOKENS} tokens on each rank, its own random "
-            f"top-{DEEPEP_TOPK} draw (seeded); every (token, expert) copy sent; mean over ranks "
-            "of the kernel time, each ending when its slowest pair does"
+            f"top-{DEEPEP_TOPK} draw (seeded); every (token, expert) copy sent, a pair's rows "
+            "leaving as DeepEP's per-(expert, destination) senders share a link; mean over "
+            "ranks of each rank's own kernel time (as DeepEP's test prints it), each ending "
+            "when its slowest pair does"
         ),
         "S-N": (
             f"{describe_profile(H800)}. DeepEP's normal-mode benchmark on every rank: one HT "

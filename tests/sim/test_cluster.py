@@ -21,7 +21,7 @@ from dbo.sim.cluster_report import (
 )
 from dbo.sim.hardware import H800
 from dbo.sim.options import SimOptions
-from dbo.sim.routing import Routing, balanced, cap_shares, contiguous, zipf
+from dbo.sim.routing import Routing, balanced, cap_shares, contiguous, sampled, zipf
 from scenarios.lib.cluster_step import (
     StepSpec,
     dp_agreement,
@@ -138,7 +138,10 @@ def test_the_most_loaded_rank_gates_every_combine(phase):
     for c in combines:
         waiting = c.peer_wait_us > 0
         gates = set(c.gate[waiting].tolist())
-        if c.ubatch == 0 or phase == "decode":
+        if phase == "decode":  # LL: its node's peers get its rows over NVLink, sooner
+            assert waiting[8:].all() and gates == {5}
+            assert c.peer_wait_us[8:].min() > c.peer_wait_us[:8].max()
+        elif c.ubatch == 0:
             assert waiting.sum() == 15 and gates == {5}
         else:  # its node's ranks waited for it in ubatch 0 and hold the other node back
             assert gates and gates <= set(range(8))
@@ -218,6 +221,31 @@ def test_dp_ranks_split_only_if_every_rank_can_and_pad_to_the_largest():
     assert agreed.padding_share == pytest.approx(1 - 154 / 192)
     refused = dp_agreement([64, 1], 4)
     assert not refused.split and refused.reason
+
+
+def _per_ubatch(layers: int, skewed: Routing) -> Routing:
+    """Ubatch 0 balanced, ubatch 1 `skewed`; the batch is their union (equal halves)."""
+    even = balanced(layers, 256, 8)
+    union = (even.load + skewed.load) / 2
+    return Routing(union, "ubatch 0 even, 1 skewed", 8, None, (even, skewed))
+
+
+def test_each_ubatch_s_collectives_move_its_own_tokens_draw():
+    program = record_step(_spec("decode", 16, 2))
+    routing = _per_ubatch(program.num_layers, _hot(program.num_layers, 5))
+    result = simulate_cluster(program, routing, contiguous(256, 16))
+    for c in result.collectives:
+        if c.kind == "combine":
+            uneven = c.send_mb.max() > c.send_mb.min() * 1.01
+            assert uneven == (c.ubatch == 1), (c.layer, c.ubatch)
+
+
+def test_a_routing_drawn_for_other_ubatches_than_the_step_runs_is_refused():
+    program = record_step(_spec("decode", 16, 2))
+    base = balanced(program.num_layers, 256, 8)
+    routing = sampled(base, 64, 8, ranks=16, ubatches=(20, 20, 24))
+    with pytest.raises(ValueError, match="drawn for 3 ubatches but the step runs 2"):
+        simulate_cluster(program, routing, contiguous(256, 16))
 
 
 def test_a_placement_of_another_ep_size_is_refused():

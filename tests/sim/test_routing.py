@@ -103,6 +103,34 @@ def test_the_group_load_evens_out_as_more_ranks_route_their_own_tokens():
     assert group.imbalance() < 1.2 < one_draw.imbalance()
 
 
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("split", [(8, 8), (3, 13), (5, 5, 6)])
+def test_the_ubatches_routed_rows_sum_to_the_serial_step_s_per_rank(seed, split):
+    base = zipf(2, 64, 0.8, top_k=8, seed=seed)
+    batch = sampled(base, sum(split), 8, ranks=4, seed=seed, ubatches=split)
+    rows = sum(batch.of_ubatch(u).load * t * 8 for u, t in enumerate(split))
+    assert len(batch.ubatches) == len(split)
+    assert np.allclose(rows, batch.load * sum(split) * 8)
+
+
+def test_each_ubatch_routes_its_own_draw_so_it_is_more_uneven_than_the_whole():
+    base = balanced(6, 256, top_k=8)
+    batch = sampled(base, 64, 8, ranks=8, seed=1, ubatches=(32, 32))
+    first, second = batch.of_ubatch(0), batch.of_ubatch(1)
+    assert not np.allclose(first.load, second.load)
+    assert min(first.imbalance(), second.imbalance()) > batch.imbalance()
+
+
+def test_a_batch_drawn_whole_routes_every_ubatch_as_itself():
+    batch = sampled(balanced(1, 64, top_k=8), 32, 8, ranks=2, seed=0)
+    assert batch.of_ubatch(0) is batch and batch.of_ubatch(None) is batch
+
+
+def test_ubatch_token_counts_that_miss_the_batch_are_refused():
+    with pytest.raises(ValueError, match="sum to the batch"):
+        sampled(balanced(1, 64, top_k=8), 32, 8, ubatches=(16, 8))
+
+
 def test_a_per_rank_histogram_csv_gives_a_source_row_per_rank(tmp_path):
     path = tmp_path / "h.csv"
     path.write_text("layer,rank,e0,e1\n0,0,3,1\n0,1,1,3\n1,0,1,1\n1,1,1,1\n")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dbo.sim.routing import contiguous, zipf
-from dbo.sim.traffic import balanced_dedup, layer_bytes
+from dbo.sim.traffic import balanced_dedup, fair_share_ends, layer_bytes
 
 
 def _picks(shares: np.ndarray, tokens: int, k: int, groups, rng) -> np.ndarray:
@@ -88,3 +88,20 @@ def test_the_one_rank_shares_are_the_balanced_group_s_bytes():
     b = layer_bytes(shares, contiguous(256, 32).share, 1.0, 8, "ht", 8, (8, 4))
     assert b.nvl_send[0] == pytest.approx(nvl * 31 / 32)
     assert b.rdma_send[0] == pytest.approx(rdma * 24 / 32)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_fairly_shared_link_ends_each_flow_by_its_size_and_the_largest_with_the_send(seed):
+    rng = np.random.default_rng(seed)
+    flows = rng.integers(0, 50, size=(6, 9)).astype(float)
+    ends = fair_share_ends(flows)
+    whole = flows.sum(axis=1)
+    assert np.allclose(ends.max(axis=1), whole)  # the largest flow leaves with the last row
+    assert (ends <= whole[:, None] + 1e-9).all() and (ends >= flows - 1e-9).all()
+    for row, end in zip(flows, ends):  # a larger flow never leaves earlier
+        order = np.argsort(row, kind="stable")
+        assert (np.diff(end[order]) >= -1e-9).all()
+
+
+def test_equal_flows_all_end_with_the_whole_send():
+    assert np.allclose(fair_share_ends(np.full((3, 4), 2.0)), 8.0)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dbo.sim.hardware import H800
 from scenarios.tools.fidelity_kernels import deepep_ll_us, normal_bandwidth_gbps
-from scenarios.tools.fidelity_scale import deepep_ll_cluster_us, deepep_normal_cluster_gbps
+from scenarios.tools.fidelity_scale import (
+    deepep_ll_cluster_us,
+    deepep_normal_cluster_gbps,
+    sglang_group,
+)
 
 
 @pytest.mark.parametrize("kind", ["dispatch", "combine"])
@@ -20,6 +25,17 @@ def test_one_node_stays_close_to_the_balanced_formula():
     assert deepep_ll_cluster_us("dispatch", 8) == pytest.approx(
         deepep_ll_us("dispatch", 8), rel=0.05
     )
+
+
+@pytest.mark.parametrize("ep", [8, 64])
+def test_back_to_back_runs_cost_every_rank_the_same_period(ep):
+    # every rank's LL kernel waits for every peer: whatever a rank gains in its combine it
+    # waits for in its next dispatch, so dispatch + combine is the group's period on each
+    # rank, and no shorter than one run started together
+    period = [deepep_ll_cluster_us(k, ep, runs=12) for k in ("dispatch", "combine")]
+    once = [deepep_ll_cluster_us(k, ep, runs=1) for k in ("dispatch", "combine")]
+    assert sum(period) >= sum(once) * (1 - 1e-9)
+    assert sum(period) == pytest.approx(sum(once), rel=0.03)
 
 
 @pytest.mark.parametrize(("kind", "ep"), [("dispatch", 8), ("combine", 8), ("dispatch", 32)])
@@ -48,3 +64,16 @@ def test_the_rdma_figure_counts_the_own_node_as_deepep_s_test_does():
     # own node's tokens, so the figure exceeds it (by about 4/3 over 4 nodes)
     nic = H800.rdma_gbps * H800.rdma_efficiency
     assert 1.2 * nic < deepep_normal_cluster_gbps("dispatch", 32, random=False) < 1.4 * nic
+
+
+def test_sglang_s_eplb_places_by_the_long_run_load_not_by_the_batch_it_runs():
+    one, other = (sglang_group("decode", 72, 32, True, seed=s) for s in (0, 1))
+    assert not np.allclose(one.routing.load, other.routing.load)
+    assert np.array_equal(one.placement.share, other.placement.share)
+
+
+def test_sglang_s_tbo_step_routes_each_ubatch_s_own_half_of_the_serial_tokens():
+    group = sglang_group("decode", 72, 32, True)
+    assert group.specs[2].ubatch_tokens() == (16, 16)
+    halves = [group.routing.of_ubatch(u).load for u in (0, 1)]
+    assert np.allclose((halves[0] + halves[1]) / 2, group.routing.load)
