@@ -45,8 +45,6 @@ LONG_MODULES = {
     "path; what is not the device left (options, log, tracks, clock, regions, handles)",
     "workspace.manager": "WorkspaceManager, vLLM's API surface in one class",
     "dbo.split.checker": "the split checker's rules, one family per section",
-    "dbo.verification": "verify's driver, where layouts, graphs, runtimes and the race order "
-    "meet; it splits with the verify tools' own package (the layers, still open)",
     "scenarios.tools.stress": "a verb whose lanes, schedule and report are its own, unshared",
 }
 FMT_SKIP_BUDGET = 5  # a table laid out by hand may keep one, with its reason above it
