@@ -43,6 +43,7 @@ def check_args(
     artifacts: Any,
     race_order: Any = "issue",
 ) -> None:
+    """Refuse any bad argument of `verify`, and a call from inside a ubatch, before work."""
     if not callable(forward):
         raise TypeError(
             f"forward must be callable (forward(batch) -> output), got {type(forward).__name__}"
@@ -99,12 +100,14 @@ def verify_device(device: Any, inputs: Any = None) -> Device:
 
 
 def lookup_split_rules(split_rules: Any) -> SplitRules:
+    """The engine's rules for empty ubatches, by name (`dbo.verification.layout`)."""
     if split_rules not in SPLIT_RULES:
         raise ValueError(f"split_rules must be one of {sorted(SPLIT_RULES)}, got {split_rules!r}")
     return SPLIT_RULES[split_rules]
 
 
 def check_adversarial(device: Device, inputs: Any) -> None:
+    """`race_order="adversarial"` needs the simulated device and real values."""
     if not isinstance(device, SimDevice):
         raise ValueError(
             "race_order='adversarial' re-executes a captured step on the simulated device; "

@@ -21,9 +21,8 @@ device and ubatch count, both paths are warmed up (the workspace grows to its la
 it is locked, the steps are measured, and the previous state (none) is restored. A manager
 the caller already initialised is used as it is and left as it was.
 
-`workspace` is imported as a module, not as names: `workspace.manager` imports
-`dbo.ubatching`, so `import workspace` first runs this package's `__init__` while `workspace`
-is half-imported; its attributes are read only when `verify` runs.
+This module is the driver: the phases in order, each in a module of its own (`arguments`,
+`inputs`, `runs`, then the report built here from `compare` and `report`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ def _rows(value: Any) -> int | None:
 
 
 def input_leaves(inputs: Any) -> list[Any]:
+    """The values of a batch given as a mapping, a tuple or list, or one value."""
     if isinstance(inputs, Mapping):
         return list(inputs.values())
     if isinstance(inputs, (tuple, list)):
@@ -71,6 +72,7 @@ def _describe(value: Any) -> str:
 
 
 def ubatch_inputs(inputs: Any, num_ubatches: int, split: Callable | None) -> list[Any]:
+    """The ubatch inputs by `split` (default: `split_inputs`), refused unless one per ubatch."""
     if split is None:
         return split_inputs(inputs, num_ubatches)
     pieces = split(inputs, num_ubatches)

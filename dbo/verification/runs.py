@@ -43,6 +43,8 @@ __all__ = ["MeasuredRun", "RunPlan", "run_all"]
 
 @dataclass
 class MeasuredRun:
+    """One measured step: its output (snapshotted), time, and what the device saw of it."""
+
     output: Any
     step_us: float
     records: list[OpRecord]
