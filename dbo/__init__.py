@@ -3,8 +3,15 @@
 The names mirror vLLM's (`make_ubatch_contexts`, `dbo_yield`, ...), so code written against
 this package reads like an engine's. Streams come from `dbo.streams` (real CUDA or the simulated
 device in `dbo.sim`); `run_ubatches` runs one ubatched step and always comes back.
+
+This module is the facade: the runtime's names, `analyze_trace` (`dbo.analysis`), and the tools
+that check a forward (`verify`, `verify_ranks`: `dbo.verification`), imported last. Importing it
+loads the simulator's modules but changes no torch state: the simulator hooks NVTX only when a
+simulated device is first used.
 """
 
+from dbo.analysis import TraceReport, analyze_trace
+from dbo.collective_calls import CollectiveMismatchError
 from dbo.devices import (
     current_device,
     current_stream,
@@ -21,6 +28,7 @@ from dbo.errors import (
     UBatchTimeoutError,
     YieldMismatchError,
 )
+from dbo.fingerprint import collective_kind
 from dbo.runner import DEFAULT_TIMEOUT_S, merge_outputs, run_ubatches
 from dbo.streams import CudaDevice, Device, Event, Stream, stream_context
 from dbo.ubatching import (
@@ -41,6 +49,17 @@ from dbo.ubatching import (
     dbo_yield_and_switch_from_compute_to_comm,
     make_ubatch_contexts,
     set_forward_context,
+)
+
+# The tools last: they stand on everything above (and on `workspace`, whose modules stand on
+# this package's runtime), and nothing in the runtime imports them.
+from dbo.verification import (
+    RanksReport,
+    VerifyError,
+    VerifyRanksError,
+    VerifyReport,
+    verify,
+    verify_ranks,
 )
 
 __all__ = [
@@ -92,44 +111,3 @@ __all__ = [
     "collective_kind",
     "CollectiveMismatchError",
 ]
-
-
-# `dbo.verify` (module `dbo.verification`) sits a layer above both this package's runtime and
-# `workspace` (it initialises a workspace for the user), while `workspace` imports
-# `dbo.ubatching`: importing it here would make `dbo` and `workspace` import each other. It is
-# loaded on first use instead.
-_VERIFY_NAMES = ("verify", "VerifyReport", "VerifyError")
-
-# `dbo.analyze_trace` (package `dbo.analysis`) reads profiler traces into the simulator's
-# records: loaded on first use so that `import dbo` stays light.
-_ANALYSIS_NAMES = ("analyze_trace", "TraceReport")
-
-# `dbo.verify_ranks` (module `dbo.rank_verification`) stands on `dbo.verify`, loaded with it;
-# `dbo.collective_kind` (module `dbo.fingerprint`) imports torch.distributed, on first use.
-_RANKS_NAMES = ("verify_ranks", "RanksReport", "VerifyRanksError")
-_FINGERPRINT_NAMES = ("collective_kind",)
-_COLLECTIVE_CALL_NAMES = ("CollectiveMismatchError",)
-
-
-def __getattr__(name: str):
-    if name in _VERIFY_NAMES:
-        from dbo import verification  # the layer above; see _VERIFY_NAMES
-
-        return getattr(verification, name)
-    if name in _ANALYSIS_NAMES:
-        from dbo import analysis  # see _ANALYSIS_NAMES
-
-        return getattr(analysis, name)
-    if name in _RANKS_NAMES:
-        from dbo import rank_verification  # see _RANKS_NAMES
-
-        return getattr(rank_verification, name)
-    if name in _FINGERPRINT_NAMES:
-        from dbo import fingerprint  # see _FINGERPRINT_NAMES
-
-        return getattr(fingerprint, name)
-    if name in _COLLECTIVE_CALL_NAMES:
-        from dbo import collective_calls  # see _FINGERPRINT_NAMES
-
-        return getattr(collective_calls, name)
-    raise AttributeError(f"module 'dbo' has no attribute {name!r}")

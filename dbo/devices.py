@@ -1,10 +1,11 @@
 """Which device a thread uses: the process default, a thread's own (`use_device`), and the
 user's device argument turned into a `Device` (`resolve_device`).
 
-This is the one module that knows both implementations of the `dbo.streams` interface: the
-default is the simulated H200, so a laptop with no GPU runs the same code as a GPU node. The
-simulator (`dbo.sim`: its dispatch modes, its NVTX hooks) is imported when a simulated device
-is first resolved, not by `import dbo`: a process that only uses CUDA never loads it.
+This is the one module of the runtime that knows both implementations of the `dbo.streams`
+interface: the default is the simulated H200, so a laptop with no GPU runs the same code as a
+GPU node. The simulator sits below the runtime (it implements `dbo.streams` and stands on
+nothing else of it); importing it changes no torch state (its NVTX hooks go in when a simulated
+device is first used).
 
 Documented registry: the process-wide default device (`set_default_device`), used by threads
 that have not entered `use_device`.
@@ -15,14 +16,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 
+from dbo.sim import SimDevice, SimOptions
 from dbo.streams import CudaDevice, Device, Stream
-
-if TYPE_CHECKING:
-    from dbo.sim.options import SimOptions
 
 __all__ = [
     "current_device",
@@ -52,7 +50,7 @@ def get_default_device() -> Device:
     global _DEFAULT_DEVICE
     with _DEFAULT_LOCK:
         if _DEFAULT_DEVICE is None:
-            _DEFAULT_DEVICE = _sim_device()
+            _DEFAULT_DEVICE = SimDevice()
         return _DEFAULT_DEVICE
 
 
@@ -93,7 +91,7 @@ def resolve_device(device: Device | str | None, sim_options: SimOptions | None =
         return device
     if isinstance(device, str):
         if device == "sim":
-            return _sim_device(sim_options)
+            return SimDevice(sim_options)
         if device == "cuda" or device.startswith("cuda:"):
             suffix = device.split(":", 1)[1] if ":" in device else None
             if suffix is not None and not suffix.isdigit():
@@ -104,13 +102,6 @@ def resolve_device(device: Device | str | None, sim_options: SimOptions | None =
     raise ValueError(
         f"device must be 'sim', 'cuda', 'cuda:N' or a dbo.streams.Device, got {device!r}"
     )
-
-
-def _sim_device(options: SimOptions | None = None) -> Device:
-    """A new simulated device; the first call imports the simulator (see the module doc)."""
-    from dbo.sim import SimDevice  # deferred: `import dbo` does not load the simulator
-
-    return SimDevice(options)
 
 
 def record_stream(tensor: torch.Tensor, stream: Stream | None = None) -> None:

@@ -21,9 +21,9 @@ The fingerprint's exchange waits like the collective it precedes: inside `while_
 (`EPGroup` passes its abort-key and timeout check) a failed or missing peer ends it promptly.
 `dbo.verify_ranks` and the rank processes of `dbo-sim run --ranks` install a tracker.
 
-Each rank also appends every collective's start and end to its own log file (one JSON object
-a line, written at once), so a hung rank's history survives it: `dbo.rank_history` reads the
-logs after a timeout and names the first collective where the ranks diverge.
+Each rank also appends every collective's start and end to its own log file (one JSON object a
+line, written at once), so a hung rank's history survives it: `dbo.verification.rank_history` reads
+the logs after a timeout and names the first collective where the ranks diverge.
 """
 
 from __future__ import annotations

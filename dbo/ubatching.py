@@ -165,7 +165,7 @@ def dbo_current_ubatch_token_offset() -> int:
 
 def _ubatch_helper(method: Callable[[UBatchContext], None]) -> Callable[[], None]:
     # Called by name on the registered context, not as the unbound function: a seat of
-    # another runtime (`dbo.vllm_runtime.VllmSeat`) answers with its own methods.
+    # another runtime (`dbo.verification.vllm_runtime.VllmSeat`) answers with its own methods.
     name = method.__name__
 
     def helper() -> None:

@@ -1,5 +1,6 @@
 """The README's example test: run with `pytest examples/test_my_moe.py` where dbo-sim is
-installed (its pytest plugin gives the fixtures), or add `-p dbo.pytest_plugin` elsewhere."""
+installed (its pytest plugin gives the fixtures), or add
+`-p dbo.verification.pytest_plugin` elsewhere."""
 
 import pytest
 

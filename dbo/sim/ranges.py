@@ -7,8 +7,9 @@ mode hands them to the thread's `HostRanges`, and each closed range goes to the 
 thread, so each thread keeps its own stack of open ones.
 
 NVTX calls are plain functions, not ops: `torch.cuda.nvtx.range_push` / `range_pop` are
-wrapped once, on import, so that a thread working inside a simulated device's scope records a
-range instead of calling NVTX (a CPU build has none); every other thread calls the original.
+wrapped once per process, when a thread first enters a simulated device's scope (not on import:
+importing `dbo` leaves torch as it was), so that a thread inside that scope records a range
+instead of calling NVTX (a CPU build has none); every other thread calls the original.
 """
 
 from __future__ import annotations
@@ -85,12 +86,17 @@ class HostRanges:
 # The open ranges of the simulated device whose scope (`SimDevice.thread_scope`) the calling
 # thread is in: NVTX calls, plain functions, find them here.
 _IN_SCOPE = threading.local()
+# Set once NVTX is wrapped; the lock makes two threads entering their first scope wrap it once.
+_HOOKED = threading.Event()
+_HOOK_LOCK = threading.Lock()
 
 
 @contextmanager
 def device_scope(ranges: HostRanges) -> Iterator[None]:
     """Mark the calling thread as working inside a device's scope: NVTX calls record ranges
     into `ranges` (the thread's on that device)."""
+    if not _HOOKED.is_set():
+        _install_nvtx_hooks()
     previous = getattr(_IN_SCOPE, "ranges", None)
     _IN_SCOPE.ranges = ranges
     try:
@@ -130,10 +136,9 @@ def _wrap_pop(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _install_nvtx_hooks() -> None:
-    nvtx = torch.cuda.nvtx
-    if not hasattr(nvtx.range_push, "__wrapped__"):  # once per process, even on re-import
-        nvtx.range_push = _wrap_push(nvtx.range_push)
-        nvtx.range_pop = _wrap_pop(nvtx.range_pop)
-
-
-_install_nvtx_hooks()
+    with _HOOK_LOCK:
+        nvtx = torch.cuda.nvtx
+        if not hasattr(nvtx.range_push, "__wrapped__"):  # once per process, even on re-import
+            nvtx.range_push = _wrap_push(nvtx.range_push)
+            nvtx.range_pop = _wrap_pop(nvtx.range_pop)
+        _HOOKED.set()

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import dbo
 from dbo.graph_dispatch import BatchDescriptor
-from dbo.graph_runner import CUDAGraphRunner
 from dbo.sim import SimDevice
 from dbo.split import UBatchSlice, split_attn_metadata
+from dbo.verification.graph_runner import CUDAGraphRunner
 from scenarios.bugs.dp_steps import report_verdict
 from scenarios.bugs.registry import Verdict, bug
 from scenarios.bugs.vllm_graphs import attention, decode_batch, dispatcher

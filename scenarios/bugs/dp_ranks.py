@@ -1,5 +1,5 @@
 """Data-parallel bugs, run on a real two-rank gloo group: each entry forks two rank processes
-(`dbo.rank_processes`) that agree with `coordinate_batch_across_dp`, then confirm with
+(`dbo.verification.rank_processes`) that agree with `coordinate_batch_across_dp`, then confirm with
 `check_dp_padding` the token counts they are about to run, the fixed way and the buggy way
 in one group, and report what each rank saw.
 
@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dbo.rank_processes import RankContext, run_ranks
 from dbo.split import (
     DBOConfig,
     UBatchAgreementError,
@@ -27,6 +26,7 @@ from dbo.split import (
     coordinate_batch_across_dp,
     maybe_create_ubatch_slices,
 )
+from dbo.verification.rank_processes import RankContext, run_ranks
 from scenarios.bugs.registry import Verdict, bug_pair
 
 WORLD = 2

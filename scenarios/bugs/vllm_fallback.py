@@ -9,7 +9,7 @@ import torch
 import dbo
 import workspace
 from dbo.split import CommonAttentionMetadata, UBatchSlice
-from dbo.verify_layout import EmptyUBatchError
+from dbo.verification.layout import EmptyUBatchError
 from scenarios.bugs.attention import verify_verdict
 from scenarios.bugs.registry import Verdict, bug
 from scenarios.bugs.vllm_graphs import attention

@@ -1,9 +1,9 @@
 """vLLM's bug in how a step picks its CUDA graph kind: a graph keyed by token count only replayed
 for a batch of another kind (#25625). The engine captures its graphs per dispatcher key on the
-simulated device (`dbo.graph_runner`) and serves the step through them; the runner's checks
-name the graph that does not describe the batch. The pieces (the attention whose kernel a
-graph keeps, the decode batches, the dispatcher) also serve the DP graph-size entries, which
-run on real ranks (`scenarios.bugs.dp_graphs`)."""
+simulated device (`dbo.verification.graph_runner`) and serves the step through them; the
+runner's checks name the graph that does not describe the batch. The pieces (the attention
+whose kernel a graph keeps, the decode batches, the dispatcher) also serve the DP graph-size
+entries, which run on real ranks (`scenarios.bugs.dp_graphs`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 
 import dbo
 from dbo.graph_dispatch import BatchDescriptor, CudagraphDispatcher, CUDAGraphMode
-from dbo.graph_runner import CUDAGraphRunner, describe_batch
 from dbo.sim import SimDevice
 from dbo.split import CommonAttentionMetadata
+from dbo.verification.graph_runner import CUDAGraphRunner, describe_batch
 from scenarios.bugs.attention import verify_verdict
 from scenarios.bugs.registry import Verdict, bug
 

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from dbo.errors import UBatchTimeoutError
-from dbo.rank_verification import verify_ranks
 from dbo.sim.trace import WindowSpec
 from dbo.verification import RACE_ORDERS, VerifyReport, verify
+from dbo.verification.ranks import verify_ranks
 from scenarios.lib.trace_window import window_type
 from scenarios.lib.usage import UsageError, writable_dir
 

@@ -50,7 +50,7 @@ def test_the_readme_example_test_passes_under_pytest():
             "-p",
             "no:cacheprovider",
             "-p",
-            "dbo.pytest_plugin",
+            "dbo.verification.pytest_plugin",
             "examples/test_my_moe.py",
         ],
         cwd=ROOT,

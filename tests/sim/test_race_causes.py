@@ -10,10 +10,10 @@ import torch
 
 import dbo
 import dbo.switch_notes
-from dbo.race_causes import group_races
 from dbo.sim import SimDevice
 from dbo.sim.options import SimOptions
 from dbo.sim.records import OpSite, RaceReport
+from dbo.verification.race_causes import group_races
 
 
 def site(op: str, stream: str, ubatch: int | None, start: int, end: int, write: bool) -> OpSite:

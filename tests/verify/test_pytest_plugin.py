@@ -75,7 +75,7 @@ def run_user_tests(tmp_path: Path) -> subprocess.CompletedProcess:
             "-m",
             "pytest",
             "-p",
-            "dbo.pytest_plugin",
+            "dbo.verification.pytest_plugin",
             "-p",
             "no:cacheprovider",
             "-rA",
@@ -135,16 +135,19 @@ def test_the_plugin_is_declared_as_a_pytest11_entry_point():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     entry_points = project["project"]["entry-points"]["pytest11"]
-    # Named as the module, so `-p dbo.pytest_plugin` and the entry point are one plugin.
-    assert entry_points == {"dbo.pytest_plugin": "dbo.pytest_plugin"}
+    # Named as the module, so `-p dbo.verification.pytest_plugin` and the entry point are one
+    # plugin.
+    assert entry_points == {"dbo.verification.pytest_plugin": "dbo.verification.pytest_plugin"}
 
 
 def test_the_installed_entry_point_loads_the_plugin_module():
     from importlib.metadata import entry_points
 
-    found = [ep for ep in entry_points(group="pytest11") if ep.value == "dbo.pytest_plugin"]
+    found = [
+        ep for ep in entry_points(group="pytest11") if ep.value == "dbo.verification.pytest_plugin"
+    ]
     if not found:
         pytest.skip("dbo-sim is not installed in this environment (run `make test`)")
-    import dbo.pytest_plugin
+    import dbo.verification.pytest_plugin
 
-    assert found[0].load() is dbo.pytest_plugin
+    assert found[0].load() is dbo.verification.pytest_plugin

@@ -1,5 +1,5 @@
 """CUDA graphs keyed as vLLM keys them (`dbo.graph_dispatch`), served and checked on the
-simulated device (`dbo.graph_runner`), and `dbo.verify(..., graphs=)`."""
+simulated device (`dbo.verification.graph_runner`), and `dbo.verify(..., graphs=)`."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 
 import dbo
 from dbo.graph_dispatch import BatchDescriptor, CudagraphDispatcher, CUDAGraphMode
-from dbo.graph_runner import CUDAGraphRunner, describe_batch
 from dbo.sim import SimDevice
 from dbo.split import CommonAttentionMetadata
 from dbo.verification import split_inputs
+from dbo.verification.graph_runner import CUDAGraphRunner, describe_batch
 
 FULL, PIECEWISE, NONE = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE
 LAYOUT = [slice(0, 5), slice(5, 8)]  # cuts the mixed batch below at a request boundary

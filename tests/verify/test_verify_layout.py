@@ -9,7 +9,7 @@ import torch
 
 import dbo
 from dbo.split import CommonAttentionMetadata, UBatchSlice, maybe_create_ubatch_slices
-from dbo.verify_layout import EmptyUBatchError
+from dbo.verification.layout import EmptyUBatchError
 
 
 def scale_by_seq_len(batch: dict) -> torch.Tensor:

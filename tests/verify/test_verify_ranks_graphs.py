@@ -9,8 +9,8 @@ import torch
 
 import dbo
 from dbo.graph_dispatch import CudagraphDispatcher, CUDAGraphMode
-from dbo.graph_runner import CUDAGraphRunner
 from dbo.sim import SimDevice
+from dbo.verification.graph_runner import CUDAGraphRunner
 
 HIDDEN = 4
 

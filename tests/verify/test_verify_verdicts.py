@@ -15,7 +15,7 @@ import torch
 
 import dbo
 import workspace
-from dbo.verify_compare import compare
+from dbo.verification.compare import compare
 from workspace import reset_workspace_manager
 
 HIDDEN = 4

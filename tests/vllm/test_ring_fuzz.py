@@ -1,6 +1,6 @@
 """vLLM 0.33's ring and dbo-sim's on random programs of dbo_* calls: the same outputs, op order
 between hand-offs, stream per op, events recorded and waited, recv hooks run in the same
-places (`dbo.verify_runtimes.compare_runtimes`)."""
+places (`dbo.verification.runtimes.compare_runtimes`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import dbo
 from dbo.runner import merge_outputs
 from dbo.sim import SimDevice
 from dbo.verification import split_inputs
-from dbo.verify_runtimes import compare_runtimes
+from dbo.verification.runtimes import compare_runtimes
 
 pytest.importorskip(
     "vllm.v1.worker.ubatching", reason="vLLM 0.33 is not installed: make vllm-oracle"
@@ -92,7 +92,7 @@ def test_both_rings_run_a_random_program_alike(seed):
 @pytest.mark.timeout(120)
 def test_the_random_programs_run_to_the_end_under_both_rings():
     """The comparison above is of finished steps: the programs must not fail."""
-    from dbo.vllm_runtime import run_vllm_ubatches
+    from dbo.verification.vllm_runtime import run_vllm_ubatches
 
     x = torch.ones(4, 16, dtype=torch.float64)
     for seed in range(8):

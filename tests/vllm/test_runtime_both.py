@@ -12,7 +12,7 @@ import dbo
 from dbo.errors import UBatchError
 from dbo.sim import SimDevice
 from dbo.ubatch_context import token_offsets_of
-from dbo.vllm_runtime import run_vllm_ubatches
+from dbo.verification.vllm_runtime import run_vllm_ubatches
 from examples import ep_moe, my_moe
 
 W = torch.randn(64, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64) / 8

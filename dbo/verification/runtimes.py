@@ -1,11 +1,11 @@
 """`verify`'s runtime choice: which ring drives the ubatched step, and `runtime="both"`.
 
 "dbo" is this package's runtime (`run_ubatches`); "vllm" is the installed vLLM's
-(`dbo.vllm_runtime.run_vllm_ubatches`, its `make_ubatch_contexts` and `UBatchContext` on the
-simulated GPU through the CUDA facade); "both" verifies under dbo's and also runs one more
-ubatched step under each runtime, from the same batch on a reset device, and lists every
-difference between the two: outputs, op order between hand-offs, the stream of each op, the
-events recorded and waited on (`dbo.runtime_diff`).
+(`dbo.verification.vllm_runtime.run_vllm_ubatches`, its `make_ubatch_contexts` and `UBatchContext`
+on the simulated GPU through the CUDA facade); "both" verifies under dbo's and also runs one more
+ubatched step under each runtime, from the same batch on a reset device, and lists every difference
+between the two: outputs, op order between hand-offs, the stream of each op, the events recorded
+and waited on (`dbo.verification.runtime_diff`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dbo.runner import run_ubatches
-from dbo.runtime_diff import RingTranscript, diff_transcripts, log_event_calls
 from dbo.sim.device import SimDevice
 from dbo.streams import Device
 from dbo.ubatch_context import token_offsets_of
-from dbo.verify_compare import compare, copy_batch, snapshot
-from dbo.verify_report import VerifyReport, error_text
-from dbo.vllm_runtime import load_vllm_ubatching, run_vllm_ubatches
+from dbo.verification.compare import compare, copy_batch, snapshot
+from dbo.verification.report import VerifyReport, error_text
+from dbo.verification.runtime_diff import RingTranscript, diff_transcripts, log_event_calls
+from dbo.verification.vllm_runtime import load_vllm_ubatching, run_vllm_ubatches
 
 __all__ = ["RUNTIMES", "check_runtime", "compare_runtimes", "record_runtime", "ubatch_runner"]
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dbo.graph_runner import GraphReplay
 from dbo.jsonsafe import json_safe
-from dbo.race_causes import group_races
 from dbo.sim.records import OpRecord, RaceReport
 from dbo.sim.reorder import ReorderOutcome
 from dbo.sim.report import plot_runs, write_chrome_trace_runs
 from dbo.sim.trace import TraceRun, Window
-from dbo.verify_graphs import graph_lines
+from dbo.verification.graph_runner import GraphReplay
+from dbo.verification.graphs import graph_lines
+from dbo.verification.race_causes import group_races
 
 __all__ = ["HOST_BOUND_FRACTION", "RunRaces", "VerifyError", "VerifyReport"]
 

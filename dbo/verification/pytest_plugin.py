@@ -1,7 +1,7 @@
 """A pytest plugin for testing your own model under DBO, installed with the package.
 
 The `pytest11` entry point loads it into every pytest run of an environment where dbo-sim is
-installed (or load it by hand: `pytest -p dbo.pytest_plugin`). Fixtures:
+installed (or load it by hand: `pytest -p dbo.verification.pytest_plugin`). Fixtures:
 
 - `sim_device`: a fresh simulated H200 (its own clocks, streams and race history);
 - `dbo_workspace`: a workspace manager initialised for N ubatches (2, or the value of an
@@ -26,9 +26,10 @@ import pytest
 
 import workspace
 from dbo.checks import as_int
-from dbo.rank_verification import RanksReport, verify_ranks
 from dbo.sim import SimDevice
-from dbo.verification import VerifyReport, verify
+from dbo.verification.driver import verify
+from dbo.verification.ranks import RanksReport, verify_ranks
+from dbo.verification.report import VerifyReport
 
 __all__ = ["dbo_verify", "dbo_verify_ranks", "dbo_workspace", "sim_device"]
 

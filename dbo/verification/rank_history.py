@@ -1,10 +1,10 @@
 """A hang explained: every rank's collective history, compared after the group timed out.
 
-Each rank's `CollectiveTracker` logged every collective it started and finished (to a file,
-so the log survives a rank that never returns); the launcher also asked each hung rank for
-its threads' positions and PyTorch's flight-recorder entries (`dbo.rank_processes`). From
-those this module names the first collective where the ranks' histories diverge, which
-ranks wait in what, and where each was called from.
+Each rank's `CollectiveTracker` logged every collective it started and finished (to a file, so the
+log survives a rank that never returns); the launcher also asked each hung rank for its threads'
+positions and PyTorch's flight-recorder entries (`dbo.verification.rank_processes`). From those
+this module names the first collective where the ranks' histories diverge, which ranks wait in
+what, and where each was called from.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from dbo.runner import merge_outputs, run_ubatches
 from dbo.sim.device import SimDevice
 from dbo.sim.graph import SimGraph
 from dbo.split import CommonAttentionMetadata
-from dbo.verify_compare import snapshot
+from dbo.verification.compare import snapshot
 
 __all__ = ["CUDAGraphRunner", "GraphEntry", "GraphReplay", "describe_batch"]
 

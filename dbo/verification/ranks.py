@@ -1,23 +1,22 @@
 """Verify a step across real ranks: `dbo.verify` on each of N gloo processes, one report.
 
-`verify_ranks(forward, inputs, num_ranks=2)` forks N rank processes (`dbo.rank_processes`)
-that join one gloo process group. Rank r takes its own batch, `inputs(r, num_ranks)` (or
-`inputs[r]`): uneven counts, and an idle rank's dummy batch of 0 tokens, are what DP ranks
-see. Each rank runs `dbo.verify` on it: serial steps and ubatched steps, compared. Every
-collective the step issues goes through the rank's `CollectiveTracker` (`dbo.fingerprint`),
-which checks it against the other ranks' before it runs, with PyTorch's DETAIL check beneath;
-each `verify` run (the serial and the ubatched steps, warm-ups included) is a step of the
-tracker, so a rank that skips a collective or a whole step is named on every rank. Past
-`timeout` every rank is asked where it stands, killed and reaped, and the report explains
-the hang from every rank's collective log (`dbo.rank_history`).
+`verify_ranks(forward, inputs, num_ranks=2)` forks N rank processes
+(`dbo.verification.rank_processes`) that join one gloo process group. Rank r takes its own batch,
+`inputs(r, num_ranks)` (or `inputs[r]`): uneven counts, and an idle rank's dummy batch of 0 tokens,
+are what DP ranks see. Each rank runs `dbo.verify` on it: serial steps and ubatched steps,
+compared. Every collective the step issues goes through the rank's `CollectiveTracker`
+(`dbo.fingerprint`), which checks it against the other ranks' before it runs, with PyTorch's DETAIL
+check beneath; each `verify` run (the serial and the ubatched steps, warm-ups included) is a step
+of the tracker, so a rank that skips a collective or a whole step is named on every rank. Past
+`timeout` every rank is asked where it stands, killed and reaped, and the report explains the hang
+from every rank's collective log (`dbo.verification.rank_history`).
 
-With `graphs` (a `dbo.graph_runner.CUDAGraphRunner`, or `graphs(rank, world_size)` that builds
-and captures one in the rank, as each engine process captures its own), each rank first makes
-the DP agreement on the real group (`coordinate_ubatching`: every rank's token count, padded
-to the largest where graphs run), hands the agreed counts to its runner
-(`num_tokens_across_dp`) and then serves its step through it: a rank that replays a graph of
-another size than the one its peers agreed on is named by the runner's DP size check, with
-nothing passed by hand.
+With `graphs` (a `dbo.verification.graph_runner.CUDAGraphRunner`, or `graphs(rank, world_size)`
+that builds and captures one in the rank, as each engine process captures its own), each rank first
+makes the DP agreement on the real group (`coordinate_ubatching`: every rank's token count, padded
+to the largest where graphs run), hands the agreed counts to its runner (`num_tokens_across_dp`)
+and then serves its step through it: a rank that replays a graph of another size than the one its
+peers agreed on is named by the runner's DP size check, with nothing passed by hand.
 
 The default split cuts as `dbo.verify` does, except that a rank with fewer rows than ubatches
 (the idle rank's dummy batch) gets empty ubatches: it must still run every ubatch's
@@ -41,14 +40,15 @@ from dbo.checks import as_int
 from dbo.collective_calls import CollectiveMismatchError
 from dbo.fingerprint import CollectiveTracker
 from dbo.graph_dispatch import CUDAGraphMode
-from dbo.graph_runner import CUDAGraphRunner, describe_batch
-from dbo.rank_history import explain_hang, read_histories
-from dbo.rank_processes import RankContext, RanksRun, run_ranks
-from dbo.ranks_report import RanksReport, RankVerdict, VerifyRanksError
 from dbo.split import coordinate_ubatching
 from dbo.ubatching import dbo_enabled
-from dbo.verification import split_inputs, verify
-from dbo.verify_report import error_text
+from dbo.verification.driver import verify
+from dbo.verification.graph_runner import CUDAGraphRunner, describe_batch
+from dbo.verification.inputs import split_inputs
+from dbo.verification.rank_history import explain_hang, read_histories
+from dbo.verification.rank_processes import RankContext, RanksRun, run_ranks
+from dbo.verification.ranks_report import RanksReport, RankVerdict, VerifyRanksError
+from dbo.verification.report import error_text
 
 __all__ = [
     "RanksReport",

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dbo.graph_runner import CUDAGraphRunner, GraphReplay
 from dbo.streams import Device
-from dbo.verify_compare import compare, copy_batch
+from dbo.verification.compare import compare, copy_batch
+from dbo.verification.graph_runner import CUDAGraphRunner, GraphReplay
 
 __all__ = ["check_graphs_device", "graph_lines", "replay_steps"]
 
@@ -24,8 +24,8 @@ def check_graphs_device(graphs: Any, device: Device | str) -> Device:
     captured there); refuses another device, before any work."""
     if not isinstance(graphs, CUDAGraphRunner):
         raise TypeError(
-            f"graphs must be a dbo.graph_runner.CUDAGraphRunner (with its graphs captured), "
-            f"got {type(graphs).__name__}"
+            "graphs must be a dbo.verification.graph_runner.CUDAGraphRunner (with its graphs "
+            f"captured), got {type(graphs).__name__}"
         )
     if not graphs.entries:
         raise ValueError("graphs holds no captured graph; call graphs.capture_all(dummy_batch)")
