@@ -232,10 +232,10 @@ def _stretch(
     t, rem = start.copy(), work.copy()
     rate = 1.0 - share
     for cs, ce in busy:
-        before = np.clip(cs - t, 0.0, None)
+        before = np.maximum(cs - t, 0.0)  # not np.clip: its wrapper costs more than the math
         step = np.minimum(before, rem)
         t, rem = t + step, rem - step
-        inside = np.where(t >= cs, np.clip(ce - t, 0.0, None), 0.0) * rate
+        inside = np.where(t >= cs, np.maximum(ce - t, 0.0), 0.0) * rate
         step = np.minimum(inside, rem)
         t, rem = t + step / rate, rem - step
     return t + rem
@@ -339,6 +339,7 @@ class _SmsTaken:
         self.unheld: list[int] = []  # stretchable ops that a later comm kernel can still slow
         self.last_on: dict[int, int] = {}  # track -> its latest op
         self.tail: dict[int, np.ndarray] = {}  # track -> its next op's earliest start
+        self.comm_tracks = sorted(set(program.track[program.klass == HT_COMM].tolist()))
 
     def charged(self, i: int) -> np.ndarray:
         """Op i's start, after what its stream lost to comm kernels placed since."""
@@ -349,18 +350,34 @@ class _SmsTaken:
         p, track = self.program, int(self.program.track[i])
         self.last_on[track] = i
         if p.klass[i] == HT_COMM:
-            self.unheld = [j for j in self.unheld if np.any(self.end[j] > host)]
-            lost: dict[int, np.ndarray] = {}
-            for j in self.unheld:
-                t = int(p.track[j])
-                if t != track:
-                    overlap = np.minimum(self.end[j], self.end[i])
-                    overlap = np.clip(overlap - np.maximum(self.start[j], self.start[i]), 0, None)
-                    lost[t] = lost.get(t, 0.0) + overlap * self.rate
-            for t, us in lost.items():
-                self.tail[t] = self.tail.get(t, self.end[self.last_on[t]]) + us
+            self._charge(i, track, host)
         elif p.stretchable[i]:
             self.unheld.append(i)
+
+    def _charge(self, i: int, track: int, host: np.ndarray) -> None:
+        """Charge comm kernel i's SMs to the other streams' unfinished compute, as one
+        (ops x ranks) array: an eager prefill step keeps thousands of ops in flight behind
+        the host, and a loop per op made the replay quadratic in Python calls."""
+        held = np.asarray(self.unheld, dtype=np.intp)
+        tracks = self.program.track[held]
+        others, on = held[tracks != track], tracks[tracks != track]
+        overlap = np.minimum(self.end[others], self.end[i])
+        lost = np.clip(overlap - np.maximum(self.start[others], self.start[i]), 0, None)
+        lost *= self.rate
+        for t in dict.fromkeys(on.tolist()):
+            # cumsum adds in issue order, as a running sum per op would (same rounding).
+            us = np.cumsum(lost[on == t], axis=0)[-1]
+            self.tail[t] = self.tail.get(t, self.end[self.last_on[t]]) + us
+        # Keep only what a later comm kernel can still overlap: it starts after the host
+        # issues it and after the last op on its own stream.
+        self.unheld = held[(self.end[held] > self._later_start(host)).any(axis=1)].tolist()
+
+    def _later_start(self, host: np.ndarray) -> np.ndarray:
+        """Per rank, the earliest a comm kernel not yet placed can start."""
+        last = [self.last_on.get(t) for t in self.comm_tracks]
+        if any(j is None for j in last):
+            return host
+        return np.maximum(host, np.min(self.end[last], axis=0))
 
 
 def _replay_op(
