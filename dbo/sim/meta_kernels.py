@@ -27,6 +27,15 @@ REUSED = frozenset(
         aten.add.Tensor,
         aten.mul.Tensor,
         aten.silu.default,
+        aten._scaled_mm.default,
+        aten.bmm.default,
+        aten.mm.default,
+        aten.cat.default,
+        aten.index.Tensor,
+        aten._softmax.default,
+        aten._to_copy.default,
+        aten.topk.default,
+        aten.sort.stable,
     }
 )
 MAX_SHAPES = 4096  # distinct (op, input shapes) kept; a model step has a few hundred
