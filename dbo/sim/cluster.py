@@ -105,10 +105,12 @@ class ClusterResult:
         """Each rank's step time: from the step's first issue to its own last op."""
         return self.end.max(axis=0) - self.origin_us
 
-    def busy_us(self, klass: tuple[int, ...] = (OP,)) -> np.ndarray:
-        """Per rank, the time at least one op of those classes runs (interval union)."""
+    def busy_us(self, klass: tuple[int, ...] = (OP,), rank: int | None = None) -> np.ndarray:
+        """Per rank (or for `rank` alone), the time at least one op of those classes runs
+        (interval union)."""
         mask = np.isin(self.program.klass, klass)
-        return _union(self.start[mask], self.end[mask])
+        ranks = slice(None) if rank is None else slice(rank, rank + 1)
+        return _union(self.start[mask, ranks], self.end[mask, ranks])
 
     @property
     def compute_busy_us(self) -> np.ndarray:
@@ -117,8 +119,13 @@ class ClusterResult:
     @property
     def exposed_comm_us(self) -> np.ndarray:
         """Per rank, time a comm op runs while no compute does."""
+        return self.exposed_comm_of()
+
+    def exposed_comm_of(self, rank: int | None = None) -> np.ndarray:
+        """`exposed_comm_us` of every rank, or of `rank` alone (`plan` keeps only the
+        slowest rank's, and the unions sort every column)."""
         comm = tuple(k for k in range(7) if k not in (OP, HOST, HOST_SYNC))
-        return self.busy_us((OP, *comm)) - self.compute_busy_us
+        return self.busy_us((OP, *comm), rank) - self.busy_us((OP,), rank)
 
     @property
     def peer_wait_us(self) -> np.ndarray:
@@ -145,7 +152,9 @@ def _union(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     s = np.take_along_axis(start, order, axis=0)
     e = np.take_along_axis(end, order, axis=0)
     reach = np.maximum.accumulate(e, axis=0)
-    gaps = np.clip(s[1:] - reach[:-1], 0.0, None).sum(axis=0)
+    gaps = np.zeros(s.shape[1:])
+    if len(s) > 1:  # added in op order, one column or many alike (sum() pairs one column)
+        gaps = np.cumsum(np.clip(s[1:] - reach[:-1], 0.0, None), axis=0)[-1]
     return reach[-1] - s[0] - gaps
 
 

@@ -7,13 +7,16 @@ share it cost one recording; a worker stores it on disk (`scenarios.tools.plan_c
 the next run and for the parent, which replays the answer's point once more for its traces.
 
 Workers are forked (the parent has torch and the model loaded already; a spawned worker would
-pay that import again), at most `MAX_WORKERS` and never more than the tasks. One core, one
+pay that import again; the parent's objects are frozen out of the collector's reach first, so
+a worker's collections do not copy the pages they sit on), at most `MAX_WORKERS` and never
+more than the tasks, the costliest recordings first. One core, one
 task or `workers=1`: the tasks run in this process. Ctrl-C: workers ignore SIGINT, the parent
 terminates them and re-raises, so nothing is left running.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -62,7 +65,7 @@ class GroupStep:
             float(result.step_us[slow]),
             slow,
             float(result.peer_wait_us[slow]),
-            float(result.exposed_comm_us[slow]),
+            float(result.exposed_comm_of(slow)[0]),
         )
 
 
@@ -83,6 +86,19 @@ def run_task(task: StepTask) -> list[GroupStep]:
     return [GroupStep.of(replay(task.spec, r, p)) for r, p in task.groups]
 
 
+def _run_numbered(item: tuple[int, StepTask]) -> tuple[int, list[GroupStep]]:
+    return item[0], run_task(item[1])
+
+
+def _longest_first(tasks: Sequence[StepTask]) -> list[int]:
+    """Task indices, the costliest recording first (more ubatches, then more tokens), so that
+    the last tasks to start are short and no core idles while one long task ends a round."""
+    return sorted(
+        range(len(tasks)),
+        key=lambda i: (-(tasks[i].spec.num_ubatches or 1), -tasks[i].spec.tokens),
+    )
+
+
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -93,7 +109,7 @@ def run_tasks(
     on_done: Callable[[str], None] | None = None,
 ) -> list[list[GroupStep]]:
     """Every task's group steps, in task order; `workers` processes (default: local cores,
-    at most MAX_WORKERS); `on_done(what)` after each task."""
+    at most MAX_WORKERS); `on_done(what)` after each task, as tasks end."""
     count = min(workers or min(local_cores(), MAX_WORKERS), len(tasks))
     if count <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         out = []
@@ -102,17 +118,20 @@ def run_tasks(
             if on_done is not None:
                 on_done(task.what)
         return out
+    gc.freeze()
     pool = multiprocessing.get_context("fork").Pool(count, initializer=_ignore_sigint)
+    steps: dict[int, list[GroupStep]] = {}
     try:
-        out = []
-        for task, steps in zip(tasks, pool.imap(run_task, tasks)):
-            out.append(steps)
+        numbered = [(i, tasks[i]) for i in _longest_first(tasks)]
+        for i, got in pool.imap_unordered(_run_numbered, numbered):
+            steps[i] = got
             if on_done is not None:
-                on_done(task.what)
+                on_done(tasks[i].what)
         pool.close()
     except BaseException:  # Ctrl-C or a failed task: no worker outlives the call
         pool.terminate()
         raise
     finally:
         pool.join()
-    return out
+        gc.unfreeze()
+    return [steps[i] for i in range(len(tasks))]
