@@ -241,6 +241,8 @@ def _stretch(
     t, rem = start.copy(), work.copy()
     rate = 1.0 - share
     for cs, ce in busy:
+        if (ce <= t).all():  # over before the op starts, on every rank: changes nothing
+            continue
         before = np.maximum(cs - t, 0.0)  # not np.clip: its wrapper costs more than the math
         step = np.minimum(before, rem)
         t, rem = t + step, rem - step
