@@ -32,7 +32,9 @@ the same count, `balanced_dedup`), and the replay is then the recording.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -185,10 +187,9 @@ class _Links:
         if key not in self._bytes:
             r = self.routing
             legacy = mode == "ht" and self.per_copy is not None
-            b = layer_bytes(
+            b = _layer_bytes(
                 r.layer(layer),
                 self.placement.layer(layer),
-                1.0,
                 r.top_k,
                 "ll" if legacy else mode,
                 self.g,
@@ -208,6 +209,29 @@ class _Links:
 
     def wire_us(self, nvl: np.ndarray, rdma: np.ndarray) -> np.ndarray:
         return np.maximum(nvl / self.nvl_bw, rdma / self.rdma_bw)
+
+
+_BYTES: dict[tuple, LayerBytes] = {}
+MAX_LAYER_BYTES = 1024  # layers' bytes kept across replays (a few KB to a few MB each)
+
+
+def _digest(a: np.ndarray) -> tuple:
+    return (a.shape, a.dtype.str, hashlib.blake2b(np.ascontiguousarray(a).data).digest())
+
+
+def _layer_bytes(
+    sources: np.ndarray, placement: np.ndarray, top_k: int, mode: str, g: int, groups: Any
+) -> LayerBytes:
+    """`layer_bytes` of one layer per byte of copies, kept by the layer's content: every
+    layer of a balanced routing is the same, and `plan` replays one routing for each of its
+    steps (the result is read, never changed)."""
+    key = (_digest(sources), _digest(placement), top_k, mode, g, groups)
+    b = _BYTES.get(key)
+    if b is None:
+        if len(_BYTES) >= MAX_LAYER_BYTES:
+            _BYTES.clear()
+        b = _BYTES[key] = layer_bytes(sources, placement, 1.0, top_k, mode, g, groups)
+    return b
 
 
 def _expert_factor(
@@ -233,15 +257,18 @@ def _scaled_work(program: StreamProgram, i: int, factor: np.ndarray) -> np.ndarr
     return fixed + var * factor
 
 
-def _stretch(
-    start: np.ndarray, work: np.ndarray, busy: list[tuple[np.ndarray, np.ndarray]], share: float
-) -> np.ndarray:
+_Busy = tuple[np.ndarray, np.ndarray, float]  # an HT comm kernel's start, end, latest end
+
+
+def _stretch(start: np.ndarray, work: np.ndarray, busy: list[_Busy], share: float) -> np.ndarray:
     """End of `work` of compute from `start` while HT comm kernels (intervals in `busy`, in
-    start order) hold `share` of the SMs: progress at 1 - share inside each interval."""
+    start order, with their latest end) hold `share` of the SMs: progress at 1 - share
+    inside each interval."""
     t, rem = start.copy(), work.copy()
     rate = 1.0 - share
-    for cs, ce in busy:
-        if (ce <= t).all():  # over before the op starts, on every rank: changes nothing
+    first = float(start.min())
+    for cs, ce, last in busy:
+        if last <= first:  # over before the op starts, on every rank: changes nothing
             continue
         before = np.maximum(cs - t, 0.0)  # not np.clip: its wrapper costs more than the math
         step = np.minimum(before, rem)
@@ -310,7 +337,7 @@ def simulate_cluster(
     n = program.num_ops
     start, end = np.empty((n, ranks)), np.empty((n, ranks))
     host = np.full(ranks, float(program.issue0[0]) if n else 0.0)
-    busy: list[tuple[np.ndarray, np.ndarray]] = []
+    busy: list[_Busy] = []
     collectives: list[CollectiveResult] = []
     sm_share = program.profile.comm_sms / program.profile.num_sms
     sms = _SmsTaken(program, start, end, sm_share)
@@ -333,7 +360,7 @@ def simulate_cluster(
             else:
                 end[i] = ready + work
         if k == HT_COMM:
-            busy = [*busy[-2:], (start[i].copy(), end[i].copy())]
+            busy = [*busy[-2:], (start[i].copy(), end[i].copy(), float(end[i].max()))]
         sms.placed(i, host)
     return ClusterResult(program, start, end, collectives, routing, placement, g, factor)
 
