@@ -11,13 +11,15 @@ pay that import again; the parent's objects are frozen out of the collector's re
 a worker's collections do not copy the pages they sit on), at most `MAX_WORKERS` and never
 more than the tasks, the costliest recordings first. One core, one
 task or `workers=1`: the tasks run in this process. Ctrl-C: workers ignore SIGINT, the parent
-terminates them and re-raises, so nothing is left running.
+terminates them and re-raises, so nothing is left running; while it forks them, the parent
+holds SIGINT back and takes it once the pool is up.
 """
 
 from __future__ import annotations
 
 import gc
 import multiprocessing
+import multiprocessing.pool
 import os
 import signal
 from collections.abc import Callable, Sequence
@@ -103,6 +105,18 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _fork_pool(count: int) -> multiprocessing.pool.Pool:
+    """`count` forked workers, with Ctrl-C held meanwhile: one that arrives while the parent
+    forks would be raised inside an at-fork handler, which Python reports and drops, and the
+    run would go on. The caller unblocks it once the pool is in its hands."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return multiprocessing.get_context("fork").Pool(count, initializer=_ignore_sigint)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        raise
+
+
 def run_tasks(
     tasks: Sequence[StepTask],
     workers: int | None = None,
@@ -119,9 +133,10 @@ def run_tasks(
                 on_done(task.what)
         return out
     gc.freeze()
-    pool = multiprocessing.get_context("fork").Pool(count, initializer=_ignore_sigint)
+    pool = _fork_pool(count)
     steps: dict[int, list[GroupStep]] = {}
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a held Ctrl-C lands here
         numbered = [(i, tasks[i]) for i in _longest_first(tasks)]
         for i, got in pool.imap_unordered(_run_numbered, numbered):
             steps[i] = got
