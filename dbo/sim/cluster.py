@@ -351,12 +351,12 @@ def simulate_cluster(
             end[i], result = _collective(program, int(program.collective[i]), links, ready)
             collectives.append(result)
         else:
-            work = np.full(ranks, float(program.work[i]))
+            work: float | np.ndarray = float(program.work[i])  # every rank alike
             layer = int(program.expert_layer[i])
             if layer >= 0:
                 work = _scaled_work(program, i, factor[min(layer, len(factor) - 1)])
             if program.stretchable[i] and busy:
-                end[i] = _stretch(ready, work, busy, sm_share)
+                end[i] = _stretch(ready, np.broadcast_to(work, ready.shape), busy, sm_share)
             else:
                 end[i] = ready + work
         if k == HT_COMM:
