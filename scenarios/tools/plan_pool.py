@@ -3,8 +3,9 @@ and replays it for every EP group that needs it.
 
 One job: run `StepTask`s in worker processes and hand back what the answer needs of each
 replay (`GroupStep`), in task order. A task is one recording (`StepSpec`), so the skews that
-share it cost one recording; a worker stores it on disk (`scenarios.tools.plan_cache`) for
-the next run and for the parent, which replays the answer's point once more for its traces.
+share it cost one recording; a worker stores it and each replay's figures on disk
+(`scenarios.tools.plan_cache`) for the next run, and the recording for the parent, which
+replays the answer's point once more for its traces.
 
 Workers are forked (the parent has torch and the model loaded already; a spawned worker would
 pay that import again; the parent's objects are frozen out of the collector's reach first, so
@@ -23,14 +24,14 @@ import multiprocessing.pool
 import os
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 
 import numpy as np
 
 from dbo.sim.cluster import ClusterResult, simulate_cluster
 from dbo.sim.routing import Placement, Routing
 from scenarios.lib.cluster_step import StepSpec
-from scenarios.tools.plan_cache import recording
+from scenarios.tools.plan_cache import load_replay, recording, store_replay
 
 __all__ = ["MAX_WORKERS", "GroupStep", "StepTask", "local_cores", "replay", "run_tasks"]
 
@@ -85,7 +86,17 @@ def replay(spec: StepSpec, routing: Routing, placement: Placement) -> ClusterRes
 
 
 def run_task(task: StepTask) -> list[GroupStep]:
-    return [GroupStep.of(replay(task.spec, r, p)) for r, p in task.groups]
+    return [_group_step(task.spec, r, p) for r, p in task.groups]
+
+
+def _group_step(spec: StepSpec, routing: Routing, placement: Placement) -> GroupStep:
+    """The replay's figures from the disk (a warm run replays nothing), else replayed."""
+    kept = load_replay(spec, routing, placement)
+    if kept is not None and len(kept) == len(fields(GroupStep)):
+        return GroupStep(*kept)
+    step = GroupStep.of(replay(spec, routing, placement))
+    store_replay(spec, routing, placement, astuple(step))
+    return step
 
 
 def _run_numbered(item: tuple[int, StepTask]) -> tuple[int, list[GroupStep]]:
