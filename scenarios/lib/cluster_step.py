@@ -37,7 +37,7 @@ from dbo.sim.routing import (
 from dbo.sim.traffic import balanced_dedup
 from dbo.split import UBatchProposal, decide_ubatching, is_last_ubatch_empty
 from scenarios.model import Batch, ModelConfig, MoEModel
-from scenarios.steps import prepare, serial_step, ubatched_step
+from scenarios.steps import serial_step, ubatched_step
 from workspace import init_workspace_manager, reset_workspace_manager
 
 __all__ = [
@@ -144,11 +144,12 @@ def record_step(spec: StepSpec) -> StreamProgram:
     """The stream program of one rank's step of `spec`, recorded at few MoE layers and tiled
     to the model's count (cached: every routing and skew replays the same recording).
 
-    A captured step (decode) is warmed up, captured and replayed, as an engine does. An eager
-    step (prefill) is recorded on its first run, with no warm-up before it: the workspace
-    growing during that run is allocation, which the simulated device does not place, so the
-    warm-up gave the same program (every field, checked on decode and prefill at several
-    token and ubatch counts) at twice the cost."""
+    An eager step (prefill) is recorded on its first run, a captured one (decode) captured on
+    its first run and replayed, with no warm-up run before either, unlike an engine: the
+    workspace growing during that run is allocation, which the simulated device does not
+    place, and on meta tensors a graph holds no buffer that growth could leave stale; so a
+    warm-up gave the same program (every field, checked on decode and prefill at several EP
+    sizes, token and ubatch counts) at one more run's cost."""
     config = spec.config.with_(tensor_device="meta")
     full = moe_layers(config)
     if full > RECORDED_MOE_LAYERS:
@@ -162,11 +163,9 @@ def record_step(spec: StepSpec) -> StreamProgram:
     else:
         step = ubatched_step(model, x, device, mode=spec.mode, num_ubatches=spec.num_ubatches)
     try:
-        if spec.replayed:
-            prepare(device.torch_device, step.num_ubatches, [step])
-        else:  # recorded on its first run (see above): the workspace grows as it goes
-            reset_workspace_manager()
-            init_workspace_manager(device.torch_device, step.num_ubatches)
+        # No warm-up run (see above): the workspace grows during the first run.
+        reset_workspace_manager()
+        init_workspace_manager(device.torch_device, step.num_ubatches)
         run = step
         if spec.replayed:
             graph = device.graph()
