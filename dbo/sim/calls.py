@@ -11,6 +11,11 @@ An op whose output shape depends on its input values (`nonzero`, boolean-mask in
 `unique`) may produce another shape when it is recomputed from other values; the later
 captured ops hold the captured output, whose shape cannot change. `rerun_op` refuses that
 unless the caller says what to do with the fresh result (`on_shape`).
+
+On meta tensors (a simulated device without storage) there are no values to recompute, and
+a meta kernel's shapes depend on its inputs' shapes alone, which a re-execution does not
+change: `rerun_op` returns at once there. Recording a decode step replays its graph, and the
+meta kernels (Python decompositions for some ops) were a large share of that replay.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ def rerun_op(
     """Recompute one op under `modes` (default: the caller's) and leave its result in the
     tensors captured as its output. A fresh output whose shape differs from the captured one
     goes to `on_shape(captured, fresh)`, or raises `ShapeChangedError` when that is None."""
+    if _shapes_only([*args, *kwargs.values(), out]):
+        return
     with modes.applied() if modes is not None else _as_is():
         new = func(*args, **kwargs)
         pairs = zip(out, new) if isinstance(out, (list, tuple)) else [(out, new)]
@@ -88,6 +95,21 @@ def rerun_op(
                     f"where the capture gave {tuple(old.shape)} (its output shape depends on "
                     f"values that changed)"
                 )
+
+
+def _shapes_only(values: list[Any]) -> bool:
+    """Whether there is a tensor among `values` (lists and tuples nested) and every one is a
+    meta tensor."""
+    found = False
+    while values:
+        v = values.pop()
+        if isinstance(v, torch.Tensor):
+            if v.device.type != "meta":
+                return False
+            found = True
+        elif isinstance(v, (list, tuple)):
+            values.extend(v)
+    return found
 
 
 @contextmanager

@@ -37,7 +37,9 @@ the same count, `balanced_dedup`), and the replay is then the recording.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -114,10 +116,12 @@ class ClusterResult:
         """Each rank's step time: from the step's first issue to its own last op."""
         return self.end.max(axis=0) - self.origin_us
 
-    def busy_us(self, klass: tuple[int, ...] = (OP,)) -> np.ndarray:
-        """Per rank, the time at least one op of those classes runs (interval union)."""
+    def busy_us(self, klass: tuple[int, ...] = (OP,), rank: int | None = None) -> np.ndarray:
+        """Per rank (or for `rank` alone), the time at least one op of those classes runs
+        (interval union)."""
         mask = np.isin(self.program.klass, klass)
-        return _union(self.start[mask], self.end[mask])
+        ranks = slice(None) if rank is None else slice(rank, rank + 1)
+        return _union(self.start[mask, ranks], self.end[mask, ranks])
 
     @property
     def compute_busy_us(self) -> np.ndarray:
@@ -126,8 +130,13 @@ class ClusterResult:
     @property
     def exposed_comm_us(self) -> np.ndarray:
         """Per rank, time a comm op runs while no compute does."""
+        return self.exposed_comm_of()
+
+    def exposed_comm_of(self, rank: int | None = None) -> np.ndarray:
+        """`exposed_comm_us` of every rank, or of `rank` alone (`plan` keeps only the
+        slowest rank's, and the unions sort every column)."""
         comm = tuple(k for k in range(7) if k not in (OP, HOST, HOST_SYNC))
-        return self.busy_us((OP, *comm)) - self.compute_busy_us
+        return self.busy_us((OP, *comm), rank) - self.busy_us((OP,), rank)
 
     @property
     def peer_wait_us(self) -> np.ndarray:
@@ -154,7 +163,9 @@ def _union(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     s = np.take_along_axis(start, order, axis=0)
     e = np.take_along_axis(end, order, axis=0)
     reach = np.maximum.accumulate(e, axis=0)
-    gaps = np.clip(s[1:] - reach[:-1], 0.0, None).sum(axis=0)
+    gaps = np.zeros(s.shape[1:])
+    if len(s) > 1:  # added in op order, one column or many alike (sum() pairs one column)
+        gaps = np.cumsum(np.clip(s[1:] - reach[:-1], 0.0, None), axis=0)[-1]
     return reach[-1] - s[0] - gaps
 
 
@@ -188,10 +199,9 @@ class _Links:
         if key not in self._bytes:
             r = self.routing.of_ubatch(ubatch)
             legacy = mode == "ht" and self.per_copy is not None
-            b = layer_bytes(
+            b = _layer_bytes(
                 r.layer(layer),
                 self.placement.layer(layer),
-                1.0,
                 r.top_k,
                 "ll" if legacy else mode,
                 self.g,
@@ -221,6 +231,29 @@ class _Links:
             b = self.layer(layer, "ll", ubatch)
             self._lags[key] = _ll_pair_lag(b.reversed() if kind == "combine" else b, kind, self)
         return self._lags[key]
+
+
+_BYTES: dict[tuple, LayerBytes] = {}
+MAX_LAYER_BYTES = 1024  # layers' bytes kept across replays (a few KB to a few MB each)
+
+
+def _digest(a: np.ndarray) -> tuple:
+    return (a.shape, a.dtype.str, hashlib.blake2b(np.ascontiguousarray(a).data).digest())
+
+
+def _layer_bytes(
+    sources: np.ndarray, placement: np.ndarray, top_k: int, mode: str, g: int, groups: Any
+) -> LayerBytes:
+    """`layer_bytes` of one layer per byte of copies, kept by the layer's content: every
+    layer of a balanced routing is the same, and `plan` replays one routing for each of its
+    steps (the result is read, never changed)."""
+    key = (_digest(sources), _digest(placement), top_k, mode, g, groups)
+    b = _BYTES.get(key)
+    if b is None:
+        if len(_BYTES) >= MAX_LAYER_BYTES:
+            _BYTES.clear()
+        b = _BYTES[key] = layer_bytes(sources, placement, 1.0, top_k, mode, g, groups)
+    return b
 
 
 def _expert_factor(program: StreamProgram, routing: Routing, placement: Placement) -> np.ndarray:
@@ -253,18 +286,23 @@ def _scaled_work(program: StreamProgram, i: int, factor: np.ndarray) -> np.ndarr
     return fixed + var * factor
 
 
-def _stretch(
-    start: np.ndarray, work: np.ndarray, busy: list[tuple[np.ndarray, np.ndarray]], share: float
-) -> np.ndarray:
+_Busy = tuple[np.ndarray, np.ndarray, float]  # an HT comm kernel's start, end, latest end
+
+
+def _stretch(start: np.ndarray, work: np.ndarray, busy: list[_Busy], share: float) -> np.ndarray:
     """End of `work` of compute from `start` while HT comm kernels (intervals in `busy`, in
-    start order) hold `share` of the SMs: progress at 1 - share inside each interval."""
+    start order, with their latest end) hold `share` of the SMs: progress at 1 - share
+    inside each interval."""
     t, rem = start.copy(), work.copy()
     rate = 1.0 - share
-    for cs, ce in busy:
-        before = np.clip(cs - t, 0.0, None)
+    first = float(start.min())
+    for cs, ce, last in busy:
+        if last <= first:  # over before the op starts, on every rank: changes nothing
+            continue
+        before = np.maximum(cs - t, 0.0)  # not np.clip: its wrapper costs more than the math
         step = np.minimum(before, rem)
         t, rem = t + step, rem - step
-        inside = np.where(t >= cs, np.clip(ce - t, 0.0, None), 0.0) * rate
+        inside = np.where(t >= cs, np.maximum(ce - t, 0.0), 0.0) * rate
         step = np.minimum(inside, rem)
         t, rem = t + step / rate, rem - step
     return t + rem
@@ -362,7 +400,7 @@ def simulate_cluster(
     n = program.num_ops
     start, end = np.empty((n, ranks)), np.empty((n, ranks))
     host = np.full(ranks, float(program.issue0[0]) if n else 0.0)
-    busy: list[tuple[np.ndarray, np.ndarray]] = []
+    busy: list[_Busy] = []
     collectives: list[CollectiveResult] = []
     sm_share = program.profile.comm_sms / program.profile.num_sms
     sms = _SmsTaken(program, start, end, sm_share)
@@ -376,17 +414,17 @@ def simulate_cluster(
             end[i], result = _collective(program, int(program.collective[i]), links, ready)
             collectives.append(result)
         else:
-            work = np.full(ranks, float(program.work[i]))
+            work: float | np.ndarray = float(program.work[i])  # every rank alike
             layer = int(program.expert_layer[i])
             if layer >= 0:
                 factor = factors[program.ubatch[i]]
                 work = _scaled_work(program, i, factor[min(layer, len(factor) - 1)])
             if program.stretchable[i] and busy:
-                end[i] = _stretch(ready, work, busy, sm_share)
+                end[i] = _stretch(ready, np.broadcast_to(work, ready.shape), busy, sm_share)
             else:
                 end[i] = ready + work
         if k == HT_COMM:
-            busy = [*busy[-2:], (start[i].copy(), end[i].copy())]
+            busy = [*busy[-2:], (start[i].copy(), end[i].copy(), float(end[i].max()))]
         sms.placed(i, host)
     whole = _expert_factor(program, routing, placement)
     return ClusterResult(program, start, end, collectives, routing, placement, whole)
@@ -404,6 +442,7 @@ class _SmsTaken:
         self.unheld: list[int] = []  # stretchable ops that a later comm kernel can still slow
         self.last_on: dict[int, int] = {}  # track -> its latest op
         self.tail: dict[int, np.ndarray] = {}  # track -> its next op's earliest start
+        self.comm_tracks = sorted(set(program.track[program.klass == HT_COMM].tolist()))
 
     def charged(self, i: int) -> np.ndarray:
         """Op i's start, after what its stream lost to comm kernels placed since."""
@@ -414,18 +453,34 @@ class _SmsTaken:
         p, track = self.program, int(self.program.track[i])
         self.last_on[track] = i
         if p.klass[i] == HT_COMM:
-            self.unheld = [j for j in self.unheld if np.any(self.end[j] > host)]
-            lost: dict[int, np.ndarray] = {}
-            for j in self.unheld:
-                t = int(p.track[j])
-                if t != track:
-                    overlap = np.minimum(self.end[j], self.end[i])
-                    overlap = np.clip(overlap - np.maximum(self.start[j], self.start[i]), 0, None)
-                    lost[t] = lost.get(t, 0.0) + overlap * self.rate
-            for t, us in lost.items():
-                self.tail[t] = self.tail.get(t, self.end[self.last_on[t]]) + us
+            self._charge(i, track, host)
         elif p.stretchable[i]:
             self.unheld.append(i)
+
+    def _charge(self, i: int, track: int, host: np.ndarray) -> None:
+        """Charge comm kernel i's SMs to the other streams' unfinished compute, as one
+        (ops x ranks) array: an eager prefill step keeps thousands of ops in flight behind
+        the host, and a loop per op made the replay quadratic in Python calls."""
+        held = np.asarray(self.unheld, dtype=np.intp)
+        tracks = self.program.track[held]
+        others, on = held[tracks != track], tracks[tracks != track]
+        overlap = np.minimum(self.end[others], self.end[i])
+        lost = np.clip(overlap - np.maximum(self.start[others], self.start[i]), 0, None)
+        lost *= self.rate
+        for t in dict.fromkeys(on.tolist()):
+            # cumsum adds in issue order, as a running sum per op would (same rounding).
+            us = np.cumsum(lost[on == t], axis=0)[-1]
+            self.tail[t] = self.tail.get(t, self.end[self.last_on[t]]) + us
+        # Keep only what a later comm kernel can still overlap: it starts after the host
+        # issues it and after the last op on its own stream.
+        self.unheld = held[(self.end[held] > self._later_start(host)).any(axis=1)].tolist()
+
+    def _later_start(self, host: np.ndarray) -> np.ndarray:
+        """Per rank, the earliest a comm kernel not yet placed can start."""
+        last = [self.last_on.get(t) for t in self.comm_tracks]
+        if any(j is None for j in last):
+            return host
+        return np.maximum(host, np.min(self.end[last], axis=0))
 
 
 def _replay_op(

@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dbo.sim.cost import OpCall, aliased_input_bytes, flop_formula
+from dbo.sim.meta_kernels import run_kernel
 from dbo.sim.ranges import ENTER, EXIT, profiler_range_op
 from dbo.sim.state import SimDeviceProtocol
 
@@ -155,7 +156,7 @@ class SimDispatchMode(TorchDispatchMode):
         kwargs = kwargs or {}
         info = _INFO.get(func) or op_info(func)
         kind = info.kind
-        out = func(*args, **kwargs)
+        out = run_kernel(func, args, kwargs)
         if kind == FREE:
             return out
         device = self.device

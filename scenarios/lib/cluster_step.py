@@ -37,8 +37,8 @@ from dbo.sim.routing import (
 from dbo.sim.traffic import balanced_dedup
 from dbo.split import UBatchProposal, decide_ubatching, is_last_ubatch_empty, split_batch
 from scenarios.model import Batch, ModelConfig, MoEModel
-from scenarios.steps import prepare, serial_step, ubatched_step
-from workspace import reset_workspace_manager
+from scenarios.steps import serial_step, ubatched_step
+from workspace import init_workspace_manager, reset_workspace_manager
 
 __all__ = [
     "StepSpec",
@@ -151,7 +151,14 @@ def engine_knobs(spec: StepSpec) -> EngineKnobs:
 @functools.lru_cache(maxsize=64)
 def record_step(spec: StepSpec) -> StreamProgram:
     """The stream program of one rank's step of `spec`, recorded at few MoE layers and tiled
-    to the model's count (cached: every routing and skew replays the same recording)."""
+    to the model's count (cached: every routing and skew replays the same recording).
+
+    An eager step (prefill) is recorded on its first run, a captured one (decode) captured on
+    its first run and replayed, with no warm-up run before either, unlike an engine: the
+    workspace growing during that run is allocation, which the simulated device does not
+    place, and on meta tensors a graph holds no buffer that growth could leave stale; so a
+    warm-up gave the same program (every field, checked on decode and prefill at several EP
+    sizes, token and ubatch counts) at one more run's cost."""
     config = spec.config.with_(tensor_device="meta")
     full = moe_layers(config)
     if full > RECORDED_MOE_LAYERS:
@@ -164,7 +171,9 @@ def record_step(spec: StepSpec) -> StreamProgram:
     else:
         step = ubatched_step(model, x, device, mode=spec.mode, num_ubatches=spec.num_ubatches)
     try:
-        prepare(device.torch_device, step.num_ubatches, [step])
+        # No warm-up run (see above): the workspace grows during the first run.
+        reset_workspace_manager()
+        init_workspace_manager(device.torch_device, step.num_ubatches)
         run = step
         if spec.replayed:
             graph = device.graph()

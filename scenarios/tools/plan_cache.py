@@ -1,8 +1,10 @@
 """Recordings kept on disk between `plan` runs: one rank's stream program per configuration.
 
-One job: find, store and invalidate the pickled `StreamProgram` of a `StepSpec`. Recording a
-step through torch interception costs seconds; replaying it for a whole EP group costs a
-fraction of that, so a second `plan` over the same points only replays.
+One job: find, store and invalidate the pickled `StreamProgram` of a `StepSpec`, and what
+`plan` keeps of each replay of it. Recording a step through torch interception costs
+seconds; replaying it for a whole EP group a fraction of that, which a prefill answer's
+28 steps still add up to seconds; so a second `plan` over the same points reads both
+(`replays/`, keyed by the recording's key and the group's routing and placement).
 
 The key is a hash of everything the recording depends on: the spec (model configuration,
 phase, tokens, ubatches, the whole hardware profile, GPUs per node, context and prompt), the
@@ -13,10 +15,10 @@ and Python versions and `FORMAT`. Any edit to that code is a new key, so a stale
 never replayed; old entries are pruned beyond `MAX_ENTRIES`, least recently used first.
 
 Where: `$DBO_SIM_CACHE` if set (`off` turns the disk cache off), else `~/.cache/dbo-sim`,
-under `recordings/`. Entries are written to a temporary name and renamed, so a reader never
-sees half a file and concurrent writers of one key leave one whole entry. A file that does not
-load is a miss (and is removed). The files are pickles: the cache trusts its own directory as
-the code trusts its own source tree.
+under `recordings/` and `replays/`. Entries are written to a temporary name and renamed, so a
+reader never sees half a file and concurrent writers of one key leave one whole entry. A file
+that does not load is a miss (and is removed). The files are pickles: the cache trusts its
+own directory as the code trusts its own source tree.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ import os
 import pickle
 import sys
 import tempfile
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dbo.sim.cluster_program import StreamProgram
+from dbo.sim.routing import Placement, Routing
 from dbo.sim.tables import table_path
 from scenarios.lib.cluster_step import StepSpec, record_step
 
@@ -42,9 +47,12 @@ __all__ = [
     "cache_key",
     "code_version",
     "load_recording",
+    "load_replay",
     "recording",
+    "replay_key",
     "source_hash",
     "store_recording",
+    "store_replay",
     "table_hash",
 ]
 
@@ -59,6 +67,7 @@ SOURCES = (
     "scenarios/steps.py",
     "scenarios/lib/cluster_step.py",
     "scenarios/tools/plan_cache.py",
+    "scenarios/tools/plan_pool.py",  # what a replay keeps
 )
 
 
@@ -117,36 +126,64 @@ def load_recording(spec: StepSpec) -> StreamProgram | None:
     folder = cache_dir()
     if folder is None:
         return None
-    path = folder / f"{cache_key(spec)}.pkl"
-    try:
-        with open(path, "rb") as f:
-            program = pickle.load(f)
-    except FileNotFoundError:
-        return None
-    except Exception:  # a truncated or foreign file: a miss, and out of the way
-        path.unlink(missing_ok=True)
-        return None
-    if not isinstance(program, StreamProgram):
-        path.unlink(missing_ok=True)
-        return None
-    try:
-        os.utime(path)  # recently used: pruned last
-    except OSError:  # pruned by another process meanwhile: the program is read already
-        pass
-    return program
+    return _load(folder / f"{cache_key(spec)}.pkl", StreamProgram)
 
 
 def store_recording(spec: StepSpec, program: StreamProgram) -> Path | None:
     """Write `spec`'s recording (atomically) and prune the oldest beyond MAX_ENTRIES."""
     folder = cache_dir()
+    return None if folder is None else _store(folder, cache_key(spec), program)
+
+
+def replay_key(spec: StepSpec, routing: Routing, placement: Placement) -> str:
+    """The file name of `spec`'s replay for one EP group: the recording's key and every field
+    of the routing and the placement (their arrays' bytes included)."""
+    group = [getattr(x, f.name) for x in (routing, placement) for f in fields(x)]
+    text = cache_key(spec).encode() + pickle.dumps(group, protocol=pickle.HIGHEST_PROTOCOL)
+    return hashlib.sha256(text).hexdigest()[:40]
+
+
+def load_replay(spec: StepSpec, routing: Routing, placement: Placement) -> tuple | None:
+    """What `plan` kept of `spec`'s replay for that group (a tuple), or None."""
+    folder = cache_dir()
     if folder is None:
         return None
+    return _load(folder.parent / "replays" / f"{replay_key(spec, routing, placement)}.pkl", tuple)
+
+
+def store_replay(spec: StepSpec, routing: Routing, placement: Placement, kept: tuple) -> None:
+    """Keep what `plan` needs of a replay (a few numbers), beside the recordings."""
+    folder = cache_dir()
+    if folder is not None:
+        _store(folder.parent / "replays", replay_key(spec, routing, placement), kept)
+
+
+def _load(path: Path, kind: type) -> Any:
+    try:
+        with open(path, "rb") as f:
+            value = pickle.load(f)
+    except FileNotFoundError:
+        return None
+    except Exception:  # a truncated or foreign file: a miss, and out of the way
+        path.unlink(missing_ok=True)
+        return None
+    if not isinstance(value, kind):
+        path.unlink(missing_ok=True)
+        return None
+    try:
+        os.utime(path)  # recently used: pruned last
+    except OSError:  # pruned by another process meanwhile: the value is read already
+        pass
+    return value
+
+
+def _store(folder: Path, key: str, value: Any) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{cache_key(spec)}.pkl"
+    path = folder / f"{key}.pkl"
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".part")  # not *.pkl
     try:
         with os.fdopen(fd, "wb") as f:
-            pickle.dump(program, f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -42,7 +42,6 @@ from scenarios.lib.cluster_step import (
     dp_agreement,
     moe_layers,
     placement_from_spec,
-    record_step,
     routing_from_spec,
 )
 from scenarios.lib.progress import advance, progress_bar
@@ -50,6 +49,7 @@ from scenarios.lib.usage import UsageError, one_line
 from scenarios.model import ModelConfig
 from scenarios.model_presets import PRESETS, preset, torch_dtypes
 from scenarios.tools.plan_args import PlanArgs
+from scenarios.tools.plan_cache import recording
 from scenarios.tools.plan_errors import error_bars
 from scenarios.tools.plan_memory import MemoryNeed, memory_need
 from scenarios.tools.plan_output import PhaseAnswer, PlanPoint, report, setup_line, write_outputs
@@ -151,7 +151,8 @@ def check_inputs(parsed: PlanArgs) -> PlanInputs:
 
 
 def _check_recordable(config: ModelConfig, profile: HardwareProfile, parsed: PlanArgs) -> None:
-    """Record each phase's first serial step (cached: the sweep replays it) so that a model
+    """Record each phase's first serial step (through the disk cache, and in memory before
+    the pool forks: the sweep replays it, not records it again) so that a model
     torch cannot run on meta tensors (an activation dtype its grouped GEMM lacks) is refused
     in one line, not with a traceback after the first points."""
     ep = parsed.eps[0]
@@ -159,7 +160,7 @@ def _check_recordable(config: ModelConfig, profile: HardwareProfile, parsed: Pla
     for phase in parsed.phases:
         spec = StepSpec(shaped, phase, parsed.tokens[phase][0], None, profile)
         try:
-            record_step(spec)
+            recording(spec)
         except (RuntimeError, NotImplementedError) as error:
             dtype = str(config.dtype).removeprefix("torch.")
             raise UsageError(

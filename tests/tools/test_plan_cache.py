@@ -1,5 +1,6 @@
-"""`plan`'s recordings on disk: stored and found by configuration, invalidated by the kernel
-table's bytes and the code's source, a bad file a miss, and off when asked."""
+"""`plan`'s recordings and replays on disk: stored and found by configuration (a replay also
+by its routing and placement), invalidated by the kernel table's bytes and the code's source,
+a bad file a miss, and off when asked."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from dbo.sim.hardware import H800
+from dbo.sim.routing import balanced, contiguous, zipf
 from dbo.sim.tables import table_path
 from scenarios.lib.cluster_step import StepSpec
 from scenarios.model_presets import preset
@@ -17,9 +19,12 @@ from scenarios.tools import plan_cache
 from scenarios.tools.plan_cache import (
     cache_key,
     load_recording,
+    load_replay,
     recording,
+    replay_key,
     source_hash,
     store_recording,
+    store_replay,
 )
 
 SMALL = preset("deepseek-v3", num_layers=4, num_dense_layers=1, ep_size=8)
@@ -41,6 +46,22 @@ def test_a_recording_is_stored_and_read_back_whole(cache):
     stored = load_recording(SPEC)
     assert stored.num_ops == program.num_ops
     assert np.array_equal(stored.end0, program.end0)
+
+
+def test_a_replays_figures_are_read_back_for_its_group_only(cache):
+    even, skewed = balanced(3, 256, 8), zipf(3, 256, 0.4, top_k=8)
+    place = contiguous(256, 8)
+    store_replay(SPEC, even, place, (812.5, 3, 0.0, 41.25))
+    assert load_replay(SPEC, even, place) == (812.5, 3, 0.0, 41.25)
+    assert load_replay(SPEC, skewed, place) is None
+    assert load_replay(replace(SPEC, tokens=32), even, place) is None
+
+
+def test_a_routings_shares_are_in_the_replay_key():
+    place = contiguous(256, 8)
+    one, other = zipf(3, 256, 0.4, top_k=8, seed=0), zipf(3, 256, 0.4, top_k=8, seed=1)
+    assert replay_key(SPEC, one, place) != replay_key(SPEC, other, place)
+    assert replay_key(SPEC, one, place) == replay_key(SPEC, zipf(3, 256, 0.4, top_k=8), place)
 
 
 def test_every_field_of_the_configuration_is_in_the_key():

@@ -36,7 +36,7 @@ def test_the_pool_gives_the_steps_one_process_gives(tmp_path, monkeypatch):
     pooled = run_tasks(tasks, workers=2, on_done=done.append)
     recording.cache_clear()
     assert pooled == run_tasks(tasks, workers=1)
-    assert done == [t.what for t in tasks]
+    assert sorted(done) == sorted(t.what for t in tasks)  # once each, as tasks end
 
 
 def _alive_with(marker: str) -> list[int]:

@@ -2,11 +2,12 @@
 with the recordings of the cold run (warm).
 
 One answer is what a user waits for: a phase, its default token counts, 2-4 ubatches, one
-skew, DeepSeek-V3 at EP 64 on an H800 (the quick run: a 4-layer model at three counts and 2
-ubatches). Each sample is a new `python -m scenarios plan` process, so imports, the first
-recording and the process pool's start are in it. Cold: an empty cache folder; target 15 s of
-wall time on the machine that runs it. Warm: the same command again; its ratio to the cold
-run is what the disk cache saves.
+skew, DeepSeek-V3 on an H800: decode at EP 64, and prefill at EP 32, whose range search
+grows the default range down to 256 tokens and so records the most steps (the quick run: a
+4-layer model, decode only, at three counts and 2 ubatches). Each sample is a new `python -m
+scenarios plan` process, so imports, the first recording and the process pool's start are in
+it. Cold: an empty cache folder; target 15 s of wall time on the machine that runs it. Warm:
+the same command again; its ratio to the cold run is what the disk cache saves.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ COLD_TARGET_MS = 15_000.0
 SMALL_MODEL = '{"num_layers": 4, "num_dense_layers": 1}'
 
 
-def _argv(plan: Plan, folder: Path) -> list[str]:
-    argv = [sys.executable, "-m", "scenarios", "plan", "--ep", "64", "--phase", "decode"]
+def _argv(plan: Plan, folder: Path, phase: str, ep: int) -> list[str]:
+    argv = [sys.executable, "-m", "scenarios", "plan", "--ep", str(ep), "--phase", phase]
     argv += ["--skew", "balanced", "--json"]
     if not plan.quick:
         return argv
@@ -47,14 +48,13 @@ def _run_ms(argv: list[str], cache: Path) -> float:
     return elapsed
 
 
-@benchmark("plan: one answer, cold and warm", "plan.answer")
-def bench_plan_answer(plan: Plan) -> list[Figure]:
+def _answer_figures(plan: Plan, phase: str, ep: int, name: str) -> list[Figure]:
     with tempfile.TemporaryDirectory(prefix="dbo-sim-bench-") as tmp:
         folder = Path(tmp)
-        argv = _argv(plan, folder)
+        argv = _argv(plan, folder, phase, ep)
         cold = _run_ms(argv, folder / "cache")
         warm = _run_ms(argv, folder / "cache")
-    what = "one plan answer (decode, EP 64, balanced) from a fresh process"
+    what = f"one plan answer ({phase}, EP {ep}, balanced) from a fresh process"
     if plan.quick:
         what += ", 4-layer model, 3 token counts, 2 ubatches"
     else:
@@ -62,7 +62,7 @@ def bench_plan_answer(plan: Plan) -> list[Figure]:
     return [
         Figure(
             bench="plan.answer",
-            name="plan.answer.cold",
+            name=f"{name}.cold",
             what=f"{what}, no recording on disk",
             unit="ms",
             ours=Stats.of([cold]),
@@ -73,7 +73,7 @@ def bench_plan_answer(plan: Plan) -> list[Figure]:
         ),
         Figure(
             bench="plan.answer",
-            name="plan.answer.warm",
+            name=f"{name}.warm",
             what=f"{what}, recordings on disk",
             unit="ms",
             ours=Stats.of([warm]),
@@ -82,3 +82,11 @@ def bench_plan_answer(plan: Plan) -> list[Figure]:
             targets=[Target("ratio", "<=", 0.5, "<= 0.5 of cold")],
         ),
     ]
+
+
+@benchmark("plan: one answer, cold and warm", "plan.answer")
+def bench_plan_answer(plan: Plan) -> list[Figure]:
+    figures = _answer_figures(plan, "decode", 64, "plan.answer")
+    if not plan.quick:
+        figures += _answer_figures(plan, "prefill", 32, "plan.answer.prefill")
+    return figures
