@@ -10,10 +10,10 @@ that reproduces the benchmark (`deepep_ll_cluster_times`), using calibration fig
 two steps:
 
 1. `ll_latency_us` from the EP 8 dispatch. One node means NVLink only, so `rdma_efficiency`
-   plays no part. The fit takes the value on a 0.5 us grid that brings the replay nearest the
-   figure.
+   plays no part. The fit takes the value on the `LATENCY_STEP_US` grid that brings the
+   replay nearest the figure.
 2. `rdma_efficiency`, with that latency, from the EP 64 and EP 256 dispatch and combine: the
-   value on a 0.01 grid with the least sum of squared relative misses.
+   value on the `EFFICIENCY_STEP` grid with the least sum of squared relative misses.
 
 The EP 8 combine, which neither step reads, stays a check. Both searches reach past what is
 physical (a latency at or below zero, an efficiency above one), so the fit reports where the
@@ -33,7 +33,7 @@ from scenarios.tools.fidelity_scale import deepep_ll_cluster_times
 __all__ = ["LLFit", "fit_deepep_ll_constants", "LATENCY_STEP_US", "EFFICIENCY_STEP"]
 
 # The grids the constants are stated on: DeepEP publishes whole microseconds, and a hundredth
-# of the NIC's rate is finer than its figures separate.
+# of the NIC's rate is finer than its figures tell apart.
 LATENCY_STEP_US = 0.5
 EFFICIENCY_STEP = 0.01
 LATENCY_FIGURE = (8, "dispatch")

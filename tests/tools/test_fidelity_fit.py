@@ -33,7 +33,7 @@ def _squared_misses(profile) -> float:
 
 @pytest.mark.slow
 def test_fitted_latency_puts_the_replayed_ep8_dispatch_on_deepeps_figure(fit: LLFit) -> None:
-    # on a 0.5 us grid the replay can miss the figure by at most half a step
+    # on the latency's grid the replay can miss the figure by at most half a step
     fitted = replace(H800, ll_latency_us=fit.ll_latency_us, rdma_efficiency=fit.rdma_efficiency)
     assert deepep_ll_cluster_times(8, fitted)["dispatch"] == pytest.approx(
         DEEPEP_LL_PUBLISHED[8][0], abs=LATENCY_STEP_US / 2 + 1e-9
