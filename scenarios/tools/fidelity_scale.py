@@ -70,6 +70,7 @@ __all__ = [
     "scale_rows",
     "cluster_gain",
     "deepep_ll_cluster_us",
+    "deepep_ll_cluster_times",
     "deepep_normal_cluster_gbps",
 ]
 
@@ -136,6 +137,13 @@ def deepep_ll_cluster_us(
     and combines of 128 random-routed tokens on each rank (its own draw, the same every run,
     as DeepEP's test keeps its `topk_idx`); the mean over ranks and runs of each rank's own
     kernel time, as DeepEP's test prints it per rank (`bench_kineto`)."""
+    return deepep_ll_cluster_times(ep, profile, runs=runs)[kind]
+
+
+def deepep_ll_cluster_times(
+    ep: int, profile: HardwareProfile = H800, *, runs: int = DEEPEP_BENCH_RUNS
+) -> dict[str, float]:
+    """`deepep_ll_cluster_us` of both kernels ("dispatch", "combine") from one replay."""
     device = SimDevice(SimOptions(profile, tensor_device="meta"))
     sent = {
         k: int(DEEPEP_LL_TOKENS * DEEPEP_TOPK * DEEPEP_BYTES[k] * (ep - 1) / ep)
@@ -153,8 +161,11 @@ def deepep_ll_cluster_us(
     base = balanced(1, 256, DEEPEP_TOPK)
     routing = sampled(base, DEEPEP_LL_TOKENS, DEEPEP_TOPK, ranks=ep, seed=SEED)
     result = simulate_cluster(program, routing, contiguous(256, ep))
-    ops = [c.op for c in program.collectives if c.kind == kind]
-    return float(np.mean(result.end[ops] - result.start[ops]))
+    times = {}
+    for kind in sent:
+        ops = [c.op for c in program.collectives if c.kind == kind]
+        times[kind] = float(np.mean(result.end[ops] - result.start[ops]))
+    return times
 
 
 def deepep_normal_cluster_gbps(
