@@ -1,22 +1,7 @@
 """Measure this host's launch and handoff costs, the two host numbers of a hardware profile.
 
-`dbo-sim calibrate-host` times, on the machine it runs on (a CUDA GPU by default; `--device sim`
-measures the handoff alone, on any machine):
-- `launch_us`: host time of one eager torch op from Python (a tiny elementwise kernel and a
-  small cuBLAS matmul; the profile's value is a typical model op between the two);
-- `handoff_us`: host time of one `dbo_yield` between two ubatch threads, through
-  `dbo.run_ubatches` on the given device.
-
-On a GPU it uses `dbo.CudaDevice`; without one it can still measure the handoff on the
-simulated device (`--device sim`), which has no real launches to time (its launch rows say
-so). The H200 profile's host costs came from this measurement on an H200 host (the values are
-in `dbo.sim.hardware`). The result is written as JSON to `--out` (default
-`out/host-costs.json`, checked writable before anything is measured); use it with
-`dataclasses.replace(profile, launch_us=..., handoff_us=...)` or a device's
-`SimOptions(overrides=ProfileOverrides(launch_us=..., handoff_us=...))`.
-
-The parser is here; the work, and torch with it, is `scenarios.tools.calibrate_host_run`, imported
-by `run`, so `--help` and a refused option answer at once.
+The parser is here; the work, and torch with it, is `scenarios.tools.calibrate_host_run`, which
+says how it is done; `run` imports it, so `--help` and a refused option answer at once.
 """
 
 from __future__ import annotations

@@ -1,5 +1,20 @@
 """The work of `dbo-sim calibrate-host`: time this host's launches and ubatch handoffs and
 write them as a profile's host costs.
+
+`dbo-sim calibrate-host` times, on the machine it runs on (a CUDA GPU by default; `--device sim`
+measures the handoff alone, on any machine):
+- `launch_us`: host time of one eager torch op from Python (a tiny elementwise kernel and a
+  small cuBLAS matmul; the profile's value is a typical model op between the two);
+- `handoff_us`: host time of one `dbo_yield` between two ubatch threads, through
+  `dbo.run_ubatches` on the given device.
+
+On a GPU it uses `dbo.CudaDevice`; without one it can still measure the handoff on the
+simulated device (`--device sim`), which has no real launches to time (its launch rows say
+so). The H200 profile's host costs came from this measurement on an H200 host (the values are
+in `dbo.sim.hardware`). The result is written as JSON to `--out` (default
+`out/host-costs.json`, checked writable before anything is measured); use it with
+`dataclasses.replace(profile, launch_us=..., handoff_us=...)` or a device's
+`SimOptions(overrides=ProfileOverrides(launch_us=..., handoff_us=...))`.
 """
 
 from __future__ import annotations

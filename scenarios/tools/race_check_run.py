@@ -1,5 +1,19 @@
 """The work of `dbo-sim race-check`: the seeded race programs, each run on the simulated
 device's checker and under torch's CSAN, and their verdicts side by side.
+
+Each program is written once against the `dbo.streams.Device` interface and the dbo
+primitives, so the same code runs on the simulated device (our verdict) and, where CUDA is
+present, on real streams under torch's CUDA sanitizer (CSAN). CSAN's dispatch mode is
+thread-local, and the ubatch threads are outside its view when it is enabled as usual; here
+one sanitizer (one event handler) is entered in every thread that issues work, through the
+device's `thread_scope`, and its errors are collected instead of raised. The table shows,
+per program, the expected verdict and both verdicts side by side (the number of races each
+reported); a row where a checker disagrees with the expectation is marked.
+
+The programs: the four seeded DBO bugs of the project's tests with their correct twins, and
+the cases where histories by memory matter (memory reuse, list ops, a second storage over the
+same memory, strided views, overlapping views at different starts, allocator reuse with and
+without `record_stream`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """Where DBO pays: simulated speedup against tokens per device, for decode and prefill.
 
-Each point runs the DeepSeek-V3-size workload (`meta`, shapes only) serially and with DBO on
-the simulated device and records the ratio of step times, and the DBO run's communication
-against its compute time (`comm_compute_ratio`): the vLLM maintainers' rule is that DBO pays
-only when communication outweighs the GEMMs it could hide under. Small decode batches are
-host-launch and latency bound, so overlap cannot pay for its handoffs there; large prefill
-batches move enough bytes for the comm stream to hide under compute. `pays_from` reads off
-where a phase's gain turns positive; the PNG plots the gain against tokens per device (one
-panel per phase) and against the comm/compute ratio.
-
-Decode points are one-token requests over a `context_len`-token KV cache each, by default the
-same context as the `dsv3-decode-ll` scenario, so the sweep's 256-token point is that
-scenario's step; prefill points are 4096-token prompts (the last one shorter when the count is
-not a multiple; a count below 4096 is one prompt), and `describe_prefill` says which for the
-points a sweep runs. `CsvSink` writes each point as it finishes, so an interrupted sweep keeps the
-points it computed; a point whose step fails (a step past `--timeout`, the serial one included)
-is a FAILED row, and the sweep goes on to the next point.
-
-The parser is here; the work, and torch with it, is `scenarios.tools.sweep_run`, imported
-by `run`, so `--help` and a refused option answer at once.
+The parser is here; the work, and torch with it, is `scenarios.tools.sweep_run`, which
+says how it is done; `run` imports it, so `--help` and a refused option answer at once.
 """
 
 from __future__ import annotations
