@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from scenarios.lib.usage import UsageError
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -33,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The refusals that need no torch, before importing it; the work checks the GPU and --out.
+    if args.reps < 1 or args.warmup < 0 or args.layers < 1:
+        raise UsageError("--reps and --layers must be >= 1, --warmup >= 0")
+    if not args.sim_only and args.against:
+        raise UsageError("--against needs --sim-only (on a GPU, it measures itself)")
     from scenarios.tools import gpu_check_run  # torch and the work: only now
 
     return gpu_check_run.run(args)

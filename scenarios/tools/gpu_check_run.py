@@ -403,12 +403,9 @@ def _pct(value: float | None) -> str:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Every refusal before any work: counts, --against without --sim-only, no GPU, --out."""
-    if args.reps < 1 or args.warmup < 0 or args.layers < 1:
-        raise UsageError("--reps and --layers must be >= 1, --warmup >= 0")
+    """The refusals that need torch, before any work (the verb checked the counts and
+    --against): no GPU, --out."""
     on_gpu = not args.sim_only
-    if on_gpu and args.against:
-        raise UsageError("--against needs --sim-only (on a GPU, it measures itself)")
     if on_gpu and not torch.cuda.is_available():
         raise UsageError(NO_GPU_MESSAGE)
     writable_file(Path(args.out))

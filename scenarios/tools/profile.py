@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from scenarios.lib.choices import CONFIG_NAMES, DECODE_CONTEXT, GPU_CHECK, PREFILL_REQUESTS
+from scenarios.lib.usage import UsageError
 
 __all__ = ["add_arguments", "run"]
 
@@ -58,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.reps < 1:  # the one refusal that needs no torch; the work checks the rest first
+        raise UsageError("--reps must be >= 1")
     from scenarios.tools import profile_run  # torch and the work: only now
 
     return profile_run.run(args)

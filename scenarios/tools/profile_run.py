@@ -324,9 +324,7 @@ def model_calls(cases: Sequence[CheckCase]) -> list[OpCall]:
 
 
 def _check_args(args: argparse.Namespace) -> list[CheckCase]:
-    """Every refusal before any work; returns the cases to time."""
-    if args.reps < 1:
-        raise UsageError("--reps must be >= 1")
+    """Every refusal before any work (the verb checked --reps); returns the cases to time."""
     try:
         cases = plan_cases(
             args.config,

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 
-from scenarios.lib.usage import int_in
+from scenarios.lib.usage import UsageError, int_in
 from scenarios.tools.common import add_run_options
 from scenarios.tools.sweep_args import (
     DECODE_CONTEXT,
+    DECODE_TOKENS,
     FULL_LAYERS,
     MAX_CONTEXT,
     MAX_TOKENS_PER_DEVICE,
+    PREFILL_TOKENS,
+    check_points,
 )
 
 __all__ = ["add_arguments", "run"]
@@ -41,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    decode = args.decode or DECODE_TOKENS
+    prefill = args.prefill or PREFILL_TOKENS
+    problem = check_points(decode, prefill, args.ubatches)
+    if problem is not None:
+        raise UsageError(problem)
     from scenarios.tools import sweep_run  # torch and the work: only now
 
     return sweep_run.run(args)

@@ -32,7 +32,7 @@ from typing import IO
 from dbo.jsonsafe import finite_or_none
 from scenarios.harness import RunOptions, compare_serial_dbo
 from scenarios.lib.progress import emit, progress_bar
-from scenarios.lib.usage import Interrupted, UsageError, one_line, writable_dir
+from scenarios.lib.usage import Interrupted, one_line, writable_dir
 from scenarios.model import Batch, ModelConfig, preset
 from scenarios.tools.common import run_options
 from scenarios.tools.sweep_args import (
@@ -41,6 +41,7 @@ from scenarios.tools.sweep_args import (
     FULL_LAYERS,
     PREFILL_PROMPT,
     PREFILL_TOKENS,
+    check_points,
 )
 
 
@@ -89,22 +90,6 @@ def pays_from(points: Sequence[SweepPoint]) -> int | None:
             break
         start = p.tokens_per_device
     return start
-
-
-def check_points(
-    decode_tokens: Iterable[int], prefill_tokens: Iterable[int], num_ubatches: int
-) -> str | None:
-    """Why these token counts cannot be swept with `num_ubatches` ubatches (None: they can).
-    Every ubatch needs at least one real token, so no count may be below the ubatch count."""
-    for flag, counts in (("--decode", decode_tokens), ("--prefill", prefill_tokens)):
-        small = sorted({t for t in counts if t < num_ubatches})
-        if small:
-            listed = ", ".join(map(str, small))
-            return (
-                f"{flag} {listed}: fewer tokens per device than the {num_ubatches} ubatches "
-                f"(each ubatch needs at least one); choose counts >= {num_ubatches}"
-            )
-    return None
 
 
 def prefill_prompts(tokens: int) -> list[int]:
@@ -303,10 +288,7 @@ def run(args: argparse.Namespace) -> int:
     """`dbo-sim sweep`: one row per point, then where DBO pays; writes sweep.csv and
     sweep.png. 0 when every point ran, 1 when one failed."""
     decode = args.decode or DECODE_TOKENS
-    prefill = args.prefill or PREFILL_TOKENS
-    problem = check_points(decode, prefill, args.ubatches)
-    if problem is not None:
-        raise UsageError(problem)
+    prefill = args.prefill or PREFILL_TOKENS  # checked by the verb: `sweep_args.check_points`
     opts = run_options(args)
     out = Path(args.out)
     writable_dir(out)
