@@ -3,7 +3,8 @@
 This module only dispatches. Every verb is one row of `VERBS`: its name, its help line, and a
 tool module in `scenarios.tools` with `add_arguments(parser)` and `run(args) -> exit status`,
 imported only when that verb runs or shows its help: `dbo-sim --help`, `dbo-sim list` and
-`dbo-sim VERB --help` load no other verb (and most of them no torch).
+`dbo-sim VERB --help` load no other verb, and no torch: a verb's module is its parser, and
+its `run` imports the work.
 Every check of the command line and of the output folder happens before any work starts, and
 every refusal is one line, `dbo-sim: <why>`, with exit status 2 (argparse's own refusals too,
 through `_Parser`; a tool refuses by raising `UsageError`). Ctrl-C ends a verb with one line

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from scenarios.lib.choices import DECODE_CONTEXT, GPU_CHECK, PREFILL_REQUESTS
 from scenarios.model import PRESETS, Batch, ModelConfig
 
 __all__ = [
@@ -60,10 +61,7 @@ def check_cases(layers: int = 8) -> list[CheckCase]:
     ]
 
 
-GPU_CHECK = "gpu-check"  # the default configuration: gpu_check's model and batches
 MODES = {"prefill": "ht", "decode": "ll"}  # step kind -> the model's comm mode
-PREFILL_REQUESTS = 4  # --tokens of prefill are split into this many equal prompts
-DECODE_CONTEXT = 1024  # KV-cache tokens per decode request (gpu_check's decode batch)
 
 
 def config_names() -> list[str]:

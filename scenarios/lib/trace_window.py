@@ -5,6 +5,10 @@ each written trace from the file, keeping only the ops that overlap a time range
 (`START:END`, virtual microseconds) or a run of MoE layers (`layers=A:B`, counted by the
 dispatches of the first ubatch), into `NAME.nN.rR.window.trace.json` and `.window.png` beside
 the full ones.
+
+The option and its parsing import nothing heavy (a parser built for `--help` stays free of
+torch); the simulator's trace and plot modules are imported when a value is parsed or a
+window drawn.
 """
 
 from __future__ import annotations
@@ -14,17 +18,18 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dbo.sim.plot import plot_runs
-from dbo.sim.trace import WindowSpec, parse_window, write_chrome_trace_runs
-from dbo.sim.trace_read import runs_from_trace
+if TYPE_CHECKING:
+    from dbo.sim.trace import WindowSpec
 
 __all__ = ["add_argument", "window_type", "write_windowed"]
 
 
 def window_type(text: str) -> WindowSpec:
     """argparse type: a `WindowSpec`, or the reason it is not one."""
+    from dbo.sim.trace import parse_window
+
     try:
         return parse_window(text)
     except ValueError as error:
@@ -47,6 +52,10 @@ def write_windowed(results: Sequence[Any], spec: WindowSpec | None) -> list[str]
     A window that names layers a run does not have is reported and skipped, not fatal."""
     if spec is None:
         return []
+    from dbo.sim.plot import plot_runs
+    from dbo.sim.trace import write_chrome_trace_runs
+    from dbo.sim.trace_read import runs_from_trace
+
     written: list[str] = []
     for result in results:
         trace_path = getattr(result, "trace", None)

@@ -2,17 +2,21 @@
 
 Every option is checked here, before any work: a CUDA device that is absent, an unknown
 hardware profile and an output folder that cannot be written are refused as `UsageError`s.
+The options themselves import nothing heavy (a parser built for `--help` stays free of torch);
+the simulator's profiles and the harness are imported when the options are checked.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dbo.sim import profile_from_name
-from dbo.sim.hardware import PROFILES
-from scenarios.harness import RunOptions
+from scenarios.lib.choices import PROFILE_NAMES
 from scenarios.lib.usage import UsageError, int_in, timeout_seconds, writable_dir
+
+if TYPE_CHECKING:
+    from scenarios.harness import RunOptions
 
 __all__ = ["MAX_UBATCHES", "add_run_options", "clock_line", "run_options"]
 
@@ -38,7 +42,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile",
         default="h200",
-        help=f"hardware profile of the simulated device: {', '.join(PROFILES)}",
+        help=f"hardware profile of the simulated device: {', '.join(PROFILE_NAMES)}",
     )
     p.add_argument("--out", default="out", help="folder for traces, timelines, CSV (default: out/)")
     p.add_argument("--no-artifacts", action="store_true", help="write no trace or PNG files")
@@ -55,6 +59,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 def run_options(args: argparse.Namespace) -> RunOptions:
     """The parsed options as `RunOptions`, refusing what cannot run before any work."""
+    from dbo.sim import profile_from_name
+    from scenarios.harness import RunOptions
+
     if args.device == "cuda":
         import torch
 
@@ -82,6 +89,8 @@ def clock_line(profile_name: str, device: str = "sim") -> str:
     measured kernels or the roofline alone."""
     if device != "sim":
         return f"real {device} streams: step times measured with CUDA events"
+    from dbo.sim import profile_from_name
+
     profile = profile_from_name(profile_name)
     if profile.kernels_derived:
         return (

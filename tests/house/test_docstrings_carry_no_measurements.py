@@ -16,7 +16,7 @@ PACKAGES = ("dbo", "workspace", "scenarios")
 # Files whose figures are published constants quoted with their source, not our measurements.
 PUBLISHED_FIGURES = {
     "dbo/sim/hardware.py",  # datasheets and DeepEP/DeepGEMM tables, each with its source
-    "scenarios/tools/fidelity.py",  # the published experiments it scores the simulator against
+    "scenarios/tools/fidelity_run.py",  # the published experiments it scores the simulator against
     "scenarios/lib/fidelity_rows.py",  # the published figures and setups (its sources)
     "scenarios/tools/fidelity_kernels.py",
     "scenarios/tools/fidelity_steps.py",

@@ -19,9 +19,9 @@ from scenarios.cli import main
 from scenarios.harness import RunOptions, new_device
 from scenarios.lib.progress import progress_bar
 from scenarios.model import MoEModel
-from scenarios.tools import run as run_tool
+from scenarios.tools import run_scenarios
 from scenarios.tools.run_table import launch_bound_note
-from scenarios.tools.sweep import SweepPoint, pays_from, run_sweep
+from scenarios.tools.sweep_run import SweepPoint, pays_from, run_sweep
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -207,7 +207,7 @@ def test_run_without_names_runs_every_default_scenario(capsys, monkeypatch):
     seen: list = []
     for name in ("fake-a", "fake-b", "fake-c"):
         monkeypatch.setitem(catalog.SCENARIOS, name, _fake(name, seen))
-    monkeypatch.setattr(run_tool, "DEFAULT_SCENARIOS", ["fake-a", "fake-c"])
+    monkeypatch.setattr(run_scenarios, "DEFAULT_SCENARIOS", ["fake-a", "fake-c"])
     assert main(["run", "--no-artifacts"]) == 0
     assert [name for name, _ in seen] == ["fake-a", "fake-c"]
 
@@ -464,16 +464,16 @@ def test_stress_text_report_names_the_invariants_and_passes(capsys):
 
 
 def test_stress_fails_when_a_view_lies_outside_its_slot(capsys, monkeypatch):
-    from scenarios.tools import stress
+    from scenarios.tools import stress_run
 
-    class Leaky(stress.WorkspaceManager):
+    class Leaky(stress_run.WorkspaceManager):
         """Hands out fresh tensors instead of views into the caller's slot."""
 
         def get_simultaneous(self, *pairs):
             views = super().get_simultaneous(*pairs)
             return [torch.empty(v.shape, dtype=v.dtype) for v in views]
 
-    monkeypatch.setattr(stress, "WorkspaceManager", Leaky)
+    monkeypatch.setattr(stress_run, "WorkspaceManager", Leaky)
     assert main(["stress", "--threads", "2", "--iterations", "20", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] is False and "is not in a buffer of slot" in report["violations"][0]
@@ -488,16 +488,16 @@ def test_stress_refuses_a_zero_thread_count(capsys):
 
 
 def test_stress_progress_ends_at_the_iteration_count():
-    from scenarios.tools import stress
+    from scenarios.tools import stress_run
 
     heard: list = []
-    report = stress.run_stress(2, 120, on_progress=heard.append)
+    report = stress_run.run_stress(2, 120, on_progress=heard.append)
     assert report.passed and heard == [50, 100, 120]
 
 
 def test_a_reduced_sweep_model_keeps_its_dense_to_moe_mix():
     from scenarios.model import preset
-    from scenarios.tools.sweep import reduced
+    from scenarios.tools.sweep_run import reduced
 
     full = preset("deepseek-v3")
     assert [reduced(full, n).num_dense_layers for n in (1, 2, 20, 61)] == [0, 0, 1, 3]

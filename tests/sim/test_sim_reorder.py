@@ -10,7 +10,7 @@ import torch
 from dbo.sim import SimDevice
 from dbo.sim.options import SimOptions
 from dbo.sim.reorder import run_adversarially
-from scenarios.tools.race_check import PROGRAMS
+from scenarios.tools.race_check_run import PROGRAMS
 
 # Races whose values do not depend on the order: x*2*3 == x*3*2, and a graph keeps the
 # freed tensor alive, so the allocator does not hand its memory on while captured.

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from scenarios.cli import main
-from scenarios.tools.bench import BENCHMARKS, Figure, Stats
+from scenarios.tools.bench.figures import Figure, Stats
+from scenarios.tools.bench.suite import BENCHMARKS
 
 # Figures that carry the project's targets; a quick run must report each of them.
 TARGETED = (
@@ -88,7 +89,7 @@ def test_per_call_baseline_lays_out_the_same_views_as_the_workspace_manager():
 
 
 def test_per_call_baseline_grows_every_slot_and_refuses_growth_when_locked():
-    from scenarios.tools.bench import PerCallWorkspace
+    from scenarios.tools.bench.baselines import PerCallWorkspace
 
     plain = PerCallWorkspace("cpu", 3)
     plain.get_simultaneous(((1000,), torch.uint8))
@@ -109,7 +110,7 @@ def test_the_storage_allocation_counter_sees_an_allocation():
 
 
 def test_a_paired_ratio_is_the_median_of_per_repetition_ratios():
-    from scenarios.tools.bench import Figure, Stats, Target
+    from scenarios.tools.bench.figures import Figure, Stats, Target
 
     figure = Figure(
         bench="baton",
@@ -144,8 +145,7 @@ def test_a_benchmark_name_registered_twice_is_refused():
 
 
 def test_a_benchmark_returning_a_figure_of_another_name_is_refused():
-    from scenarios.tools.bench import QUICK
-    from scenarios.tools.bench.registry import Benchmark
+    from scenarios.tools.bench.registry import QUICK, Benchmark
 
     stray = Figure(bench="elsewhere", name="x", what="x", unit="count", ours=Stats.exact(0))
     with pytest.raises(RuntimeError, match="elsewhere"):

@@ -22,9 +22,9 @@ from dbo.sim import SimDevice
 from dbo.split import split_batch
 from scenarios import catalog
 from scenarios.cli import VERBS, main
-from scenarios.tools import gpu_check, sweep
+from scenarios.tools import gpu_check_run, sweep_run
 from scenarios.tools.bench import report as bench_report
-from scenarios.tools.stress import run_stress
+from scenarios.tools.stress_run import run_stress
 
 # Tests here start threads: each gets this bound unless it carries its own, so a hang fails
 # the test, never the whole run.
@@ -112,7 +112,7 @@ def test_a_sweep_point_past_its_timeout_is_a_failed_row_and_the_sweep_goes_on(ca
 
 def test_sweep_prefill_without_a_value_is_refused_not_defaulted(capsys, monkeypatch):
     ran: list = []
-    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: ran.append(1) or [])
+    monkeypatch.setattr(sweep_run, "run_sweep", lambda *a, **k: ran.append(1) or [])
     assert main(["sweep", "--prefill"]) == 2
     assert "--prefill: expected at least one argument" in _one_refusal(capsys) and ran == []
 
@@ -141,9 +141,9 @@ def test_run_refuses_an_out_folder_it_cannot_create_before_any_scenario(
 @pytest.mark.parametrize(
     "verb, spied",
     [
-        (["sweep"], (sweep, "run_sweep")),
+        (["sweep"], (sweep_run, "run_sweep")),
         (["bench", "--quick"], (bench_report, "run_benchmarks")),
-        (["gpu-check", "--sim-only"], (gpu_check, "simulate_case")),
+        (["gpu-check", "--sim-only"], (gpu_check_run, "simulate_case")),
     ],
 )
 def test_tools_refuse_an_out_path_they_cannot_write_before_any_work(
@@ -207,7 +207,7 @@ def test_ctrl_c_during_run_json_keeps_each_finished_report(capsys, monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_ctrl_c_during_sweep_keeps_the_finished_points_in_the_csv(capsys, monkeypatch, tmp_path):
-    real = sweep.compare_serial_dbo
+    real = sweep_run.compare_serial_dbo
     calls: list = []
 
     def interrupt_the_second(*args, **kwargs):
@@ -216,7 +216,7 @@ def test_ctrl_c_during_sweep_keeps_the_finished_points_in_the_csv(capsys, monkey
             _sigint()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sweep, "compare_serial_dbo", interrupt_the_second)
+    monkeypatch.setattr(sweep_run, "compare_serial_dbo", interrupt_the_second)
     argv = [
         "sweep",
         "--layers",
@@ -241,9 +241,9 @@ def test_ctrl_c_during_sweep_keeps_the_finished_points_in_the_csv(capsys, monkey
 def test_ctrl_c_during_bench_keeps_the_finished_figures_in_bench_json(
     capsys, monkeypatch, tmp_path
 ):
-    from scenarios.tools.bench import registry
+    from scenarios.tools.bench import suite
 
-    first = registry.registered()[0]
+    first = suite.registered()[0]
     monkeypatch.setattr(bench_report, "registered", lambda: [first, lambda plan: _sigint()])
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 130
     doc = json.loads((tmp_path / "bench.json").read_text())
@@ -256,9 +256,9 @@ def test_ctrl_c_during_bench_keeps_the_finished_figures_in_bench_json(
 
 @pytest.mark.timeout(60)
 def test_ctrl_c_during_fidelity_prints_the_rows_that_finished(capsys, monkeypatch):
-    from scenarios.tools import fidelity
+    from scenarios.tools import fidelity_run
 
-    monkeypatch.setattr(fidelity, "sglang_rows", lambda quick, on_point=None: _sigint())
+    monkeypatch.setattr(fidelity_run, "sglang_rows", lambda quick, on_point=None: _sigint())
     assert main(["fidelity", "--quick"]) == 130
     out, err = capsys.readouterr()
     assert "DeepEP" in out  # the DeepEP rows finished before the interrupt
@@ -352,12 +352,12 @@ def test_calibrate_host_usage_says_it_needs_a_gpu(capsys):
 
 
 def test_sweep_decode_context_matches_the_dsv3_decode_scenario():
-    assert sweep._batch("decode", 256, sweep.DECODE_CONTEXT) == catalog.DSV3_DECODE
+    assert sweep_run._batch("decode", 256, sweep_run.DECODE_CONTEXT) == catalog.DSV3_DECODE
 
 
 def test_sweep_prefill_points_hold_exactly_their_token_count():
     for tokens in (1024, 4096, 5000, 8192):
-        assert sweep._batch("prefill", tokens, sweep.DECODE_CONTEXT).num_tokens == tokens
+        assert sweep_run._batch("prefill", tokens, sweep_run.DECODE_CONTEXT).num_tokens == tokens
 
 
 @pytest.mark.timeout(60)

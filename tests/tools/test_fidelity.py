@@ -19,7 +19,7 @@ from scenarios.harness import RunOptions, compare_serial_dbo
 from scenarios.lib.configs import CheckCase, check_cases
 from scenarios.lib.simulate import simulate_step
 from scenarios.model import Batch, MoEModel, preset
-from scenarios.tools import fidelity, gpu_check
+from scenarios.tools import fidelity_run, gpu_check_run
 from workspace import init_workspace_manager, reset_workspace_manager
 
 # Long-running (the fidelity rows): `make test-slow` (and CI) runs these.
@@ -33,11 +33,11 @@ TINY_MLA = dict(
 # -- DeepEP kernels: pure cost-model arithmetic (H800 profile) ---------------------------------
 
 
-@pytest.mark.parametrize("ep", sorted(fidelity.DEEPEP_LL_PUBLISHED))
+@pytest.mark.parametrize("ep", sorted(fidelity_run.DEEPEP_LL_PUBLISHED))
 @pytest.mark.parametrize("kind", ["dispatch", "combine"])
 def test_deepep_low_latency_times_within_10_percent(kind: str, ep: int) -> None:
-    published = fidelity.DEEPEP_LL_PUBLISHED[ep][0 if kind == "dispatch" else 1]
-    simulated = fidelity.deepep_ll_us(kind, ep, H800)
+    published = fidelity_run.DEEPEP_LL_PUBLISHED[ep][0 if kind == "dispatch" else 1]
+    simulated = fidelity_run.deepep_ll_us(kind, ep, H800)
     assert simulated == pytest.approx(published, rel=0.10), (kind, ep, simulated, published)
 
 
@@ -46,26 +46,26 @@ def test_deepep_low_latency_time_is_latency_plus_bytes_over_the_right_link() -> 
     copies = 128 * 8 * (7168 + 7168 // 128 * 4)
     nvl = H800.nvlink_gbps * 1e3 * H800.nvlink_efficiency
     rdma = H800.rdma_gbps * 1e3 * H800.rdma_efficiency
-    assert fidelity.deepep_ll_us("dispatch", 8) == pytest.approx(
+    assert fidelity_run.deepep_ll_us("dispatch", 8) == pytest.approx(
         H800.ll_latency_us + copies * 7 / 8 / nvl
     )
-    assert fidelity.deepep_ll_us("dispatch", 64) == pytest.approx(
+    assert fidelity_run.deepep_ll_us("dispatch", 64) == pytest.approx(
         H800.ll_latency_us + copies * 63 / 64 * 56 / 63 / rdma
     )
 
 
 @pytest.mark.parametrize("kind", ["dispatch", "combine"])
 def test_deepep_normal_nvlink_bandwidth_within_10_percent(kind: str) -> None:
-    simulated, _ = fidelity.normal_bandwidth_gbps(kind, 8, H800)
-    assert simulated == pytest.approx(fidelity.DEEPEP_NVLINK_PUBLISHED[kind], rel=0.10)
+    simulated, _ = fidelity_run.normal_bandwidth_gbps(kind, 8, H800)
+    assert simulated == pytest.approx(fidelity_run.DEEPEP_NVLINK_PUBLISHED[kind], rel=0.10)
 
 
 def test_deepep_normal_rdma_bandwidth_in_the_measured_range() -> None:
-    lo, hi = fidelity.DEEPEP_RDMA_PUBLISHED
+    lo, hi = fidelity_run.DEEPEP_RDMA_PUBLISHED
     for ep in (16, 32, 64):
-        _, rdma_bytes = fidelity.normal_bandwidth_gbps("dispatch", ep, H800)
+        _, rdma_bytes = fidelity_run.normal_bandwidth_gbps("dispatch", ep, H800)
         assert rdma_bytes > 0
-    simulated, _ = fidelity.normal_bandwidth_gbps("dispatch", 32, H800)
+    simulated, _ = fidelity_run.normal_bandwidth_gbps("dispatch", 32, H800)
     assert lo * 0.9 <= simulated <= hi * 1.1
 
 
@@ -213,11 +213,11 @@ CALIBRATION_ROWS = {
 
 
 @pytest.fixture(scope="module")
-def quick_report() -> fidelity.FidelityReport:
-    return fidelity.run_fidelity(quick=True)
+def quick_report() -> fidelity_run.FidelityReport:
+    return fidelity_run.run_fidelity(quick=True)
 
 
-def test_quick_reproduction_has_every_row(quick_report: fidelity.FidelityReport) -> None:
+def test_quick_reproduction_has_every_row(quick_report: fidelity_run.FidelityReport) -> None:
     rows = {r.key: r for r in quick_report.rows}
     assert set(rows) == EXPECTED_ROWS
     for r in quick_report.rows:
@@ -234,7 +234,7 @@ def test_quick_reproduction_has_every_row(quick_report: fidelity.FidelityReport)
 
 
 def test_calibration_rows_are_marked_and_never_counted_as_hits(
-    quick_report: fidelity.FidelityReport,
+    quick_report: fidelity_run.FidelityReport,
 ) -> None:
     rows = {r.key: r for r in quick_report.rows}
     assert {k for k, r in rows.items() if r.calibration} == CALIBRATION_ROWS
@@ -242,11 +242,13 @@ def test_calibration_rows_are_marked_and_never_counted_as_hits(
         assert not rows[key].hit and rows[key].note.startswith("calibration")
     checked = [r for r in quick_report.rows if not r.calibration]
     counted = f"{sum(r.hit for r in checked)} of {len(checked)} checked figures"
-    assert counted in fidelity.format_table(quick_report)
+    assert counted in fidelity_run.format_table(quick_report)
 
 
-def test_table_prints_every_row_with_its_assumptions(quick_report: fidelity.FidelityReport) -> None:
-    text = fidelity.format_table(quick_report)
+def test_table_prints_every_row_with_its_assumptions(
+    quick_report: fidelity_run.FidelityReport,
+) -> None:
+    text = fidelity_run.format_table(quick_report)
     for r in quick_report.rows:
         assert r.what in text and r.published in text
     for key, assumptions in quick_report.assumptions.items():
@@ -290,7 +292,7 @@ def test_a_launch_bound_eager_step_is_host_bound_and_its_replay_is_not() -> None
 
 
 def test_quick_report_shows_graphs_removing_the_eager_host_bound_time(
-    quick_report: fidelity.FidelityReport,
+    quick_report: fidelity_run.FidelityReport,
 ) -> None:
     eager, replayed = quick_report.extra["eager"], quick_report.extra["replayed"]
     assert eager["host_bound_fraction"] > 0.1 > replayed["host_bound_fraction"]
@@ -309,7 +311,7 @@ def test_gpu_check_sim_half_and_report(tmp_path, capsys) -> None:
     report = json.loads(out.read_text())
     assert [c["case"] for c in report["cases"]] == ["prefill", "decode"]
     for case in report["cases"]:
-        assert set(case["timings"]) == set(gpu_check.VARIANTS)
+        assert set(case["timings"]) == set(gpu_check_run.VARIANTS)
         for timing in case["timings"].values():
             assert timing["sim_us"] > 0 and timing["gpu_us"] == [] and timing["error"] is None
         assert case["gains_pct"]["dbo_vs_serial_eager"]["sim"] is not None
@@ -337,10 +339,10 @@ def test_gpu_check_measurement_sequence_runs_on_the_simulated_device(mode: str) 
     batch = TINY_PREFILL if mode == "ht" else TINY_DECODE
     case = CheckCase(mode, preset("tiny"), batch, mode)
     d = SimDevice(SimOptions("h200"))
-    timings = gpu_check.measure_case(
-        case, reps=2, warmup=1, device=d, timer=gpu_check.virtual_timer(d)
+    timings = gpu_check_run.measure_case(
+        case, reps=2, warmup=1, device=d, timer=gpu_check_run.virtual_timer(d)
     )
-    assert set(timings) == set(gpu_check.VARIANTS)
+    assert set(timings) == set(gpu_check_run.VARIANTS)
     for variant, t in timings.items():
         assert t.error is None and len(t.gpu_us) == 2 and min(t.gpu_us) > 0, (variant, t)
     # a tiny step is launch bound on the simulated host: a replay (no launches, no handoffs)
@@ -385,7 +387,7 @@ def test_gpu_check_says_no_gpu_and_exits_2(capsys, tmp_path) -> None:
 
 def _stored_run(tmp_path, layers: int, scale: float = 1.0):
     """The shipped H200 report, relabelled to `layers` and its times scaled."""
-    report = json.loads(gpu_check.H200_REFERENCE.read_text())
+    report = json.loads(gpu_check_run.H200_REFERENCE.read_text())
     for case in report["cases"]:
         case["config"]["num_layers"] = layers
         for timing in case["timings"].values():
@@ -417,7 +419,7 @@ def test_gpu_check_scores_the_simulation_against_a_stored_run(tmp_path, capsys) 
     )
     (case,) = json.loads(out.read_text())["cases"]
     checks = {v["check"]: v for v in case["validation"]}
-    assert set(checks) >= {f"{v} time" for v in gpu_check.VARIANTS}
+    assert set(checks) >= {f"{v} time" for v in gpu_check_run.VARIANTS}
     assert "dbo vs serial graph sign" in checks  # the measured decode loss exceeds 3%
     assert all(t["sim_fallback_fraction"] == 0.0 for t in case["timings"].values())  # all measured
     text = capsys.readouterr().out

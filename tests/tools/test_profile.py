@@ -15,9 +15,10 @@ from dbo.sim.cost import OpCall, add_op_observer, remove_op_observer
 from dbo.sim.options import SimOptions
 from dbo.sim.tables import load_table
 from scenarios.cli import main as cli_main
+from scenarios.lib.choices import DECODE_CONTEXT, PREFILL_REQUESTS
 from scenarios.lib.configs import check_cases, plan_cases
 from scenarios.model import Batch
-from scenarios.tools import profile
+from scenarios.tools import profile_run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +29,7 @@ CONFIG = check_cases(1)[0].config.with_(
 
 def sim_timer(call: OpCall) -> float:
     """The virtual time of one call on a fresh simulated H200 (inputs materialized on the CPU)."""
-    args, kwargs = profile.materialize(call, "cpu")
+    args, kwargs = profile_run.materialize(call, "cpu")
     device = SimDevice(SimOptions("h200", tensor_device="meta"))
     meta_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
     with device.thread_scope(None):
@@ -41,13 +42,13 @@ def sim_timer(call: OpCall) -> float:
 
 @pytest.fixture(scope="module")
 def calls() -> list[OpCall]:
-    return profile.record_calls(CONFIG, Batch.prefill(2, 64), "ht") + profile.record_calls(
+    return profile_run.record_calls(CONFIG, Batch.prefill(2, 64), "ht") + profile_run.record_calls(
         CONFIG, Batch.decode(16, 64), "ll", num_ubatches=2
     )
 
 
 def test_recording_sees_every_kernel_family_the_model_issues(calls: list[OpCall]) -> None:
-    rows = [profile.table_row(c, 1.0) for c in profile.distinct_calls(calls)]
+    rows = [profile_run.table_row(c, 1.0) for c in profile_run.distinct_calls(calls)]
     ops = {r["op"] for r in rows}
     assert {
         "mm",
@@ -63,24 +64,24 @@ def test_recording_sees_every_kernel_family_the_model_issues(calls: list[OpCall]
 
 
 def test_distinct_calls_keep_one_call_per_shape(calls: list[OpCall]) -> None:
-    distinct = profile.distinct_calls(calls)
+    distinct = profile_run.distinct_calls(calls)
     assert len(distinct) < len(calls)
-    keys = [profile._key(c) for c in distinct]
+    keys = [profile_run._key(c) for c in distinct]
     assert len(set(keys)) == len(keys)
 
 
 def test_materialized_inputs_are_valid_for_the_op(calls: list[OpCall]) -> None:
-    for call in profile.distinct_calls(calls):
+    for call in profile_run.distinct_calls(calls):
         if call.name not in ("aten::index_select", "aten::index_add_", "aten::mm", "aten::copy_"):
             continue
-        args, kwargs = profile.materialize(call, "cpu")
+        args, kwargs = profile_run.materialize(call, "cpu")
         assert all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
         call.func(*args, **kwargs)  # indices in range, shapes consistent: it runs
 
 
 def test_grouped_gemm_offsets_are_even_group_ends(calls: list[OpCall]) -> None:
     grouped = next(c for c in calls if c.name == "aten::_grouped_mm")
-    args, _ = profile.materialize(grouped, "cpu")
+    args, _ = profile_run.materialize(grouped, "cpu")
     offs = args[2]
     rows, groups = grouped.ins[0].shape[0], grouped.ins[1].shape[0]
     assert offs.tolist() == [rows * (g + 1) // groups for g in range(groups)]
@@ -89,8 +90,8 @@ def test_grouped_gemm_offsets_are_even_group_ends(calls: list[OpCall]) -> None:
 def test_a_written_table_loads_and_prices_the_profiled_shapes(
     calls: list[OpCall], tmp_path
 ) -> None:
-    rows = profile.profile_calls(calls, sim_timer)
-    path = profile.write_table(rows, tmp_path / "mine.csv")
+    rows = profile_run.profile_calls(calls, sim_timer)
+    path = profile_run.write_table(rows, tmp_path / "mine.csv")
     table = load_table(str(path))
     mm = next(r for r in rows if r["op"] == "mm")
     assert table.estimate("mm", m=mm["m"], n=mm["n"], k=mm["k"]) == pytest.approx(
@@ -147,7 +148,7 @@ def test_host_costs_from_traces_follow_the_stated_rules(tmp_path) -> None:
     dbo_events = [
         launch(t, tid) for t, tid in ((0, 7), (10, 7), (60, 8), (70, 8), (120, 7), (130, 7))
     ]
-    host = profile.host_costs_from_traces(
+    host = profile_run.host_costs_from_traces(
         [_trace(tmp_path / "s-serial.json.gz", serial)],
         [_trace(tmp_path / "s-dbo.json.gz", dbo_events)],
         bare_op_us=5.0,
@@ -205,7 +206,7 @@ def test_overlap_rates_come_from_kernels_slowed_beside_another_stream(tmp_path) 
         _kernel("gemm", 600, 40, compute, grid=(2, 1, 1)),  # other grid: not the gemm's solo
         _kernel("gather", 620, 30, comm),  # no solo time of its own: left out
     ]
-    rates = profile.overlap_rates_from_traces([_trace(tmp_path / "p-dbo.json.gz", events)])
+    rates = profile_run.overlap_rates_from_traces([_trace(tmp_path / "p-dbo.json.gz", events)])
     # gemm: 50 us over its 100 us solo time in 100 us shared -> 0.5; scatter: 40 over 60 -> 0.6
     assert rates["overlap_rates"] == {"compute": 0.5, "full_grid": 0.6}
     assert rates["overlap_kernels"] == 2
@@ -220,13 +221,13 @@ def test_overlap_rates_take_the_largest_solo_time_not_above_the_kernel(tmp_path)
         _kernel("scatter", 700, 80, 9),
         _kernel("add", 800, 1, 7),
     ]
-    rates = profile.overlap_rates_from_traces([_trace(tmp_path / "q-dbo.json.gz", events)])
+    rates = profile_run.overlap_rates_from_traces([_trace(tmp_path / "q-dbo.json.gz", events)])
     assert rates["overlap_rates"]["compute"] == pytest.approx(1 - (150 - 100) / 100)
 
 
 def test_traces_without_kernels_side_by_side_give_no_overlap_rates(tmp_path) -> None:
     events = [_kernel("gemm", 0, 100, 7), _kernel("scatter", 100, 50, 9)]
-    assert profile.overlap_rates_from_traces([_trace(tmp_path / "d-dbo.json.gz", events)]) == {}
+    assert profile_run.overlap_rates_from_traces([_trace(tmp_path / "d-dbo.json.gz", events)]) == {}
 
 
 # -- which model is recorded ------------------------------------------------------------------
@@ -237,7 +238,7 @@ def test_a_preset_is_recorded_with_the_overrides_given() -> None:
     c = case.config
     assert (c.name, c.hidden, c.num_experts, c.top_k, c.num_layers) == ("tiny", 32, 16, 2, 1)
     assert c.dtype == torch.bfloat16  # tiny's float64 is for CPU value checks
-    assert (case.mode, case.batch) == ("ll", Batch.decode(8, profile.DECODE_CONTEXT))
+    assert (case.mode, case.batch) == ("ll", Batch.decode(8, DECODE_CONTEXT))
 
 
 def test_by_default_gpu_checks_model_and_batches_are_recorded() -> None:
@@ -248,12 +249,15 @@ def test_by_default_gpu_checks_model_and_batches_are_recorded() -> None:
 def test_the_default_layers_reach_the_first_moe_layer() -> None:
     (case,) = plan_cases("deepseek-v3", mode="prefill", tokens=64)
     assert case.config.num_layers == case.config.num_dense_layers + 1
-    assert case.batch == Batch.prefill(profile.PREFILL_REQUESTS, 16)
+    assert case.batch == Batch.prefill(PREFILL_REQUESTS, 16)
 
 
 def test_the_recorded_calls_follow_the_chosen_configuration() -> None:
     cases = plan_cases("tiny", hidden=32, experts=16, top_k=2, layers=1, tokens=8, mode="decode")
-    rows = [profile.table_row(c, 1.0) for c in profile.distinct_calls(profile.model_calls(cases))]
+    rows = [
+        profile_run.table_row(c, 1.0)
+        for c in profile_run.distinct_calls(profile_run.model_calls(cases))
+    ]
     rows = [r for r in rows if r is not None]
     ops = {r["op"] for r in rows}
     assert "sdpa_decode" in ops and "sdpa_causal" not in ops  # decode only
@@ -292,5 +296,5 @@ def test_a_models_own_ops_observed_on_the_simulator_profile_into_rows() -> None:
             torch.relu(x @ w)
     finally:
         remove_op_observer(calls.append)
-    rows = profile.profile_calls(calls, sim_timer)
+    rows = profile_run.profile_calls(calls, sim_timer)
     assert ("mm", 64, 256, 128) in [(r["op"], r["m"], r["n"], r["k"]) for r in rows]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from scenarios.cli import main as cli_main
-from scenarios.tools.race_check import PROGRAMS, Verdict, format_table, run_csan, run_sim
+from scenarios.tools.race_check_run import PROGRAMS, Verdict, format_table, run_csan, run_sim
 
 NO_CUDA = not torch.cuda.is_available()
 

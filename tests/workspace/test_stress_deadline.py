@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from scenarios.tools import stress
+from scenarios.tools import stress_run
 
 # Multi-process or long-running: `make test-slow` (and CI) runs these.
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ FEW_SECONDS = 10.0
 @pytest.mark.timeout(90)
 def test_a_thousand_threads_return_within_the_deadline_plus_a_few_seconds():
     start = time.monotonic()
-    report = stress.run_stress(1024, 10**5, deadline_s=2.0)
+    report = stress_run.run_stress(1024, 10**5, deadline_s=2.0)
     assert time.monotonic() - start < 2.0 + FEW_SECONDS
     assert report.cut_short and not report.passed and report.hung_threads == 0
 
@@ -65,7 +65,7 @@ def test_ctrl_c_while_the_stress_threads_start_exits_130_with_one_line():
 
 @pytest.mark.timeout(60)
 def test_slot_buffers_that_overlap_are_a_violation(monkeypatch):
-    class Overlapping(stress.WorkspaceManager):
+    class Overlapping(stress_run.WorkspaceManager):
         """Reports every slot's buffer at slot 0's address, as a manager carving every slot
         out of one allocation would."""
 
@@ -74,8 +74,8 @@ def test_slot_buffers_that_overlap_are_a_violation(monkeypatch):
             at = buffers[0].data_ptr
             return [b if b is None else dataclasses.replace(b, data_ptr=at) for b in buffers]
 
-    monkeypatch.setattr(stress, "WorkspaceManager", Overlapping)
-    report = stress.run_stress(2, 50)
+    monkeypatch.setattr(stress_run, "WorkspaceManager", Overlapping)
+    report = stress_run.run_stress(2, 50)
     assert any("overlaps slot" in v for v in report.violations)
 
 
@@ -87,16 +87,16 @@ def test_threads_stuck_inside_torch_past_the_deadline_end_the_command_with_1_not
         """
         import torch
         from scenarios.cli import main
-        from scenarios.tools import stress
+        from scenarios.tools import stress_run
 
-        class Stuck(stress.WorkspaceManager):
+        class Stuck(stress_run.WorkspaceManager):
             def get_simultaneous(self, *pairs):
                 a = torch.ones(300, 300)
                 for _ in range(100000):
                     a = (a @ a).clamp_(max=1.0)
                 return super().get_simultaneous(*pairs)
 
-        stress.WorkspaceManager = Stuck
+        stress_run.WorkspaceManager = Stuck
         raise SystemExit(main(["stress", "--threads", "4", "--iterations", "5", "--timeout", "1"]))
         """
     )

@@ -11,43 +11,26 @@ The parts: `figures` (the records), `timing` (how a sample is taken), `baselines
 per-call workspace, a do-nothing device), `registry` (the one list of benchmarks, `@benchmark`), the
 benchmarks themselves (`workspace`, `baton`, `simulator`, `races`, `cluster`, `plan`, `scaling`),
 and `report` (running them, the table and `bench.json`). A new benchmark is one
-`@benchmark(...)` function in one of those modules; this package imports them in run order.
+`@benchmark(...)` function in one of those modules; `suite` imports them in run order.
+
+This package is the verb's parser; `run` imports the suite (and torch with it), so `--help`
+and a refused option answer at once.
 """
 
 from __future__ import annotations
 
-# Imported for their @benchmark registrations: the import order is the run order (the cheap
-# workspace figures first, the long steps last), so the sorter must leave it alone.
-# isort: off
-from scenarios.tools.bench import workspace  # noqa: F401
-from scenarios.tools.bench import baton  # noqa: F401
-from scenarios.tools.bench import simulator  # noqa: F401
-from scenarios.tools.bench import races  # noqa: F401
-from scenarios.tools.bench import cluster  # noqa: F401
-from scenarios.tools.bench import plan  # noqa: F401
-from scenarios.tools.bench import scaling  # noqa: F401
+import argparse
 
-# isort: on
-from scenarios.tools.bench.baselines import PerCallWorkspace
-from scenarios.tools.bench.figures import Figure, Stats, Target
-from scenarios.tools.bench.registry import FULL, QUICK, Plan, benchmark, benchmark_names
-from scenarios.tools.bench.report import add_arguments, format_table, run, run_benchmarks
+__all__ = ["add_arguments", "run"]
 
-# The benchmarks every run (quick or full) reports; each figure names the one it belongs to.
-BENCHMARKS: tuple[str, ...] = benchmark_names()
 
-__all__ = [
-    "BENCHMARKS",
-    "Stats",
-    "Target",
-    "Figure",
-    "Plan",
-    "FULL",
-    "QUICK",
-    "PerCallWorkspace",
-    "benchmark",
-    "run_benchmarks",
-    "format_table",
-    "add_arguments",
-    "run",
-]
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (CI)")
+    parser.add_argument("--out", default="out", help="folder for bench.json")
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from scenarios.tools.bench import suite  # every benchmark, torch with them: only now
+
+    return suite.run(args)

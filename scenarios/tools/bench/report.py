@@ -153,12 +153,6 @@ def report(figures: Sequence[Figure], plan: Plan, seconds: float) -> dict[str, A
     }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a short smoke run (CI)")
-    parser.add_argument("--out", default="out", help="folder for bench.json")
-    parser.add_argument("--json", action="store_true")
-
-
 def _write(
     out: Path, figures: list[Figure], plan: Plan, seconds: float, interrupted: bool = False
 ) -> Path:
