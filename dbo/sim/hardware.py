@@ -138,7 +138,7 @@ class HardwareProfile:
     # pair is charged what running them together at these rates would have cost beyond the
     # turns (dbo.sim.device.SimDevice.place_op). Empty: turns cost nothing extra (uncalibrated).
     # A calibrated profile takes them from its table, derived from profiler traces of DBO steps
-    # (scenarios.tools.profile.overlap_rates_from_traces).
+    # (dbo.analysis.calibration.overlap_rates_from_traces).
     overlap_rates: dict[str, float] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # free-form notes for reports
 
