@@ -37,9 +37,7 @@ the same count, `balanced_dedup`), and the replay is then the recording.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
@@ -54,7 +52,7 @@ from dbo.sim.cluster_program import (
 )
 from dbo.sim.cost import GEMM_OPS
 from dbo.sim.routing import Placement, Routing
-from dbo.sim.traffic import LayerBytes, fair_share_ends, layer_bytes
+from dbo.sim.traffic import LayerBytes, fair_share_ends, kept_layer_bytes
 
 __all__ = ["CollectiveResult", "ClusterResult", "simulate_cluster"]
 
@@ -199,7 +197,7 @@ class _Links:
         if key not in self._bytes:
             r = self.routing.of_ubatch(ubatch)
             legacy = mode == "ht" and self.per_copy is not None
-            b = _layer_bytes(
+            b = kept_layer_bytes(
                 r.layer(layer),
                 self.placement.layer(layer),
                 r.top_k,
@@ -231,29 +229,6 @@ class _Links:
             b = self.layer(layer, "ll", ubatch)
             self._lags[key] = _ll_pair_lag(b.reversed() if kind == "combine" else b, kind, self)
         return self._lags[key]
-
-
-_BYTES: dict[tuple, LayerBytes] = {}
-MAX_LAYER_BYTES = 1024  # layers' bytes kept across replays (a few KB to a few MB each)
-
-
-def _digest(a: np.ndarray) -> tuple:
-    return (a.shape, a.dtype.str, hashlib.blake2b(np.ascontiguousarray(a).data).digest())
-
-
-def _layer_bytes(
-    sources: np.ndarray, placement: np.ndarray, top_k: int, mode: str, g: int, groups: Any
-) -> LayerBytes:
-    """`layer_bytes` of one layer per byte of copies, kept by the layer's content: every
-    layer of a balanced routing is the same, and `plan` replays one routing for each of its
-    steps (the result is read, never changed)."""
-    key = (_digest(sources), _digest(placement), top_k, mode, g, groups)
-    b = _BYTES.get(key)
-    if b is None:
-        if len(_BYTES) >= MAX_LAYER_BYTES:
-            _BYTES.clear()
-        b = _BYTES[key] = layer_bytes(sources, placement, 1.0, top_k, mode, g, groups)
-    return b
 
 
 def _expert_factor(program: StreamProgram, routing: Routing, placement: Placement) -> np.ndarray:

@@ -34,12 +34,21 @@ replays its recording exactly.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["LayerBytes", "miss_probability", "layer_bytes", "balanced_dedup", "fair_share_ends"]
+__all__ = [
+    "LayerBytes",
+    "miss_probability",
+    "layer_bytes",
+    "balanced_dedup",
+    "fair_share_ends",
+    "kept_layer_bytes",
+]
 
 
 def _free_miss(c: np.ndarray, top_k: int, num_experts: int) -> np.ndarray:
@@ -213,3 +222,26 @@ def fair_share_ends(pair: np.ndarray) -> np.ndarray:
     np.put_along_axis(ends, order, done, axis=1)
     out[mixed] = ends[np.cumsum(first) - 1]
     return out
+
+
+_KEPT: dict[tuple, LayerBytes] = {}
+MAX_KEPT_LAYERS = 1024  # layers' bytes kept across replays (a few KB to a few MB each)
+
+
+def _digest(a: np.ndarray) -> tuple:
+    return (a.shape, a.dtype.str, hashlib.blake2b(np.ascontiguousarray(a).data).digest())
+
+
+def kept_layer_bytes(
+    sources: np.ndarray, placement: np.ndarray, top_k: int, mode: str, g: int, groups: Any
+) -> LayerBytes:
+    """`layer_bytes` of one layer per byte of copies, kept by the layer's content: every
+    layer of a balanced routing is the same, and `plan` replays one routing for each of its
+    steps (the result is read, never changed)."""
+    key = (_digest(sources), _digest(placement), top_k, mode, g, groups)
+    b = _KEPT.get(key)
+    if b is None:
+        if len(_KEPT) >= MAX_KEPT_LAYERS:
+            _KEPT.clear()
+        b = _KEPT[key] = layer_bytes(sources, placement, 1.0, top_k, mode, g, groups)
+    return b
