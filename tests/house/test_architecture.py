@@ -112,9 +112,6 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"scenarios": ("scenarios.*",)},
 )
 
-# Violations in files other helpers are fixing on their branches; the lead drops these marks
-# once those branches are merged.
-
 
 @dataclass(frozen=True)
 class Module:
