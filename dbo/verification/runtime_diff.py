@@ -42,13 +42,19 @@ def log_event_calls(device: SimDevice) -> Iterator[list[EventCall]]:
     """Log the block's event records and waits on `device` (an observer on this one device
     object: its methods are shadowed for the block and the class's put back after)."""
     calls: list[EventCall] = []
+    # Every logged event stays alive until the block ends: a call is named by id(), and a
+    # freed event's id can be handed to the next one made (a recv hook's event dies once the
+    # hook ran), which would give two events one name, or not, as the threads happened to run.
+    held: list[Any] = []
     record, wait = device.record_event, device.stream_wait_event
 
     def logged_record(event: Any, stream: Any) -> None:
+        held.append(event)
         calls.append(_call(device, "record", event, stream))
         record(event, stream)
 
     def logged_wait(stream: Any, event: Any) -> None:
+        held.append(event)
         calls.append(_call(device, "wait", event, stream))
         wait(stream, event)
 
@@ -57,6 +63,7 @@ def log_event_calls(device: SimDevice) -> Iterator[list[EventCall]]:
         yield calls
     finally:
         del device.record_event, device.stream_wait_event
+        held.clear()
 
 
 def _call(device: SimDevice, action: str, event: Any, stream: Any) -> EventCall:
