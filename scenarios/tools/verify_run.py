@@ -50,9 +50,9 @@ def _load_module(name: str, what: str) -> Any:
         spec = importlib.util.spec_from_file_location(path.stem, path)
         if spec is None or spec.loader is None:
             raise UsageError(f"{what}: cannot load {name!r} as a Python module")
-        module = importlib.util.module_from_spec(spec)
+        loader, module = spec.loader, importlib.util.module_from_spec(spec)
         sys.modules.setdefault(path.stem, module)
-        _exec(lambda: spec.loader.exec_module(module), name, what, own=True)  # type: ignore[union-attr]
+        _exec(lambda: loader.exec_module(module), name, what, own=True)
         return module
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # as `python -m` finds modules
