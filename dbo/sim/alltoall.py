@@ -6,7 +6,10 @@ node, RDMA across nodes, the two links working in parallel) *and* every peer tha
 rows has finished sending them: that peer's last row for it leaves at the peer's own start
 plus the link latency plus its whole send time (or, given per pair, the time its rows for that
 rank take to leave). So the slowest sender gates the receiver, and a rank that reaches the
-collective late delays everyone it sends to. The RDMA bytes of high-throughput (DeepEP normal)
+collective late delays everyone it sends to. A kernel sends at the share of each link
+DeepEP's kernels achieve (`egress_gbps`) and its port receives at the line rate
+(`ingress_gbps`), so a receiver that its peers together feed a few percent more than a
+sender pushes waits for no one. The RDMA bytes of high-throughput (DeepEP normal)
 kernels are scaled by `rdma_share`, the share of remote copies left after per-node
 de-duplication.
 
@@ -27,6 +30,8 @@ from dbo.sim.hardware import HardwareProfile
 
 __all__ = [
     "AllToAllEnds",
+    "egress_gbps",
+    "ingress_gbps",
     "link_time_us",
     "collective_latency_us",
     "all_to_all_ends",
@@ -35,11 +40,30 @@ __all__ = [
 ]
 
 
-def link_time_us(profile: HardwareProfile, total: np.ndarray, rdma: np.ndarray) -> np.ndarray:
-    """Wire time of `total` bytes of which `rdma` cross nodes: NVLink and RDMA in parallel."""
-    nvl_bw = profile.nvlink_gbps * 1e3 * profile.nvlink_efficiency  # bytes per us
-    rdma_bw = profile.rdma_gbps * 1e3 * profile.rdma_efficiency
-    return np.maximum((total - rdma) / nvl_bw, rdma / rdma_bw)
+def egress_gbps(profile: HardwareProfile) -> tuple[float, float]:
+    """(NVLink, RDMA) GB/s one rank's kernel pushes its rows out at: the achieved share of
+    each link (the profile's efficiencies, read off DeepEP's kernels as a sender sees them)."""
+    return (
+        profile.nvlink_gbps * profile.nvlink_efficiency,
+        profile.rdma_gbps * profile.rdma_efficiency,
+    )
+
+
+def ingress_gbps(profile: HardwareProfile) -> tuple[float, float]:
+    """(NVLink, RDMA) GB/s a rank's port takes rows in at: the line rate. What keeps a
+    kernel below it is on the sending side: warps issuing NVLink stores, and a NIC that
+    fetches each put's payload from GPU memory with PCIe reads, where the receiving NIC
+    writes with posted PCIe writes. Many senders at once fill a port up to its line rate."""
+    return profile.nvlink_gbps, profile.rdma_gbps
+
+
+def link_time_us(
+    profile: HardwareProfile, total: np.ndarray, rdma: np.ndarray, *, receiving: bool = False
+) -> np.ndarray:
+    """Wire time of `total` bytes of which `rdma` cross nodes: NVLink and RDMA in parallel.
+    `receiving`: at the receiving port's line rate (see `ingress_gbps`)."""
+    nvl_bw, rdma_bw = ingress_gbps(profile) if receiving else egress_gbps(profile)
+    return np.maximum((total - rdma) / (nvl_bw * 1e3), rdma / (rdma_bw * 1e3))
 
 
 def collective_latency_us(profile: HardwareProfile, mode: str, multi_node: bool) -> float:
@@ -85,7 +109,7 @@ def all_to_all_ends(
     send_rdma, recv_rdma = rdma.sum(axis=1), rdma.sum(axis=0)
     latency = collective_latency_us(profile, mode, ranks > g)
     send_t = link_time_us(profile, send, send_rdma)
-    recv_t = link_time_us(profile, recv, recv_rdma)
+    recv_t = link_time_us(profile, recv, recv_rdma, receiving=True)
     return pair_ends(ready, latency, send_t, recv_t, traffic > 0)
 
 

@@ -89,7 +89,9 @@ class HardwareProfile:
     # one-way datasheet figure (its normal kernels reach 153-158 GB/s) -> 0.8; a CX7 400 Gb/s
     # NIC is "~50 GB/s maximum", its normal internode kernels reach 43-58 GB/s and the
     # low-latency ones 39-46 GB/s at EP >= 64 -> 0.92 (46 GB/s), the middle of that class.
-    # Assumed to carry over to H100/H200/B200 (same NVLink protocol, same NIC).
+    # Assumed to carry over to H100/H200/B200 (same NVLink protocol, same NIC). They are a
+    # sending kernel's share; a receiving port takes rows in at the line rate
+    # (`dbo.sim.alltoall.ingress_gbps`), which only an uneven all-to-all tells apart.
     nvlink_efficiency: float = 0.8
     rdma_efficiency: float = 0.92
     # Host costs, for profiles without their own: the order of magnitude that
