@@ -7,8 +7,9 @@ SGLang serves DeepSeek-V3 with EPLB over 32 redundant experts (288 physical); De
 benchmarks route random scores. Both become sampled batches (`dbo.sim.routing.sampled`), each
 rank drawing its own tokens' top-8 (seeded; under TBO each ubatch's tokens on their own, the
 serial step routing their union), so an expert's load is a sum over the ranks' batches; EPLB
-places each layer by its long-run load (the uniform shares the batches are drawn from), as
-DeepSeek's EPLB places by statistics gathered over many batches, not by the batch it runs;
+places each layer by its long-run load (the shares the batches are drawn from: for SGLang,
+the skew its 32 redundant experts even out, `eplb_evened_load`), as DeepSeek's EPLB places
+by statistics gathered over many batches, not by the batch it runs;
 and the slowest pair of ranks ends each collective. DeepEP's low-latency figure is what a
 rank's kineto trace shows for its own kernel, averaged over 30 back-to-back runs that start
 together after a barrier: the replay runs the same loop and averages over ranks and runs.
@@ -67,6 +68,7 @@ from scenarios.tools.fidelity_kernels import DEEPEP_BYTES
 __all__ = [
     "SGLangGroup",
     "sglang_group",
+    "eplb_evened_load",
     "scale_rows",
     "cluster_gain",
     "deepep_ll_cluster_us",
@@ -96,7 +98,7 @@ def sglang_group(phase: str, ep: int, tokens: int, quick: bool, *, seed: int = S
     per ubatch (the serial step routes their union), EPLB placed by the long-run load."""
     physical = deepseek_config(ep, quick)
     logical = physical.with_(num_experts=physical.num_experts - SGLANG_REDUNDANT_EXPERTS)
-    family = balanced(moe_layers(physical), logical.num_experts, DEEPEP_TOPK)
+    family = eplb_evened_load(moe_layers(physical), logical.num_experts, SGLANG_REDUNDANT_EXPERTS)
     specs = {
         n: StepSpec(
             physical,
@@ -116,6 +118,19 @@ def sglang_group(phase: str, ep: int, tokens: int, quick: bool, *, seed: int = S
     # batches, here the family's shares), never by the batch it is about to run.
     placement = eplb(family.expert_load(), ep, SGLANG_REDUNDANT_EXPERTS)
     return SGLangGroup(specs, routing, placement)
+
+
+def eplb_evened_load(layers: int, experts: int, redundant: int) -> Routing:
+    """The long-run load that `redundant` EPLB replicas even out exactly: `redundant` experts
+    twice as hot as the rest (every `experts / redundant`-th, so each of DeepSeek-V3's groups
+    holds its share of them). SGLang runs EPLB because its real load is skewed, and publishes
+    no histogram; a uniform load would contradict the setup, since EPLB's replicas of equal
+    experts leave some ranks whole experts and others halves (1.125x the mean at EP 72). This
+    is the skew for which the operator's choice of replicas is the right one."""
+    load = np.ones((layers, experts))
+    load[:, np.arange(redundant) * experts // redundant] = 2.0
+    shares = load / load.sum(axis=1, keepdims=True)
+    return Routing(shares, f"eplb-evened(+{redundant})", DEEPEP_TOPK)
 
 
 def cluster_gain(phase: str, ep: int, tokens: int, quick: bool) -> tuple[float, dict[str, Any]]:
@@ -311,9 +326,9 @@ def scale_rows(
                 gain,
                 "S-D",
                 SGLANG_BLOG,
-                "EPLB on uniform long-run load leaves 8 of 72 ranks 4 whole experts (1.125x "
-                "the mean rows); serial steps wait for them in every collective, TBO hides "
-                "part of it, so the gain exceeds the one-rank row's, whose miss (per-ubatch "
+                "EPLB evens the long-run load, but each rank's own batch leaves the busiest "
+                "rank above the mean; serial steps wait for it in every collective, TBO hides "
+                "most of it, so the gain exceeds the one-rank row's, whose miss (per-ubatch "
                 "cost) it keeps",
             )
         )
@@ -329,15 +344,17 @@ def _assumptions() -> dict[str, str]:
         "S-P": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_PREFILL_EP} (4 nodes) "
             f"replayed; 288 physical experts placed by EPLB per layer on its long-run "
-            f"(uniform) load; routing: {SCALE_PREFILL_TOKENS} tokens on each rank, its own draw "
-            f"of top-8 of uniform scores inside 4 of 8 groups, each ubatch's tokens drawn on "
+            f"load (32 experts twice as hot as the rest, which the 32 replicas even out); "
+            f"routing: {SCALE_PREFILL_TOKENS} tokens on each rank, its own draw of top-8 of "
+            f"that load inside 4 of 8 groups, each ubatch's tokens drawn on "
             f"their own (seed {SEED}); bytes as DeepEP's normal "
             "kernels move them (one row per token and destination rank over NVLink, per token "
             "and remote node over RDMA); otherwise as [P]"
         ),
         "S-D": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_DECODE_EP} (9 nodes) "
-            "replayed; EPLB 288 physical experts per layer on its long-run (uniform) load; "
+            "replayed; EPLB 288 physical experts per layer on its long-run load (32 experts "
+            "twice as hot as the rest, which the 32 replicas even out); "
             "routing: each rank's own batch sampled top-8, each ubatch's tokens drawn on "
             "their own (seeded); LL pairs leave as DeepEP's per-(expert, destination) "
             "senders share a link; otherwise as [D]"
@@ -346,7 +363,8 @@ def _assumptions() -> dict[str, str]:
             f"{describe_profile(H800)}. DeepEP's LL benchmark on every rank: one dispatch and "
             f"one combine of {DEEPEP_LL_TOKENS} tokens on each rank, its own random "
             f"top-{DEEPEP_TOPK} draw (seeded); every (token, expert) copy sent, a pair's rows "
-            "leaving as DeepEP's per-(expert, destination) senders share a link; mean over "
+            "leaving as DeepEP's per-(expert, destination) senders share a link, sent at the "
+            "links' achieved share and received at their line rate; mean over "
             "ranks of each rank's own kernel time (as DeepEP's test prints it), each ending "
             "when its slowest pair does"
         ),

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from dbo.sim.hardware import H800
+from dbo.sim.routing import eplb
 from scenarios.tools.fidelity_kernels import deepep_ll_us, normal_bandwidth_gbps
 from scenarios.tools.fidelity_scale import (
     deepep_ll_cluster_us,
     deepep_normal_cluster_gbps,
+    eplb_evened_load,
     sglang_group,
 )
 
@@ -77,3 +79,19 @@ def test_sglang_s_tbo_step_routes_each_ubatch_s_own_half_of_the_serial_tokens():
     assert group.specs[2].ubatch_tokens() == (16, 16)
     halves = [group.routing.of_ubatch(u).load for u in (0, 1)]
     assert np.allclose((halves[0] + halves[1]) / 2, group.routing.load)
+
+
+@pytest.mark.parametrize("ep", [32, 72])
+def test_sglang_s_long_run_load_is_one_eplb_s_replicas_even_out(ep):
+    # SGLang runs 32 redundant experts because its load is skewed; on a uniform load EPLB
+    # would leave some ranks whole experts and others halves, the very imbalance it exists
+    # to remove
+    load = eplb_evened_load(1, 256, 32).expert_load()
+    ranks = eplb(load, ep, 32).rank_shares(load[0])
+    assert np.allclose(ranks, 1.0 / ep)
+
+
+def test_eplb_on_a_uniform_load_leaves_ep72_s_ranks_uneven():
+    uniform = np.full((1, 256), 1.0 / 256)
+    ranks = eplb(uniform, 72, 32).rank_shares(uniform[0])
+    assert ranks.max() * 72 == pytest.approx(1.125)
