@@ -56,8 +56,8 @@ def test_balanced_routing_exposes_the_same_comm_on_both_paths(runs):
 
 @pytest.mark.timeout(120)
 def test_skewed_routing_exposes_comm_within_the_known_elementwise_difference(runs):
-    # 3-4% apart: the replay re-times elementwise expert ops linearly, the kernel table does
-    # not (docs/plan.md, "Cross-check against real rank processes").
+    # a few percent apart: the replay re-times elementwise expert ops linearly, the kernel
+    # table does not (docs/plan.md, "Cross-check against real rank processes").
     for got, want in _pairs(runs, "crosscheck-zipf", "exposed_comm_us", "exposed_comm_us"):
         assert got == pytest.approx(want, rel=0.05)
 
