@@ -6,12 +6,14 @@ node, RDMA across nodes, the two links working in parallel) *and* every peer tha
 rows has finished sending them: that peer's last row for it leaves at the peer's own start
 plus the link latency plus its whole send time (or, given per pair, the time its rows for that
 rank take to leave). So the slowest sender gates the receiver, and a rank that reaches the
-collective late delays everyone it sends to. A kernel sends at the share of each link
-DeepEP's kernels achieve (`egress_gbps`) and its port receives at the line rate
-(`ingress_gbps`), so a receiver that its peers together feed a few percent more than a
-sender pushes waits for no one. The RDMA bytes of high-throughput (DeepEP normal)
-kernels are scaled by `rdma_share`, the share of remote copies left after per-node
-de-duplication.
+collective late delays everyone it sends to. A port cannot take rows in faster than its
+ingress rate from when its first sender starts (and, for normal kernels, whose receiving
+SMs drain the rows, from when its own kernel has started too). A kernel sends at the share
+of each link DeepEP's kernels achieve (`egress_gbps`); a NIC receives at the wire's payload
+rate (`ingress_gbps`, an assumption), so a receiver that its peers together feed a few
+percent more than one sender pushes waits for no one. The RDMA bytes of high-throughput
+(DeepEP normal) kernels are scaled by `rdma_share`, the share of remote copies left after
+per-node de-duplication.
 
 `dbo.sim.cluster` applies this rule (`pair_ends`) to the bytes DeepEP's kernels move under
 a group's routing (`dbo.sim.traffic`); a `SimDevice`
@@ -42,7 +44,7 @@ __all__ = [
 
 def egress_gbps(profile: HardwareProfile) -> tuple[float, float]:
     """(NVLink, RDMA) GB/s one rank's kernel pushes its rows out at: the achieved share of
-    each link (the profile's efficiencies, read off DeepEP's kernels as a sender sees them)."""
+    each link (the profile's efficiencies, read off DeepEP's kernels)."""
     return (
         profile.nvlink_gbps * profile.nvlink_efficiency,
         profile.rdma_gbps * profile.rdma_efficiency,
@@ -50,18 +52,21 @@ def egress_gbps(profile: HardwareProfile) -> tuple[float, float]:
 
 
 def ingress_gbps(profile: HardwareProfile) -> tuple[float, float]:
-    """(NVLink, RDMA) GB/s a rank's port takes rows in at: the line rate. What keeps a
-    kernel below it is on the sending side: warps issuing NVLink stores, and a NIC that
-    fetches each put's payload from GPU memory with PCIe reads, where the receiving NIC
-    writes with posted PCIe writes. Many senders at once fill a port up to its line rate."""
-    return profile.nvlink_gbps, profile.rdma_gbps
+    """(NVLink, RDMA) GB/s a rank's port takes rows in at while many senders feed it. The
+    NIC: the wire's payload share (`rdma_ingress_efficiency`), on the assumption that what
+    holds one kernel's send below it is on the sending side. NVLink: its achieved share,
+    which DeepEP gives as the link's maximum."""
+    return (
+        profile.nvlink_gbps * profile.nvlink_efficiency,
+        profile.rdma_gbps * profile.rdma_ingress_efficiency,
+    )
 
 
 def link_time_us(
     profile: HardwareProfile, total: np.ndarray, rdma: np.ndarray, *, receiving: bool = False
 ) -> np.ndarray:
     """Wire time of `total` bytes of which `rdma` cross nodes: NVLink and RDMA in parallel.
-    `receiving`: at the receiving port's line rate (see `ingress_gbps`)."""
+    `receiving`: at the receiving port's rates (`ingress_gbps`)."""
     nvl_bw, rdma_bw = ingress_gbps(profile) if receiving else egress_gbps(profile)
     return np.maximum((total - rdma) / (nvl_bw * 1e3), rdma / (rdma_bw * 1e3))
 
@@ -110,7 +115,7 @@ def all_to_all_ends(
     latency = collective_latency_us(profile, mode, ranks > g)
     send_t = link_time_us(profile, send, send_rdma)
     recv_t = link_time_us(profile, recv, recv_rdma, receiving=True)
-    return pair_ends(ready, latency, send_t, recv_t, traffic > 0)
+    return pair_ends(ready, latency, send_t, recv_t, traffic > 0, one_sided=mode == "ll")
 
 
 def pair_ends(
@@ -120,13 +125,21 @@ def pair_ends(
     recv_t: np.ndarray,
     sends_to: np.ndarray,
     pair_t: np.ndarray | None = None,
+    *,
+    one_sided: bool = False,
 ) -> AllToAllEnds:
-    """The coupling rule on wire times: rank r's own kernel ends at its start + `latency` +
-    its slower direction; the rows of every peer p with `sends_to[p, r]` land at p's start +
-    `latency` + `pair_t[p, r]` (default: p's whole send time); r ends when the last of them
-    (its slowest pair) has."""
+    """The coupling rule on wire times: rank r's own kernel ends no earlier than its start +
+    `latency` + its send time, nor than its port has taken its rows: `latency` + its receive
+    time after its first sender starts (`one_sided`: DeepEP's low-latency puts land whether
+    or not r's kernel runs) or after both r and that sender have started. The rows of every
+    peer p with `sends_to[p, r]` land at p's start + `latency` + `pair_t[p, r]` (default:
+    p's whole send time); r ends when the last of them (its slowest pair) has."""
     ranks = ready.shape[0]
-    own = ready + latency + np.maximum(send_t, recv_t)
+    first = np.where(sends_to, ready[:, None], np.inf).min(axis=0) if ranks else ready
+    port_from = np.where(np.isfinite(first), first, ready)
+    if not one_sided:
+        port_from = np.maximum(port_from, ready)
+    own = np.maximum(ready + latency + send_t, port_from + latency + recv_t)
     lag = send_t[:, None] if pair_t is None else pair_t
     senders = np.where(sends_to, ready[:, None] + latency + lag, -np.inf)  # [p, r]: p's rows land
     from_peer = senders.max(axis=0) if ranks else np.zeros(0)

@@ -12,9 +12,9 @@
   DeepEP's kernels move it (`dbo.sim.traffic`: low-latency kernels one message per (token,
   expert) copy; normal kernels one copy per token and destination rank over NVLink, one per
   token and destination node over RDMA). Rank r's ends when its own kernel has sent and
-  received its bytes (the two links in parallel; sending at the links' achieved share,
-  receiving at their line rate, `dbo.sim.alltoall`) *and* every peer's rows for it have
-  arrived (`dbo.sim.alltoall.pair_ends`): the collective ends on each rank when its slowest
+  received its bytes (the two links in parallel; sending at the links' achieved share, the
+  NIC receiving at the wire's payload rate, `dbo.sim.alltoall`) *and* every peer's rows for
+  it have arrived (`dbo.sim.alltoall.pair_ends`): the collective ends on each rank when its slowest
   pair does, so the slowest sender gates the receiver, and a rank late to a collective (more
   expert work before it) delays everyone it sends to. A peer's last row for r leaves at the
   peer's start plus its whole send time where DeepEP sends token by token (normal kernels,
@@ -183,7 +183,7 @@ class _Links:
         nvl, rdma = egress_gbps(p)
         self.nvl_bw, self.rdma_bw = nvl * 1e3, rdma * 1e3  # bytes per us
         nvl_in, rdma_in = ingress_gbps(p)
-        self.nvl_in, self.rdma_in = nvl_in * 1e3, rdma_in * 1e3
+        self.nvl_in, self.rdma_in = nvl_in * 1e3, rdma_in * 1e3  # bytes per us
         self._bytes: dict[tuple, LayerBytes] = {}
         self._lags: dict[tuple, np.ndarray] = {}
 
@@ -324,7 +324,9 @@ def _collective(
     send_t = links.wire_us(b.nvl_send * full, b.rdma_send * full)
     recv_t = links.wire_in_us(b.nvl_recv * full, b.rdma_recv * full)
     lag = None if b.pair_nvl is None else links.ll_lag(c.layer, c.ubatch, c.kind) * full
-    ends = pair_ends(ready, links.latency[c.mode], send_t, recv_t, b.sends_to, lag)
+    ends = pair_ends(
+        ready, links.latency[c.mode], send_t, recv_t, b.sends_to, lag, one_sided=c.mode == "ll"
+    )
     mb = full * 1e-6
     result = CollectiveResult(
         c.kind,
