@@ -95,3 +95,9 @@ def test_eplb_on_a_uniform_load_leaves_ep72_s_ranks_uneven():
     uniform = np.full((1, 256), 1.0 / 256)
     ranks = eplb(uniform, 72, 32).rank_shares(uniform[0])
     assert ranks.max() * 72 == pytest.approx(1.125)
+
+
+def test_sglang_s_group_places_its_long_run_load_evenly_on_every_rank():
+    group = sglang_group("decode", 72, 32, True)
+    long_run = eplb_evened_load(1, 256, 32).expert_load()[0]
+    assert np.allclose(group.placement.rank_shares(long_run), 1.0 / 72)
