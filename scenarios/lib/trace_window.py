@@ -1,4 +1,4 @@
-"""`--window` for `dbo-sim run`: a readable slice of each scenario's trace and timeline.
+"""`--window` for `dbo-sim run` and `verify`: a readable slice of a trace and its timeline.
 
 A full-size step (61 layers, tens of thousands of ops) draws as a barcode; the window redraws
 each written trace from the file, keeping only the ops that overlap a time range
@@ -37,6 +37,7 @@ def parse_window(text: str) -> WindowSpec:
 
 
 def _bounds(text: str) -> tuple[float, float, str]:
+    """(start, end, unit) of a well-formed window, else a ValueError saying what is wrong."""
     body, unit = text, "us"
     if text.startswith("layers="):
         body, unit = text[len("layers=") :], "layers"
