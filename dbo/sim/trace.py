@@ -49,7 +49,7 @@ from dbo.sim.records import (
     RaceReport,
 )
 from dbo.sim.summary import check_records
-from dbo.sim.window import TraceRun, Window, WindowSpec, layer_starts, parse_window, windowed
+from dbo.sim.window import TraceRun, Window, WindowSpec, layer_starts, windowed
 
 __all__ = [
     "HOST_TRACK",
@@ -61,7 +61,6 @@ __all__ = [
     "chrome_trace_runs",
     "layer_starts",
     "merge_traces",
-    "parse_window",
     "race_sites",
     "track_of",
     "track_order",

@@ -3,6 +3,8 @@
 A window is virtual microseconds (`100:400`) or MoE layers (`layers=0:2`, counted by the
 dispatches of the lowest ubatch that dispatches); `windowed` keeps what overlaps it. The
 Chrome trace (`dbo.sim.trace`) and the PNG timeline (`dbo.sim.plot`) both draw `TraceRun`s.
+The CLI parses a `--window` value into a `WindowSpec` itself, so that a malformed one is
+refused without importing this package (and torch with it).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 from dbo.sim.records import EventWait, HostRange, OpRecord, RaceReport
 
-__all__ = ["TraceRun", "Window", "WindowSpec", "layer_starts", "parse_window", "windowed"]
+__all__ = ["TraceRun", "Window", "WindowSpec", "layer_starts", "windowed"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Window:
     end_us: float
 
     def __post_init__(self) -> None:
+        # The CLI makes these two checks, in these words, before it imports this module.
         if not (math.isfinite(self.start_us) and math.isfinite(self.end_us)):
             raise ValueError(f"window bounds must be finite, got {self.start_us}:{self.end_us}")
         if self.end_us <= self.start_us:
@@ -68,28 +71,6 @@ class WindowSpec:
             )
         end = starts[stop] if stop < len(starts) else max(r.end_us for r in records)
         return Window(starts[first], end)
-
-
-def parse_window(text: str) -> WindowSpec:
-    """`START:END` in virtual microseconds, or `layers=A:B` (MoE layers A to B-1, from 0)."""
-    body, unit = text, "us"
-    if text.startswith("layers="):
-        body, unit = text[len("layers=") :], "layers"
-    start, sep, end = body.partition(":")
-    try:
-        if not sep:
-            raise ValueError
-        a, b = (int(start), int(end)) if unit == "layers" else (float(start), float(end))
-    except ValueError:
-        raise ValueError(
-            f"window {text!r}: expected START:END in microseconds (e.g. 100:400) or "
-            f"layers=A:B (e.g. layers=0:2)"
-        ) from None
-    if unit == "layers" and not 0 <= a < b:
-        raise ValueError(f"window {text!r}: layers A:B needs 0 <= A < B")
-    if unit == "us":
-        Window(a, b)  # the same checks as a window made in code
-    return WindowSpec(a, b, unit)
 
 
 def layer_starts(records: Sequence[OpRecord]) -> list[float]:

@@ -1,4 +1,4 @@
-"""`--window` for `dbo-sim run`: a readable slice of each scenario's trace and timeline.
+"""`--window` for `dbo-sim run` and `verify`: a readable slice of a trace and its timeline.
 
 A full-size step (61 layers, tens of thousands of ops) draws as a barcode; the window redraws
 each written trace from the file, keeping only the ops that overlap a time range
@@ -6,30 +6,69 @@ each written trace from the file, keeping only the ops that overlap a time range
 dispatches of the first ubatch), into `NAME.nN.rR.window.trace.json` and `.window.png` beside
 the full ones.
 
-The option and its parsing import nothing heavy (a parser built for `--help` stays free of
-torch); the simulator's trace and plot modules are imported when a value is parsed or a
-window drawn.
+The option's syntax is the CLI's, so its parser is here (`analyze --window` reads the same
+syntax): every check of a value runs before the simulator is imported, so `--help` and a
+malformed value answer without torch; a well-formed value imports `dbo.sim.window` to become
+its `WindowSpec`, and drawing a window imports the trace and plot modules.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dbo.sim.trace import WindowSpec
+    from dbo.sim.window import WindowSpec
 
-__all__ = ["add_argument", "window_type", "write_windowed"]
+__all__ = ["add_argument", "parse_window", "window_type", "write_windowed"]
+
+
+def parse_window(text: str) -> WindowSpec:
+    """`START:END` in virtual microseconds, or `layers=A:B` (MoE layers A to B-1, from 0)."""
+    start, end, unit = _bounds(text)
+    from dbo.sim.window import WindowSpec  # only for a value that passed every check
+
+    return WindowSpec(start, end, unit)
+
+
+def _bounds(text: str) -> tuple[float, float, str]:
+    """(start, end, unit) of a well-formed window, else a ValueError saying what is wrong."""
+    body, unit = text, "us"
+    if text.startswith("layers="):
+        body, unit = text[len("layers=") :], "layers"
+    start, sep, end = body.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        a, b = (int(start), int(end)) if unit == "layers" else (float(start), float(end))
+    except ValueError:
+        raise ValueError(
+            f"window {text!r}: expected START:END in microseconds (e.g. 100:400) or "
+            f"layers=A:B (e.g. layers=0:2)"
+        ) from None
+    if unit == "layers" and not 0 <= a < b:
+        raise ValueError(f"window {text!r}: layers A:B needs 0 <= A < B")
+    if unit == "us":
+        _check_time_bounds(a, b)
+    return a, b, unit
+
+
+def _check_time_bounds(start: float, end: float) -> None:
+    """`dbo.sim.window.Window`'s own checks, in its words, made without importing it (and
+    torch with it); tests/sim/test_trace_window.py holds the two equal."""
+    if not (math.isfinite(start) and math.isfinite(end)):
+        raise ValueError(f"window bounds must be finite, got {start}:{end}")
+    if end <= start:
+        raise ValueError(f"window end ({end}) must be after its start ({start})")
 
 
 def window_type(text: str) -> WindowSpec:
     """argparse type: a `WindowSpec`, or the reason it is not one."""
-    from dbo.sim.trace import parse_window
-
     try:
         return parse_window(text)
     except ValueError as error:

@@ -19,7 +19,8 @@ from dbo.analysis.layers import layer_starts
 from dbo.analysis.timeline import DeviceTimeline, Step
 from dbo.sim.plot import plot_timeline
 from dbo.sim.records import SYNC, HostRange, OpRecord
-from dbo.sim.trace import Window, WindowSpec, chrome_trace, parse_window
+from dbo.sim.trace import Window, WindowSpec, chrome_trace
+from scenarios.lib.trace_window import parse_window
 from scenarios.lib.usage import UsageError
 from scenarios.tools import analyze_sim
 

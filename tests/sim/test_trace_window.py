@@ -15,14 +15,14 @@ from dbo.sim.records import COMM, COMPUTE, OpRecord
 from dbo.sim.trace import (
     TraceRun,
     Window,
+    WindowSpec,
     layer_starts,
-    parse_window,
     write_chrome_trace,
     write_chrome_trace_runs,
 )
 from dbo.sim.trace_read import runs_from_trace
 from scenarios.cli import main
-from scenarios.lib.trace_window import write_windowed
+from scenarios.lib.trace_window import parse_window, write_windowed
 
 
 def rec(
@@ -59,6 +59,40 @@ def test_a_time_window_parses_in_microseconds():
 def test_a_malformed_window_is_refused_with_the_expected_forms(text):
     with pytest.raises(ValueError, match="window"):
         parse_window(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "spec"),
+    [
+        ("100:400", WindowSpec(100.0, 400.0, "us")),
+        ("-5:1e3", WindowSpec(-5.0, 1000.0, "us")),
+        (" 1:2 ", WindowSpec(1.0, 2.0, "us")),
+        ("layers=0:2", WindowSpec(0, 2, "layers")),
+        ("layers=3:61", WindowSpec(3, 61, "layers")),
+    ],
+)
+def test_a_window_parses_into_the_simulators_window_spec(text, spec):
+    parsed = parse_window(text)
+    assert parsed == spec
+    assert type(parsed.start) is type(spec.start)  # layers stay whole numbers
+
+
+# The parser checks microsecond bounds without importing `Window` (and torch); these pairs
+# hold its refusals to Window's own, word for word, and its acceptances to Window's.
+BOUNDS = "5:1 5:5 -1:-2 0:0.0 1:2 -3:0 1e-9:2e-9 2.5:2.25 inf:5 5:inf -inf:0 nan:1 1:nan 1e400:2"
+
+
+@pytest.mark.parametrize("text", BOUNDS.split())
+def test_the_parsers_bounds_checks_are_windows_own(text):
+    start, end = (float(bound) for bound in text.split(":"))
+    try:
+        expected = Window(start, end)
+    except ValueError as error:
+        with pytest.raises(ValueError) as refused:
+            parse_window(text)
+        assert str(refused.value) == str(error)
+    else:
+        assert parse_window(text).resolve([]) == expected
 
 
 def test_layers_are_counted_by_the_first_ubatchs_dispatches():
