@@ -6,12 +6,11 @@ node, RDMA across nodes, the two links working in parallel) *and* every peer tha
 rows has finished sending them: that peer's last row for it leaves at the peer's own start
 plus the link latency plus its whole send time (or, given per pair, the time its rows for that
 rank take to leave). So the slowest sender gates the receiver, and a rank that reaches the
-collective late delays everyone it sends to. A port cannot take rows in faster than its
-ingress rate from when its first sender starts (and, for normal kernels, whose receiving
-SMs drain the rows, from when its own kernel has started too). A kernel sends at the share
-of each link DeepEP's kernels achieve (`egress_gbps`); a NIC receives at the wire's payload
-rate (`ingress_gbps`, an assumption), so a receiver that its peers together feed a few
-percent more than one sender pushes waits for no one. The RDMA bytes of high-throughput
+collective late delays everyone it sends to. A rank's port takes its rows in from when they
+start coming: from its first sender's start for DeepEP's low-latency kernels, whose puts
+land in a peer's buffer whether or not the peer's kernel runs (so a rank that reaches its
+next dispatch late finds part of it delivered), and from the later of that and its own start
+for normal kernels, whose receiving SMs drain the rows. The RDMA bytes of high-throughput
 (DeepEP normal) kernels are scaled by `rdma_share`, the share of remote copies left after
 per-node de-duplication.
 
@@ -32,8 +31,6 @@ from dbo.sim.hardware import HardwareProfile
 
 __all__ = [
     "AllToAllEnds",
-    "egress_gbps",
-    "ingress_gbps",
     "link_time_us",
     "collective_latency_us",
     "all_to_all_ends",
@@ -42,33 +39,11 @@ __all__ = [
 ]
 
 
-def egress_gbps(profile: HardwareProfile) -> tuple[float, float]:
-    """(NVLink, RDMA) GB/s one rank's kernel pushes its rows out at: the achieved share of
-    each link (the profile's efficiencies, read off DeepEP's kernels)."""
-    return (
-        profile.nvlink_gbps * profile.nvlink_efficiency,
-        profile.rdma_gbps * profile.rdma_efficiency,
-    )
-
-
-def ingress_gbps(profile: HardwareProfile) -> tuple[float, float]:
-    """(NVLink, RDMA) GB/s a rank's port takes rows in at while many senders feed it. The
-    NIC: the wire's payload share (`rdma_ingress_efficiency`), on the assumption that what
-    holds one kernel's send below it is on the sending side. NVLink: its achieved share,
-    which DeepEP gives as the link's maximum."""
-    return (
-        profile.nvlink_gbps * profile.nvlink_efficiency,
-        profile.rdma_gbps * profile.rdma_ingress_efficiency,
-    )
-
-
-def link_time_us(
-    profile: HardwareProfile, total: np.ndarray, rdma: np.ndarray, *, receiving: bool = False
-) -> np.ndarray:
-    """Wire time of `total` bytes of which `rdma` cross nodes: NVLink and RDMA in parallel.
-    `receiving`: at the receiving port's rates (`ingress_gbps`)."""
-    nvl_bw, rdma_bw = ingress_gbps(profile) if receiving else egress_gbps(profile)
-    return np.maximum((total - rdma) / (nvl_bw * 1e3), rdma / (rdma_bw * 1e3))
+def link_time_us(profile: HardwareProfile, total: np.ndarray, rdma: np.ndarray) -> np.ndarray:
+    """Wire time of `total` bytes of which `rdma` cross nodes: NVLink and RDMA in parallel."""
+    nvl_bw = profile.nvlink_gbps * 1e3 * profile.nvlink_efficiency  # bytes per us
+    rdma_bw = profile.rdma_gbps * 1e3 * profile.rdma_efficiency
+    return np.maximum((total - rdma) / nvl_bw, rdma / rdma_bw)
 
 
 def collective_latency_us(profile: HardwareProfile, mode: str, multi_node: bool) -> float:
@@ -114,7 +89,7 @@ def all_to_all_ends(
     send_rdma, recv_rdma = rdma.sum(axis=1), rdma.sum(axis=0)
     latency = collective_latency_us(profile, mode, ranks > g)
     send_t = link_time_us(profile, send, send_rdma)
-    recv_t = link_time_us(profile, recv, recv_rdma, receiving=True)
+    recv_t = link_time_us(profile, recv, recv_rdma)
     return pair_ends(ready, latency, send_t, recv_t, traffic > 0, one_sided=mode == "ll")
 
 

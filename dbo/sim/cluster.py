@@ -12,11 +12,11 @@
   DeepEP's kernels move it (`dbo.sim.traffic`: low-latency kernels one message per (token,
   expert) copy; normal kernels one copy per token and destination rank over NVLink, one per
   token and destination node over RDMA). Rank r's ends when its own kernel has sent and
-  received its bytes (the two links in parallel; sending at the links' achieved share, the
-  NIC receiving at the wire's payload rate, `dbo.sim.alltoall`) *and* every peer's rows for
-  it have arrived (`dbo.sim.alltoall.pair_ends`): the collective ends on each rank when its slowest
-  pair does, so the slowest sender gates the receiver, and a rank late to a collective (more
-  expert work before it) delays everyone it sends to. A peer's last row for r leaves at the
+  received its bytes (the two links in parallel; its port from when its rows start coming)
+  *and* every peer's rows for it have arrived (`dbo.sim.alltoall.pair_ends`): the
+  collective ends on each rank when its slowest pair does, so the slowest sender gates the
+  receiver, and a rank late to a collective (more expert work before it) delays everyone it
+  sends to. A peer's last row for r leaves at the
   peer's start plus its whole send time where DeepEP sends token by token (normal kernels,
   the LL dispatch over NVLink), and, where DeepEP gives each (expert, destination) pair its
   own sender (the LL combine, the LL dispatch over RDMA), when that pair's flow has left a
@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dbo.sim.alltoall import collective_latency_us, egress_gbps, ingress_gbps, pair_ends
+from dbo.sim.alltoall import collective_latency_us, pair_ends
 from dbo.sim.cluster_program import (
     HOST,
     HOST_SYNC,
@@ -180,10 +180,8 @@ class _Links:
         self.ranks, self.g = program.ep_size, p.gpus_per_node
         multi_node = self.ranks > self.g
         self.latency = {m: collective_latency_us(p, m, multi_node) for m in ("ht", "ll")}
-        nvl, rdma = egress_gbps(p)
-        self.nvl_bw, self.rdma_bw = nvl * 1e3, rdma * 1e3  # bytes per us
-        nvl_in, rdma_in = ingress_gbps(p)
-        self.nvl_in, self.rdma_in = nvl_in * 1e3, rdma_in * 1e3  # bytes per us
+        self.nvl_bw = p.nvlink_gbps * 1e3 * p.nvlink_efficiency  # bytes per us
+        self.rdma_bw = p.rdma_gbps * 1e3 * p.rdma_efficiency
         self._bytes: dict[tuple, LayerBytes] = {}
         self._lags: dict[tuple, np.ndarray] = {}
 
@@ -224,9 +222,6 @@ class _Links:
 
     def wire_us(self, nvl: np.ndarray, rdma: np.ndarray) -> np.ndarray:
         return np.maximum(nvl / self.nvl_bw, rdma / self.rdma_bw)
-
-    def wire_in_us(self, nvl: np.ndarray, rdma: np.ndarray) -> np.ndarray:
-        return np.maximum(nvl / self.nvl_in, rdma / self.rdma_in)
 
     def ll_lag(self, layer: int, ubatch: int | None, kind: str) -> np.ndarray:
         """`_ll_pair_lag` of a low-latency collective (per byte of copies), computed once."""
@@ -322,7 +317,7 @@ def _collective(
         b = b.reversed()
     full = c.nbytes * r / (r - 1)  # the recording's copies, its own rank's included
     send_t = links.wire_us(b.nvl_send * full, b.rdma_send * full)
-    recv_t = links.wire_in_us(b.nvl_recv * full, b.rdma_recv * full)
+    recv_t = links.wire_us(b.nvl_recv * full, b.rdma_recv * full)
     lag = None if b.pair_nvl is None else links.ll_lag(c.layer, c.ubatch, c.kind) * full
     ends = pair_ends(
         ready, links.latency[c.mode], send_t, recv_t, b.sends_to, lag, one_sided=c.mode == "ll"

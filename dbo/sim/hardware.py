@@ -92,13 +92,6 @@ class HardwareProfile:
     # Assumed to carry over to H100/H200/B200 (same NVLink protocol, same NIC).
     nvlink_efficiency: float = 0.8
     rdma_efficiency: float = 0.92
-    # Assumption: the share of the NIC's line rate a port takes payload in at while many
-    # senders feed it, the wire's own payload share (InfiniBand's 26 header bytes per 4096-byte
-    # MTU packet: 0.994, rounded down). `rdma_efficiency` is then taken to be lost on the
-    # sending side (a GPU posting one put per message, its NIC fetching the payload), which
-    # only an uneven all-to-all tells apart (`dbo.sim.alltoall.ingress_gbps`). NVLink is
-    # taken as symmetric: DeepEP gives its ~160 GB/s as the maximum.
-    rdma_ingress_efficiency: float = 0.99
     # Host costs, for profiles without their own: the order of magnitude that
     # `dbo-sim calibrate-host` finds for a bare eager op and a bare baton pass
     # on a recent host (README, "Fidelity and the GPU check"). They belong to the host, not the
