@@ -39,11 +39,13 @@ __all__ = [
 ]
 
 
-def link_time_us(profile: HardwareProfile, total: np.ndarray, rdma: np.ndarray) -> np.ndarray:
-    """Wire time of `total` bytes of which `rdma` cross nodes: NVLink and RDMA in parallel."""
+def link_time_us(
+    profile: HardwareProfile, mode: str, total: np.ndarray, rdma: np.ndarray
+) -> np.ndarray:
+    """Wire time of `total` bytes of which `rdma` cross nodes, NVLink and RDMA in parallel,
+    under `mode`'s kernels."""
     nvl_bw = profile.nvlink_gbps * 1e3 * profile.nvlink_efficiency  # bytes per us
-    rdma_bw = profile.rdma_gbps * 1e3 * profile.rdma_efficiency
-    return np.maximum((total - rdma) / nvl_bw, rdma / rdma_bw)
+    return np.maximum((total - rdma) / nvl_bw, rdma / profile.rdma_bytes_per_us(mode))
 
 
 def collective_latency_us(profile: HardwareProfile, mode: str, multi_node: bool) -> float:
@@ -88,8 +90,8 @@ def all_to_all_ends(
     send, recv = traffic.sum(axis=1), traffic.sum(axis=0)
     send_rdma, recv_rdma = rdma.sum(axis=1), rdma.sum(axis=0)
     latency = collective_latency_us(profile, mode, ranks > g)
-    send_t = link_time_us(profile, send, send_rdma)
-    recv_t = link_time_us(profile, recv, recv_rdma)
+    send_t = link_time_us(profile, mode, send, send_rdma)
+    recv_t = link_time_us(profile, mode, recv, recv_rdma)
     return pair_ends(ready, latency, send_t, recv_t, traffic > 0, one_sided=mode == "ll")
 
 

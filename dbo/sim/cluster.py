@@ -181,7 +181,7 @@ class _Links:
         multi_node = self.ranks > self.g
         self.latency = {m: collective_latency_us(p, m, multi_node) for m in ("ht", "ll")}
         self.nvl_bw = p.nvlink_gbps * 1e3 * p.nvlink_efficiency  # bytes per us
-        self.rdma_bw = p.rdma_gbps * 1e3 * p.rdma_efficiency
+        self.rdma_bw = {m: p.rdma_bytes_per_us(m) for m in ("ht", "ll")}
         self._bytes: dict[tuple, LayerBytes] = {}
         self._lags: dict[tuple, np.ndarray] = {}
 
@@ -220,8 +220,8 @@ class _Links:
             self._bytes[key] = b
         return self._bytes[key]
 
-    def wire_us(self, nvl: np.ndarray, rdma: np.ndarray) -> np.ndarray:
-        return np.maximum(nvl / self.nvl_bw, rdma / self.rdma_bw)
+    def wire_us(self, mode: str, nvl: np.ndarray, rdma: np.ndarray) -> np.ndarray:
+        return np.maximum(nvl / self.nvl_bw, rdma / self.rdma_bw[mode])
 
     def ll_lag(self, layer: int, ubatch: int | None, kind: str) -> np.ndarray:
         """`_ll_pair_lag` of a low-latency collective (per byte of copies), computed once."""
@@ -292,7 +292,7 @@ def _ll_pair_lag(b: LayerBytes, kind: str, links: _Links) -> np.ndarray:
     link is shared among the flows still sending and a small flow leaves before the sender's
     last row (`fair_share_ends`). The dispatch copies over NVLink token by token: an NVLink
     pair's last row leaves with the sender's last NVLink row."""
-    rdma = fair_share_ends(b.pair_rdma) / links.rdma_bw
+    rdma = fair_share_ends(b.pair_rdma) / links.rdma_bw["ll"]
     if kind == "combine":  # NVLink flows stay inside a node: share each rank's node columns
         rows = np.arange(links.ranks)[:, None]
         cols = rows // links.g * links.g + np.arange(links.g)[None, :]
@@ -316,8 +316,8 @@ def _collective(
     if c.kind == "combine":  # the rows go back the way they came
         b = b.reversed()
     full = c.nbytes * r / (r - 1)  # the recording's copies, its own rank's included
-    send_t = links.wire_us(b.nvl_send * full, b.rdma_send * full)
-    recv_t = links.wire_us(b.nvl_recv * full, b.rdma_recv * full)
+    send_t = links.wire_us(c.mode, b.nvl_send * full, b.rdma_send * full)
+    recv_t = links.wire_us(c.mode, b.nvl_recv * full, b.rdma_recv * full)
     lag = None if b.pair_nvl is None else links.ll_lag(c.layer, c.ubatch, c.kind) * full
     ends = pair_ends(
         ready, links.latency[c.mode], send_t, recv_t, b.sends_to, lag, one_sided=c.mode == "ll"

@@ -87,11 +87,18 @@ class HardwareProfile:
     # Achieved share of the link bandwidths, from DeepEP's measurements (deepseek-ai/DeepEP,
     # docs/legacy.md "Performance"): on H800 "~160 GB/s NVLink maximum bandwidth" of the 200 GB/s
     # one-way datasheet figure (its normal kernels reach 153-158 GB/s) -> 0.8; a CX7 400 Gb/s
-    # NIC is "~50 GB/s maximum", its normal internode kernels reach 43-58 GB/s and the
-    # low-latency ones 39-46 GB/s at EP >= 64 -> 0.92 (46 GB/s), the middle of that class.
-    # Assumed to carry over to H100/H200/B200 (same NVLink protocol, same NIC).
+    # NIC is "~50 GB/s maximum", its normal internode kernels reach 43-58 GB/s -> 0.92
+    # (46 GB/s), the middle of that range. Assumed to carry over to H100/H200/B200 (same
+    # NVLink protocol, same NIC).
     nvlink_efficiency: float = 0.8
     rdma_efficiency: float = 0.92
+    # The NIC's share under DeepEP's low-latency kernels (one put per token and expert, posted
+    # from the GPU): read off DeepEP's EP 64 and 256 low-latency times through the all-ranks
+    # replay of its benchmark (random routing on every rank, its 30-run loop), which holds the
+    # routing's imbalance that a balanced formula would fold into the constant
+    # (`scenarios/tools/fidelity_fit.py`; a slow test holds the value to the fit). Below the
+    # wire's payload share (InfiniBand headers on a 4096-byte MTU: 0.994).
+    ll_rdma_efficiency: float = 0.98
     # Host costs, for profiles without their own: the order of magnitude that
     # `dbo-sim calibrate-host` finds for a bare eager op and a bare baton pass
     # on a recent host (README, "Fidelity and the GPU check"). They belong to the host, not the
@@ -198,6 +205,12 @@ class HardwareProfile:
     def nvlink_gbps(self) -> float:
         """One direction of NVLink: a rank's sends use half of the datasheet's total."""
         return self.nvlink_total_gbps / 2
+
+    def rdma_bytes_per_us(self, mode: str) -> float:
+        """What a rank's NIC moves under `mode`'s kernels: DeepEP's low-latency puts ("ll")
+        or its normal kernels (any other mode)."""
+        share = self.ll_rdma_efficiency if mode == "ll" else self.rdma_efficiency
+        return self.rdma_gbps * 1e3 * share
 
     def peak_flops_per_us(self, dtype: torch.dtype) -> float:
         """Achievable FLOPs per microsecond for matmul-like work in `dtype`."""

@@ -1,24 +1,26 @@
 """DeepEP's low-latency constants read off DeepEP's own figures through the all-ranks replay.
 
-`ll_latency_us` and `rdma_efficiency` (`dbo.sim.hardware`) are properties of DeepEP's kernels
-that no datasheet gives, so they are read off DeepEP's published low-latency times. Those
-times come from DeepEP's benchmark: random routing on every rank, 30 back-to-back runs per
-rank. They hold the routing imbalance and the loop's waits. Read through the balanced
-one-rank formula (`dbo.sim.cost`), the constants absorb that imbalance, and the all-ranks
-replay, which models it, then counts it a second time. This fit reads them through the replay
-that reproduces the benchmark (`deepep_ll_cluster_times`), using calibration figures only, in
-two steps:
+`ll_latency_us` and `ll_rdma_efficiency` (`dbo.sim.hardware`) are properties of DeepEP's
+low-latency kernels that no datasheet gives, so they are read off DeepEP's published times.
+Those times come from DeepEP's benchmark: random routing on every rank, 30 back-to-back runs
+per rank. They hold the routing imbalance and the loop's waits. Read through the balanced
+one-rank formula (`dbo.sim.cost`), a constant absorbs that imbalance, and the all-ranks
+replay, which models it, then counts it a second time. This fit reads them through the
+replay that reproduces the benchmark (`deepep_ll_cluster_times`), using calibration figures
+only:
 
-1. `ll_latency_us` from the EP 8 dispatch. One node means NVLink only, so `rdma_efficiency`
-   plays no part. The fit takes the value on the `LATENCY_STEP_US` grid that brings the
-   replay nearest the figure.
-2. `rdma_efficiency`, with that latency, from the EP 64 and EP 256 dispatch and combine: the
-   value on the `EFFICIENCY_STEP` grid with the least sum of squared relative misses.
+1. `ll_latency_us` from the EP 8 dispatch. One node means NVLink only, so the NIC plays no
+   part. The fit takes the value on the `LATENCY_STEP_US` grid that brings the replay
+   nearest the figure.
+2. `ll_rdma_efficiency`, with that latency, from the EP 64 and EP 256 dispatch and combine:
+   the value on the `EFFICIENCY_STEP` grid with the least sum of squared relative misses.
 
-The EP 8 combine, which neither step reads, stays a check. Both searches reach past what is
-physical (a latency at or below zero, an efficiency above one), so the fit reports where the
-figures put the constants instead of where a bound stopped it; `plausible` says whether the
-result can be adopted.
+The profiles adopt step 2 at their own `ll_latency_us` (`fit_ll_rdma_efficiency`): that
+latency was read off the same EP 8 figure by the balanced formula, and on one node the two
+readings differ by about a microsecond. The EP 8 combine, which neither step reads, stays a
+check. Both searches reach past what is physical (a latency at or below zero, an efficiency
+above one), so the fit reports where the figures put the constants instead of where a bound
+stopped it; `plausible` says whether the result can be adopted.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from dbo.sim.hardware import H800, HardwareProfile
 from scenarios.lib.fidelity_rows import DEEPEP_LL_PUBLISHED
 from scenarios.tools.fidelity_scale import deepep_ll_cluster_times
 
-__all__ = ["LLFit", "fit_deepep_ll_constants", "LATENCY_STEP_US", "EFFICIENCY_STEP"]
+__all__ = [
+    "LLFit",
+    "fit_deepep_ll_constants",
+    "fit_ll_rdma_efficiency",
+    "LATENCY_STEP_US",
+    "EFFICIENCY_STEP",
+]
 
 # The grids the constants are stated on: DeepEP publishes whole microseconds, and a hundredth
 # of the NIC's rate is finer than its figures tell apart.
@@ -46,22 +54,27 @@ class LLFit:
     them, keyed like the fidelity rows (`scale-deepep-ll-<kind>-ep<ep>`)."""
 
     ll_latency_us: float
-    rdma_efficiency: float
+    ll_rdma_efficiency: float
     misses: dict[str, float]
 
     @property
     def plausible(self) -> bool:
         """A latency above zero and a share of the NIC's line rate no larger than all of it."""
-        return self.ll_latency_us > 0 and 0 < self.rdma_efficiency <= 1.0
+        return self.ll_latency_us > 0 and 0 < self.ll_rdma_efficiency <= 1.0
 
 
 def fit_deepep_ll_constants(profile: HardwareProfile = H800) -> LLFit:
-    """`ll_latency_us`, then `rdma_efficiency`, read through the all-ranks replay on `profile`
-    (the module docstring gives the rule)."""
+    """`ll_latency_us`, then `ll_rdma_efficiency`, read through the all-ranks replay on
+    `profile` (the module docstring gives the rule)."""
     latency = _fit_latency(profile)
     efficiency = _fit_efficiency(replace(profile, ll_latency_us=latency))
-    fitted = replace(profile, ll_latency_us=latency, rdma_efficiency=efficiency)
+    fitted = replace(profile, ll_latency_us=latency, ll_rdma_efficiency=efficiency)
     return LLFit(latency, efficiency, _misses(fitted))
+
+
+def fit_ll_rdma_efficiency(profile: HardwareProfile = H800) -> float:
+    """Step 2 alone, at `profile`'s own `ll_latency_us`: the value the profiles carry."""
+    return _fit_efficiency(profile)
 
 
 def _miss(profile: HardwareProfile, ep: int, kind: str) -> float:
@@ -99,7 +112,7 @@ def _fit_efficiency(profile: HardwareProfile) -> float:
     the efficiency grows), then the better neighbouring grid point."""
 
     def cost(efficiency: float) -> float:
-        p = replace(profile, rdma_efficiency=efficiency)
+        p = replace(profile, ll_rdma_efficiency=efficiency)
         return sum(_miss(p, ep, kind) ** 2 for ep, kind in EFFICIENCY_FIGURES)
 
     ratio = (5**0.5 - 1) / 2

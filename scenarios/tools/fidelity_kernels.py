@@ -77,8 +77,9 @@ def _ll_rows(profile: HardwareProfile) -> list[FidelityRow]:
                 )
             elif ep > profile.gpus_per_node:
                 note = (
-                    "calibration: rdma_efficiency (0.92) was read off DeepEP's low-latency "
-                    "bandwidths at EP >= 64, i.e. partly off this figure"
+                    "calibration: ll_rdma_efficiency was read off DeepEP's low-latency times "
+                    "at EP >= 64 through the all-ranks replay, i.e. partly off this figure; "
+                    "this balanced formula leaves out the routing imbalance the replay sees"
                 )
             rows.append(
                 rel_row(

@@ -280,10 +280,10 @@ def _deepep_rows() -> list[FidelityRow]:
                     "us",
                     "S-K",
                     DEEPEP_README,
-                    "calibration: the one-rank row's constants (ll_latency_us at EP 8, "
-                    "rdma_efficiency at EP >= 64) came off this figure, read as if every pair "
-                    "were equal; over the 30-run loop a rank that ends its combine early "
-                    "waits in its next dispatch"
+                    "calibration: ll_latency_us came off the EP 8 figure (read as if every "
+                    "pair were equal), ll_rdma_efficiency off the EP >= 64 ones through this "
+                    "replay; over the 30-run loop a rank that ends its combine early waits in "
+                    "its next dispatch, whose puts land while a late rank still finishes"
                     if calibration
                     else "each rank waits for its slowest pair: under random routing the "
                     "busiest receiver of the dispatch sends the most back and starts last",

@@ -16,8 +16,9 @@ from dbo.sim.hardware import H800
 from dbo.sim.options import SimOptions
 from dbo.sim.routing import Routing, contiguous
 
-# One GPU per node: every pair crosses the NIC.
-NIC_ONLY = replace(H800, gpus_per_node=1)
+# One GPU per node: every pair crosses the NIC, at one share for both kernel families, so
+# the port rule alone sets the times.
+NIC_ONLY = replace(H800, gpus_per_node=1, ll_rdma_efficiency=H800.rdma_efficiency)
 SENT = 4e6  # bytes every rank sends
 EXTRA = 1.5  # what the busiest receiver takes, over what a rank sends
 WIRE_US = SENT / (NIC_ONLY.rdma_gbps * 1e3 * NIC_ONLY.rdma_efficiency)  # one rank's send

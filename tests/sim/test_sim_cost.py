@@ -36,6 +36,7 @@ ROUND = replace(
     ll_latency_us=4.0,
     nvlink_efficiency=1.0,  # the real profiles carry DeepEP-measured efficiencies; pin them
     rdma_efficiency=1.0,
+    ll_rdma_efficiency=1.0,
     comm_sms=50,
     kernel_table=None,  # the roofline itself, not the H200's measured kernels
     host_op_scale={},

@@ -45,7 +45,7 @@ def test_deepep_low_latency_time_is_latency_plus_bytes_over_the_right_link() -> 
     # EP 8: one node, NVLink only; EP 64: 56 of 63 peers over RDMA, the slower link decides.
     copies = 128 * 8 * (7168 + 7168 // 128 * 4)
     nvl = H800.nvlink_gbps * 1e3 * H800.nvlink_efficiency
-    rdma = H800.rdma_gbps * 1e3 * H800.rdma_efficiency
+    rdma = H800.rdma_bytes_per_us("ll")
     assert fidelity_run.deepep_ll_us("dispatch", 8) == pytest.approx(
         H800.ll_latency_us + copies * 7 / 8 / nvl
     )
@@ -201,7 +201,7 @@ CALIBRATION_ROWS = {
     "deepep-ll-dispatch-ep8",  # ll_latency_us
     *(
         f"deepep-ll-{k}-ep{ep}" for k in ("dispatch", "combine") for ep in (64, 256)
-    ),  # rdma_efficiency
+    ),  # ll_rdma_efficiency
     "deepep-normal-nvlink-dispatch",  # nvlink_efficiency
     "deepep-normal-nvlink-combine",
     "deepep-normal-rdma",  # rdma_efficiency
