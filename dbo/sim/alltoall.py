@@ -58,12 +58,14 @@ def collective_latency_us(profile: HardwareProfile, mode: str, multi_node: bool)
 
 @dataclass(frozen=True)
 class AllToAllEnds:
-    """Per rank: when its collective ends, what its own bytes alone would give, and the rank
-    whose rows arrived last (itself when its own link set the time)."""
+    """Per rank: when its collective ends, what its own bytes alone would give (its port's
+    backlog included), and the rank it waited for last (itself when its own link set the
+    time; its first sender when that sender's late start held its port)."""
 
     end: np.ndarray
     own: np.ndarray
     gate: np.ndarray
+    port_done: np.ndarray  # when its port has taken all its rows (the next one's `port_free`)
 
     @property
     def peer_wait_us(self) -> np.ndarray:
@@ -104,25 +106,37 @@ def pair_ends(
     pair_t: np.ndarray | None = None,
     *,
     one_sided: bool = False,
+    port_free: np.ndarray | None = None,
 ) -> AllToAllEnds:
-    """The coupling rule on wire times: rank r's own kernel ends no earlier than its start +
-    `latency` + its send time, nor than its port has taken its rows: `latency` + its receive
-    time after its first sender starts (`one_sided`: DeepEP's low-latency puts land whether
-    or not r's kernel runs) or after both r and that sender have started. The rows of every
-    peer p with `sends_to[p, r]` land at p's start + `latency` + `pair_t[p, r]` (default:
-    p's whole send time); r ends when the last of them (its slowest pair) has."""
+    """The coupling rule on wire times. Rank r's own kernel ends no earlier than its start +
+    `latency` + its send time. Its port takes its rows in `recv_t` once they start coming:
+    `latency` after its first sender starts (`one_sided`: DeepEP's low-latency puts land
+    whether or not r's kernel runs; else after r has started too), and not before the port
+    has taken its previous collective's rows (`port_free`). The rows of every peer p with
+    `sends_to[p, r]` land at p's start + `latency` + `pair_t[p, r]` (default: p's whole
+    send time). r ends when the last of these has; waiting on a late first sender, or on
+    the slowest pair, is waiting for peers."""
     ranks = ready.shape[0]
-    first = np.where(sends_to, ready[:, None], np.inf).min(axis=0) if ranks else ready
+    if ranks == 0:
+        empty = np.zeros(0)
+        return AllToAllEnds(empty, empty, np.zeros(0, dtype=int), empty)
+    starts = np.where(sends_to, ready[:, None], np.inf)  # [p, r]: when r's senders start
+    first = starts.min(axis=0)
     port_from = np.where(np.isfinite(first), first, ready)
-    if not one_sided:
+    if not one_sided:  # a normal kernel's receiving SMs drain the rows
         port_from = np.maximum(port_from, ready)
-    own = np.maximum(ready + latency + send_t, port_from + latency + recv_t)
+    free = np.full(ranks, -np.inf) if port_free is None else port_free
+    own_port = np.maximum(np.minimum(port_from, ready) + latency, free) + recv_t
+    own = np.maximum(ready + latency + send_t, own_port)
+    port_done = np.maximum(port_from + latency, free) + recv_t
     lag = send_t[:, None] if pair_t is None else pair_t
     senders = np.where(sends_to, ready[:, None] + latency + lag, -np.inf)  # [p, r]: p's rows land
-    from_peer = senders.max(axis=0) if ranks else np.zeros(0)
-    end = np.maximum(own, from_peer)
-    gate = np.where(from_peer > own + 1e-9, np.argmax(senders, axis=0), np.arange(ranks))
-    return AllToAllEnds(end, own, gate)
+    from_peer = senders.max(axis=0)
+    end = np.maximum(np.maximum(own, port_done), from_peer)
+    gate = np.arange(ranks)
+    gate = np.where(port_done > own + 1e-9, starts.argmin(axis=0), gate)
+    gate = np.where(from_peer > np.maximum(own, port_done) + 1e-9, senders.argmax(axis=0), gate)
+    return AllToAllEnds(end, own, gate, port_done)
 
 
 def couple_to_peers(

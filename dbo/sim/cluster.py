@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from dbo.sim.alltoall import collective_latency_us, pair_ends
+from dbo.sim.alltoall import AllToAllEnds, collective_latency_us, pair_ends
 from dbo.sim.cluster_program import (
     HOST,
     HOST_SYNC,
@@ -307,9 +307,10 @@ def _ll_pair_lag(b: LayerBytes, kind: str, links: _Links) -> np.ndarray:
 
 
 def _collective(
-    program: StreamProgram, c_index: int, links: _Links, ready: np.ndarray
-) -> tuple[np.ndarray, CollectiveResult]:
-    """End times of one all-to-all on every rank, and who gated each."""
+    program: StreamProgram, c_index: int, links: _Links, ready: np.ndarray, port_free: np.ndarray
+) -> tuple[AllToAllEnds, CollectiveResult]:
+    """End times of one all-to-all on every rank (each rank's port free from `port_free`),
+    and who gated each."""
     c = program.collectives[c_index]
     r = links.ranks
     b = links.layer(c.layer, c.mode, c.ubatch)
@@ -319,8 +320,10 @@ def _collective(
     send_t = links.wire_us(c.mode, b.nvl_send * full, b.rdma_send * full)
     recv_t = links.wire_us(c.mode, b.nvl_recv * full, b.rdma_recv * full)
     lag = None if b.pair_nvl is None else links.ll_lag(c.layer, c.ubatch, c.kind) * full
+    latency = links.latency[c.mode]
+    one_sided = c.mode == "ll"
     ends = pair_ends(
-        ready, links.latency[c.mode], send_t, recv_t, b.sends_to, lag, one_sided=c.mode == "ll"
+        ready, latency, send_t, recv_t, b.sends_to, lag, one_sided=one_sided, port_free=port_free
     )
     mb = full * 1e-6
     result = CollectiveResult(
@@ -335,7 +338,7 @@ def _collective(
         (b.nvl_recv + b.rdma_recv) * mb,
         b.rdma_recv * mb,
     )
-    return ends.end, result
+    return ends, result
 
 
 def _check_group(program: StreamProgram, routing: Routing, placement: Placement) -> None:
@@ -379,6 +382,7 @@ def simulate_cluster(
     start, end = np.empty((n, ranks)), np.empty((n, ranks))
     host = np.full(ranks, float(program.issue0[0]) if n else 0.0)
     busy: list[_Busy] = []
+    port_free = np.full(ranks, -np.inf)  # a rank's port takes one collective's rows at a time
     collectives: list[CollectiveResult] = []
     sm_share = program.profile.comm_sms / program.profile.num_sms
     sms = _SmsTaken(program, start, end, sm_share)
@@ -389,7 +393,8 @@ def simulate_cluster(
             continue
         ready = start[i] = sms.charged(i)
         if k in (HT_COMM, LL_LINK) and program.collective[i] >= 0 and ranks > 1:
-            end[i], result = _collective(program, int(program.collective[i]), links, ready)
+            ends, result = _collective(program, int(program.collective[i]), links, ready, port_free)
+            end[i], port_free = ends.end, ends.port_done
             collectives.append(result)
         else:
             work: float | np.ndarray = float(program.work[i])  # every rank alike

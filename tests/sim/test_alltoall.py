@@ -49,6 +49,8 @@ def test_a_port_takes_no_row_before_its_senders_start(mode):
     ends = all_to_all_ends(NIC_ONLY, mode, late_senders, _hot_shares() * SENT)
     latency = LL if mode == "ll" else HT
     assert ends.end[0] == pytest.approx(200.0 + latency + EXTRA * WIRE_US)
+    assert ends.peer_wait_us[0] == pytest.approx(200.0)  # waiting on peers, not its own bytes
+    assert ends.gate[0] == 1  # the first of its senders
 
 
 def test_low_latency_puts_land_before_a_late_receiver_starts_normal_rows_wait_for_it():
@@ -60,9 +62,9 @@ def test_low_latency_puts_land_before_a_late_receiver_starts_normal_rows_wait_fo
     assert ht.end[0] == pytest.approx(200.0 + HT + EXTRA * WIRE_US)
 
 
-def test_the_replay_delivers_a_late_ranks_next_dispatch_before_it_starts():
-    # back-to-back dispatches: the busiest receiver ends the first last, and its peers' puts
-    # of the second are landing while it still finishes the first
+def test_the_replay_lets_a_late_ranks_port_take_its_next_dispatch_as_it_frees():
+    # back-to-back dispatches: the busiest receiver ends the first last; its peers' puts of
+    # the second land once its port has taken the first's rows, before its kernel starts
     device = SimDevice(SimOptions(NIC_ONLY, tensor_device="meta"))
     nbytes = int(SENT * 3 / 4)  # the recording's bytes to other ranks under balanced routing
 
@@ -78,5 +80,14 @@ def test_the_replay_delivers_a_late_ranks_next_dispatch_before_it_starts():
     first, second = (c.op for c in program.collectives)
     t0 = result.start[first][0]
     assert result.end[first][0] - t0 == pytest.approx(LL + EXTRA * WIRE_US)
-    # its port started with its peers' second sends (LL + WIRE_US), not with its own start
-    assert result.end[second][0] - t0 == pytest.approx(2 * LL + (1 + EXTRA) * WIRE_US)
+    port_back_to_back = LL + 2 * EXTRA * WIRE_US
+    assert result.end[second][0] - t0 == pytest.approx(port_back_to_back)
+    assert port_back_to_back < result.end[first][0] - t0 + LL + EXTRA * WIRE_US  # own start
+
+
+def test_low_latency_puts_and_normal_kernels_move_at_their_own_nic_shares():
+    nic = replace(H800, gpus_per_node=1)  # the real profile's two shares
+    even = (np.ones((4, 4)) - np.eye(4)) * SENT / 3
+    ll = all_to_all_ends(nic, "ll", np.zeros(4), even).end - nic.ll_latency_us
+    ht = all_to_all_ends(nic, "ht", np.zeros(4), even).end - nic.rdma_latency_us
+    assert np.allclose(ht / ll, nic.ll_rdma_efficiency / nic.rdma_efficiency)
