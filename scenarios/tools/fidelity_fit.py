@@ -16,11 +16,11 @@ only:
    the value on the `EFFICIENCY_STEP` grid with the least sum of squared relative misses.
 
 The profiles adopt step 2 at their own `ll_latency_us` (`fit_ll_rdma_efficiency`): that
-latency was read off the same EP 8 figure by the balanced formula, and on one node the two
-readings differ by about a microsecond. The EP 8 combine, which neither step reads, stays a
-check. Both searches reach past what is physical (a latency at or below zero, an efficiency
-above one), so the fit reports where the figures put the constants instead of where a bound
-stopped it; `plausible` says whether the result can be adopted.
+latency was read off the same EP 8 figure by the balanced formula, and on one node, where
+the imbalance is small, the two readings are close. The EP 8 combine, which neither step
+reads, stays a check. Both searches reach past what is physical (a latency at or below zero,
+an efficiency above one), so the fit reports where the figures put the constants instead of
+where a bound stopped it; `plausible` says whether the result can be adopted.
 """
 
 from __future__ import annotations

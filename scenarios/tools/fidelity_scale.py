@@ -326,10 +326,10 @@ def scale_rows(
                 gain,
                 "S-D",
                 SGLANG_BLOG,
-                "EPLB evens the long-run load, but each rank's own batch leaves the busiest "
-                "rank above the mean; serial steps wait for it in every collective, TBO hides "
-                "most of it, so the gain exceeds the one-rank row's, whose miss (per-ubatch "
-                "cost) it keeps",
+                "EPLB evens the long-run load (an assumed skew), but each rank's own batch "
+                "leaves the busiest rank above the mean; serial steps wait for it in every "
+                "collective, TBO hides most of it, so the gain exceeds the one-rank row's, "
+                "whose miss (per-ubatch cost) it keeps",
             )
         )
         if on_point:
@@ -344,7 +344,8 @@ def _assumptions() -> dict[str, str]:
         "S-P": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_PREFILL_EP} (4 nodes) "
             f"replayed; 288 physical experts placed by EPLB per layer on its long-run "
-            f"load (32 experts twice as hot as the rest, which the 32 replicas even out); "
+            f"load (assumed: 32 experts twice as hot as the rest, which the 32 replicas even "
+            f"out; no histogram is published); "
             f"routing: {SCALE_PREFILL_TOKENS} tokens on each rank, its own draw of top-8 of "
             f"that load inside 4 of 8 groups, each ubatch's tokens drawn on "
             f"their own (seed {SEED}); bytes as DeepEP's normal "
@@ -354,10 +355,10 @@ def _assumptions() -> dict[str, str]:
         "S-D": (
             f"{describe_profile(STEP_PROFILE)}. Every rank of EP {SGLANG_DECODE_EP} (9 nodes) "
             "replayed; EPLB 288 physical experts per layer on its long-run load (32 experts "
-            "twice as hot as the rest, which the 32 replicas even out); "
-            "routing: each rank's own batch sampled top-8, each ubatch's tokens drawn on "
-            "their own (seeded); LL pairs leave as DeepEP's per-(expert, destination) "
-            "senders share a link; otherwise as [D]"
+            "twice as hot as the rest, which the 32 replicas even out: assumed, no histogram "
+            "is published); routing: each rank's own batch sampled top-8, each ubatch's "
+            "tokens drawn on their own (seeded); LL pairs leave as DeepEP's per-(expert, "
+            "destination) senders share a link; otherwise as [D]"
         ),
         "S-K": (
             f"{describe_profile(H800)}. DeepEP's LL benchmark on every rank: one dispatch and "
