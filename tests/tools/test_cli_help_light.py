@@ -32,11 +32,10 @@ print(json.dumps(found))
 """
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("verb", [v.name for v in VERBS])
-def test_a_verbs_help_and_usage_errors_import_no_torch_and_no_simulator(verb):
+def _probe(script: str, *args: str) -> object:
+    """What `script` printed as JSON, run in a fresh interpreter with `args` and HEAVY."""
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, verb, ",".join(HEAVY)],
+        [sys.executable, "-c", script, *args, ",".join(HEAVY)],
         cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
         capture_output=True,
@@ -44,7 +43,13 @@ def test_a_verbs_help_and_usage_errors_import_no_torch_and_no_simulator(verb):
         timeout=50,
     )
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"--help": [], "usage error": []}
+    return json.loads(done.stdout)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("verb", [v.name for v in VERBS])
+def test_a_verbs_help_and_usage_errors_import_no_torch_and_no_simulator(verb):
+    assert _probe(PROBE, verb) == {"--help": [], "usage error": []}
 
 
 # Run one verb with a malformed `--window`; report its exit status, what it printed, and what
@@ -71,16 +76,7 @@ MALFORMED_WINDOWS = {
 @pytest.mark.parametrize("window", MALFORMED_WINDOWS)
 @pytest.mark.parametrize("verb", ["run", "verify"])
 def test_a_malformed_window_is_refused_without_torch_or_the_simulator(verb, window):
-    done = subprocess.run(
-        [sys.executable, "-c", WINDOW_PROBE, verb, window, ",".join(HEAVY)],
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=50,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {
+    assert _probe(WINDOW_PROBE, verb, window) == {
         "status": 2,
         "stderr": f"dbo-sim: argument --window: {MALFORMED_WINDOWS[window]}\n",
         "imported": [],
