@@ -361,13 +361,14 @@ def _assumptions() -> dict[str, str]:
             "destination) senders share a link; otherwise as [D]"
         ),
         "S-K": (
-            f"{describe_profile(H800)}. DeepEP's LL benchmark on every rank: one dispatch and "
-            f"one combine of {DEEPEP_LL_TOKENS} tokens on each rank, its own random "
-            f"top-{DEEPEP_TOPK} draw (seeded); every (token, expert) copy sent, a pair's rows "
-            "leaving as DeepEP's per-(expert, destination) senders share a link, sent at the "
-            "links' achieved share and received at their line rate; mean over "
-            "ranks of each rank's own kernel time (as DeepEP's test prints it), each ending "
-            "when its slowest pair does"
+            f"{describe_profile(H800)}. DeepEP's LL benchmark on every rank: "
+            f"{DEEPEP_BENCH_RUNS} back-to-back dispatches and combines of {DEEPEP_LL_TOKENS} "
+            f"tokens on each rank, its own random top-{DEEPEP_TOPK} draw (seeded); every "
+            "(token, expert) copy sent, a pair's rows leaving as DeepEP's per-(expert, "
+            "destination) senders share a link, a port taking them from its first sender's "
+            "start once it is free (one-sided puts); mean over ranks and runs of each rank's "
+            "own kernel time (as DeepEP's test prints it), each ending when its slowest pair "
+            "does"
         ),
         "S-N": (
             f"{describe_profile(H800)}. DeepEP's normal-mode benchmark on every rank: one HT "
