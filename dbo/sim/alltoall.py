@@ -126,6 +126,8 @@ def pair_ends(
     if not one_sided:  # a normal kernel's receiving SMs drain the rows
         port_from = np.maximum(port_from, ready)
     free = np.full(ranks, -np.inf) if port_free is None else port_free
+    # its own bytes alone: rows taken from the earlier of its start and its senders', so a
+    # late first sender shows as waiting for peers (end - own), not as its own time
     own_port = np.maximum(np.minimum(port_from, ready) + latency, free) + recv_t
     own = np.maximum(ready + latency + send_t, own_port)
     port_done = np.maximum(port_from + latency, free) + recv_t
@@ -146,7 +148,8 @@ def couple_to_peers(
     gating rank). `peers` has `rank` (this EP rank), `send_bytes` (what this rank sends each
     EP rank) and `exchange(values)`, an all_gather over the group returning every rank's
     values; this rank's start and `send_bytes` go out, and every rank applies
-    `all_to_all_ends` to the same table."""
+    `all_to_all_ends` to the same table. Each call is one collective on its own: a port's
+    backlog from the previous one is not carried across processes (the replay carries it)."""
     table = np.asarray(peers.exchange([ready, *peers.send_bytes]), dtype=float)
     ends = all_to_all_ends(profile, mode, table[:, 0], table[:, 1:], rdma_share=rdma_share)
     me = int(peers.rank)
