@@ -26,6 +26,8 @@ __all__ = [
     "rel_row",
     "describe_profile",
     "load_rows",
+    "deepep_ll_constant",
+    "deepep_ll_table_note",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -42,17 +44,58 @@ VLLM_DBO = (
 )
 
 # DeepEP V1 low-latency kernels, H800 + CX7 400 Gb/s: 128 tokens, hidden 7168, top-8, FP8
-# dispatch, BF16 combine. EP -> (dispatch us, combine us).
+# dispatch, BF16 combine. EP -> (dispatch us, combine us): the whole published table.
 DEEPEP_LL_PUBLISHED: dict[int, tuple[float, float]] = {
     8: (77.0, 114.0),
+    16: (118.0, 195.0),
+    32: (155.0, 273.0),
     64: (173.0, 314.0),
+    128: (192.0, 369.0),
     256: (194.0, 360.0),
 }
+# The (EP, kernel) figures DeepEP's low-latency constants are read off (`dbo.sim.hardware`,
+# `scenarios.tools.fidelity_fit`): `ll_latency_us` off the one-node dispatch, whose time the
+# NIC plays no part in, and `ll_rdma_efficiency` off the largest groups, with one EP size
+# between them left out. Every other figure of the table is a check neither constant saw.
+DEEPEP_LL_LATENCY_FIGURE = (8, "dispatch")
+DEEPEP_LL_EFFICIENCY_FIGURES = tuple(
+    (ep, kind) for ep in (64, 256) for kind in ("dispatch", "combine")
+)
+
+
+def deepep_ll_constant(ep: int, kind: str) -> str | None:
+    """The low-latency constant read (even in part) off DeepEP's (`ep`, `kind`) figure, or
+    None for a figure that is a check."""
+    if (ep, kind) == DEEPEP_LL_LATENCY_FIGURE:
+        return "ll_latency_us"
+    return "ll_rdma_efficiency" if (ep, kind) in DEEPEP_LL_EFFICIENCY_FIGURES else None
+
+
+def deepep_ll_table_note(ep: int, kind: str) -> str:
+    """What DeepEP's own table says against a model whose times grow with the group: empty
+    unless the (`ep`, `kind`) figure is above the next larger group's."""
+    column = 0 if kind == "dispatch" else 1
+    larger = [e for e in sorted(DEEPEP_LL_PUBLISHED) if e > ep]
+    if not larger:
+        return ""
+    here, there = DEEPEP_LL_PUBLISHED[ep][column], DEEPEP_LL_PUBLISHED[larger[0]][column]
+    if here <= there:
+        return ""
+    return (
+        f"DeepEP's table puts this {kind} ({here:g} us) above the EP {larger[0]} one "
+        f"({there:g} us); a time that grows with the group cannot follow both"
+    )
+
+
 DEEPEP_HIDDEN, DEEPEP_TOPK, DEEPEP_LL_TOKENS, DEEPEP_NORMAL_TOKENS = 7168, 8, 128, 4096
 # DeepEP normal kernels: intranode EP 8 dispatch 153 GB/s, combine 158 GB/s (NVLink);
-# internode EP 16/32/64: 43-58 GB/s (RDMA), 4096 tokens, top-4 groups of top-8 experts.
+# internode (RDMA) EP -> (dispatch GB/s, combine GB/s), 4096 tokens, top-4 groups of top-8.
 DEEPEP_NVLINK_PUBLISHED = {"dispatch": 153.0, "combine": 158.0}
-DEEPEP_RDMA_PUBLISHED = (43.0, 58.0)
+DEEPEP_RDMA_PUBLISHED: dict[int, tuple[float, float]] = {
+    16: (43.0, 43.0),
+    32: (58.0, 57.0),
+    64: (51.0, 50.0),
+}
 
 # SGLang's TBO results (published gains, in %), and the setup the blog describes.
 SGLANG_PREFILL_GAIN = (27.0, 35.0)  # a range over their prefill configurations
@@ -107,6 +150,8 @@ class FidelityRow:
     note: str = ""  # why a target is missed, or what a row cannot check
     # A model constant was taken (even in part) from this very figure: shown, never a hit.
     calibration: bool = False
+    # On an all-ranks row: the key of the one-rank row that scores the same figure.
+    twin: str = ""
 
     @property
     def hit(self) -> bool:

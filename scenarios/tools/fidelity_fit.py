@@ -17,10 +17,11 @@ only:
 
 The profiles adopt step 2 at their own `ll_latency_us` (`fit_ll_rdma_efficiency`): that
 latency was read off the same EP 8 figure by the balanced formula, and on one node, where
-the imbalance is small, the two readings are close. The EP 8 combine, which neither step
-reads, stays a check. Both searches reach past what is physical (a latency at or below zero,
-an efficiency above one), so the fit reports where the figures put the constants instead of
-where a bound stopped it; `plausible` says whether the result can be adopted.
+the imbalance is small, the two readings are close. The figures neither step reads (the EP 8
+combine, EP 16, 32 and 128) stay checks. Both searches reach past what is physical (a latency
+at or below zero, an efficiency above one), so the fit reports where the figures put the
+constants instead of where a bound stopped it; `plausible` says whether the result can be
+adopted.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from dbo.sim.hardware import H800, HardwareProfile
-from scenarios.lib.fidelity_rows import DEEPEP_LL_PUBLISHED
+from scenarios.lib.fidelity_rows import (
+    DEEPEP_LL_EFFICIENCY_FIGURES,
+    DEEPEP_LL_LATENCY_FIGURE,
+    DEEPEP_LL_PUBLISHED,
+)
 from scenarios.tools.fidelity_scale import deepep_ll_cluster_times
 
 __all__ = [
@@ -44,8 +49,6 @@ __all__ = [
 # of the NIC's rate is finer than its figures tell apart.
 LATENCY_STEP_US = 0.5
 EFFICIENCY_STEP = 0.01
-LATENCY_FIGURE = (8, "dispatch")
-EFFICIENCY_FIGURES = tuple((ep, kind) for ep in (64, 256) for kind in ("dispatch", "combine"))
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def _misses(profile: HardwareProfile) -> dict[str, float]:
 def _fit_latency(profile: HardwareProfile) -> float:
     """The replay's EP 8 dispatch grows with the latency: bisect for the figure, then take
     the nearer grid point."""
-    ep, kind = LATENCY_FIGURE
+    ep, kind = DEEPEP_LL_LATENCY_FIGURE
     published = DEEPEP_LL_PUBLISHED[ep][0]
 
     def miss(latency: float) -> float:
@@ -113,7 +116,7 @@ def _fit_efficiency(profile: HardwareProfile) -> float:
 
     def cost(efficiency: float) -> float:
         p = replace(profile, ll_rdma_efficiency=efficiency)
-        return sum(_miss(p, ep, kind) ** 2 for ep, kind in EFFICIENCY_FIGURES)
+        return sum(_miss(p, ep, kind) ** 2 for ep, kind in DEEPEP_LL_EFFICIENCY_FIGURES)
 
     ratio = (5**0.5 - 1) / 2
     lo, hi = 0.5, 1.5

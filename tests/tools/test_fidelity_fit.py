@@ -7,9 +7,8 @@ from dataclasses import replace
 import pytest
 
 from dbo.sim.hardware import H800
-from scenarios.lib.fidelity_rows import DEEPEP_LL_PUBLISHED
+from scenarios.lib.fidelity_rows import DEEPEP_LL_EFFICIENCY_FIGURES, DEEPEP_LL_PUBLISHED
 from scenarios.tools.fidelity_fit import (
-    EFFICIENCY_FIGURES,
     EFFICIENCY_STEP,
     LATENCY_STEP_US,
     LLFit,
@@ -26,7 +25,7 @@ def fit() -> LLFit:
 
 def _squared_misses(profile) -> float:
     total = 0.0
-    for ep, kind in EFFICIENCY_FIGURES:
+    for ep, kind in DEEPEP_LL_EFFICIENCY_FIGURES:
         published = DEEPEP_LL_PUBLISHED[ep][0 if kind == "dispatch" else 1]
         total += (deepep_ll_cluster_times(ep, profile)[kind] / published - 1) ** 2
     return total

@@ -7,6 +7,7 @@ import pytest
 
 from dbo.sim.hardware import H800
 from dbo.sim.routing import eplb
+from scenarios.lib.fidelity_rows import DEEPEP_RDMA_PUBLISHED
 from scenarios.tools.fidelity_kernels import deepep_ll_us, normal_bandwidth_gbps
 from scenarios.tools.fidelity_scale import (
     deepep_ll_cluster_us,
@@ -59,6 +60,14 @@ def test_in_one_node_the_group_counts_what_the_one_rank_formula_counts():
     assert deepep_normal_cluster_gbps("dispatch", 8, random=False) == pytest.approx(
         one_rank, rel=0.01
     )
+
+
+@pytest.mark.parametrize(
+    ("kind", "ep"), [(k, ep) for ep in DEEPEP_RDMA_PUBLISHED for k in ("dispatch", "combine")]
+)
+def test_deepep_s_internode_normal_bandwidths_within_10_percent_on_all_ranks(kind, ep):
+    published = DEEPEP_RDMA_PUBLISHED[ep][0 if kind == "dispatch" else 1]
+    assert deepep_normal_cluster_gbps(kind, ep) == pytest.approx(published, rel=0.10)
 
 
 def test_the_rdma_figure_counts_the_own_node_as_deepep_s_test_does():
