@@ -27,6 +27,7 @@ __all__ = [
     "describe_profile",
     "load_rows",
     "deepep_ll_constant",
+    "deepep_ll_figures",
     "deepep_ll_table_note",
 ]
 
@@ -71,9 +72,16 @@ def deepep_ll_constant(ep: int, kind: str) -> str | None:
     return "ll_rdma_efficiency" if (ep, kind) in DEEPEP_LL_EFFICIENCY_FIGURES else None
 
 
+def deepep_ll_figures(constant: str) -> str:
+    """The figures a low-latency constant ("latency" or "efficiency") is read off, in words."""
+    figures = [DEEPEP_LL_LATENCY_FIGURE] if constant == "latency" else DEEPEP_LL_EFFICIENCY_FIGURES
+    sizes = sorted({ep for ep, _ in figures})
+    return "EP " + " and ".join(map(str, sizes))
+
+
 def deepep_ll_table_note(ep: int, kind: str) -> str:
-    """What DeepEP's own table says against a model whose times grow with the group: empty
-    unless the (`ep`, `kind`) figure is above the next larger group's."""
+    """Why a model whose times grow with the group misses the (`ep`, `kind`) figure more than
+    its neighbours: empty unless the figure is above the next larger group's."""
     column = 0 if kind == "dispatch" else 1
     larger = [e for e in sorted(DEEPEP_LL_PUBLISHED) if e > ep]
     if not larger:
@@ -83,7 +91,8 @@ def deepep_ll_table_note(ep: int, kind: str) -> str:
         return ""
     return (
         f"DeepEP's table puts this {kind} ({here:g} us) above the EP {larger[0]} one "
-        f"({there:g} us); a time that grows with the group cannot follow both"
+        f"({there:g} us), while the model's times grow with the group and already read the "
+        f"EP {larger[0]} {kind} low"
     )
 
 
@@ -200,6 +209,8 @@ def pp_row(
     assumptions: str,
     source: str,
     note: str = "",
+    *,
+    twin: str = "",
 ) -> FidelityRow:
     delta = simulated - published
     met = abs(delta) <= GAIN_TOLERANCE_PP and math.copysign(1, simulated) == math.copysign(
@@ -218,6 +229,7 @@ def pp_row(
         assumptions,
         source,
         "" if met else note,
+        twin=twin,
     )
 
 
@@ -230,6 +242,8 @@ def range_pp_row(
     assumptions: str,
     source: str,
     note: str = "",
+    *,
+    twin: str = "",
 ) -> FidelityRow:
     delta = 0.0 if lo <= simulated <= hi else (simulated - hi if simulated > hi else simulated - lo)
     met = abs(delta) <= GAIN_TOLERANCE_PP and simulated > 0
@@ -246,6 +260,7 @@ def range_pp_row(
         assumptions,
         source,
         "" if met else note,
+        twin=twin,
     )
 
 
@@ -259,6 +274,8 @@ def rel_row(
     source: str,
     note: str = "",
     calibration: bool = False,
+    *,
+    twin: str = "",
 ) -> FidelityRow:
     delta = (simulated / published - 1.0) * 100.0
     met = abs(delta) <= KERNEL_TOLERANCE * 100
@@ -276,6 +293,7 @@ def rel_row(
         source,
         note,
         calibration,
+        twin,
     )
 
 

@@ -16,6 +16,7 @@ from scenarios.lib.fidelity_rows import (
     DEEPEP_TOPK,
     FidelityRow,
     deepep_ll_constant,
+    deepep_ll_figures,
     deepep_ll_table_note,
     rel_row,
 )
@@ -79,9 +80,9 @@ def _ll_rows(profile: HardwareProfile) -> list[FidelityRow]:
             elif constant:
                 note = (
                     "calibration: ll_rdma_efficiency was read off DeepEP's low-latency times "
-                    "at EP 64 and 256 through the all-ranks replay, i.e. partly off this "
-                    "figure; this balanced formula leaves out the routing imbalance the "
-                    "replay sees"
+                    f"at {deepep_ll_figures('efficiency')} through the all-ranks replay, i.e. "
+                    "partly off this figure; this balanced formula leaves out the routing "
+                    "imbalance the replay sees"
                 )
             else:
                 note = deepep_ll_table_note(ep, kind)
@@ -131,9 +132,10 @@ def _normal_rows(profile: HardwareProfile) -> list[FidelityRow]:
                     "GB/s",
                     "H800",
                     DEEPEP_README,
-                    "calibration: the normal kernels keep rdma_efficiency 0.92 because "
-                    "DeepEP's internode bandwidths hold it in range (all ranks); this "
-                    "formula leaves out the own node's tokens, which DeepEP's test counts",
+                    f"calibration: the normal kernels keep rdma_efficiency "
+                    f"{profile.rdma_efficiency:g} because DeepEP's internode bandwidths hold "
+                    "it in range (all ranks); this formula leaves out the own node's tokens, "
+                    "which DeepEP's test counts",
                     calibration=True,
                 )
             )

@@ -97,7 +97,7 @@ def run_fidelity(
         report.assumptions.update(a)
         report.extra.update(e)
         report.seconds = time.monotonic() - start
-    report.extra["all_ranks_vs_one_rank"] = [asdict(c) for c in twin_comparisons(report.rows)]
+    report.extra["all_ranks_vs_one_rank"] = [c.to_dict() for c in twin_comparisons(report.rows)]
     return report
 
 
@@ -105,6 +105,8 @@ def run_fidelity(
 class TwinComparison:
     """One figure both models score: the one-rank row's miss beside the all-ranks row's."""
 
+    key: str  # the all-ranks row
+    twin: str  # the one-rank row scoring the same figure
     figure: str  # the one-rank row's words
     one_rank: float  # its delta
     all_ranks: float
@@ -114,19 +116,25 @@ class TwinComparison:
     def no_worse(self) -> bool:
         return abs(self.all_ranks) <= abs(self.one_rank)
 
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "no_worse": self.no_worse}
+
 
 def twin_comparisons(rows: list[FidelityRow]) -> list[TwinComparison]:
     """Every all-ranks row beside its one-rank twin, where both are scored (neither is a
-    calibration row; a calibration row's delta is a fit, not a miss)."""
+    calibration row; a calibration row's delta is a fit, not a miss). A twin that names no
+    row is a bug in the rows, refused rather than left out of the count."""
     by_key = {r.key: r for r in rows}
     out = []
-    for row in rows:
+    for row in (r for r in rows if r.twin):
         twin = by_key.get(row.twin)
-        if twin is None or row.calibration or twin.calibration:
+        if twin is None:
+            raise ValueError(f"fidelity row {row.key!r} names a twin {row.twin!r} that no row has")
+        if row.calibration or twin.calibration or row.delta is None or twin.delta is None:
             continue
-        if row.delta is None or twin.delta is None:
-            continue
-        out.append(TwinComparison(twin.what, twin.delta, row.delta, row.delta_unit))
+        out.append(
+            TwinComparison(row.key, twin.key, twin.what, twin.delta, row.delta, row.delta_unit)
+        )
     return out
 
 

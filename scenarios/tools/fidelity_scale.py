@@ -57,6 +57,7 @@ from scenarios.lib.fidelity_rows import (
     STEP_PROFILE,
     FidelityRow,
     deepep_ll_constant,
+    deepep_ll_figures,
     deepep_ll_table_note,
     deepseek_config,
     describe_profile,
@@ -229,38 +230,38 @@ def deepep_normal_cluster_gbps(
 
 def _deepep_normal_rows() -> list[FidelityRow]:
     rows = [
-        replace(
-            rel_row(
-                f"scale-deepep-normal-nvlink-{kind}",
-                f"DeepEP normal {kind} NVLink bw, EP 8, all ranks",
-                published,
-                deepep_normal_cluster_gbps(kind, 8),
-                "GB/s",
-                "S-N",
-                DEEPEP_README,
-                "calibration: the one-rank row's nvlink_efficiency came off the '~160 GB/s NVLink "
-                "maximum' stated beside this figure",
-                calibration=True,
-            ),
+        rel_row(
+            f"scale-deepep-normal-nvlink-{kind}",
+            f"DeepEP normal {kind} NVLink bw, EP 8, all ranks",
+            published,
+            deepep_normal_cluster_gbps(kind, 8),
+            "GB/s",
+            "S-N",
+            DEEPEP_README,
+            "calibration: the one-rank row's nvlink_efficiency came off the '~160 GB/s NVLink "
+            "maximum' stated beside this figure",
+            calibration=True,
             twin=f"deepep-normal-nvlink-{kind}",
         )
         for kind, published in DEEPEP_NVLINK_PUBLISHED.items()
     ]
     for ep, published in DEEPEP_RDMA_PUBLISHED.items():
         for kind, value in zip(("dispatch", "combine"), published):
-            row = rel_row(
-                f"scale-deepep-normal-rdma-{kind}-ep{ep}",
-                f"DeepEP normal {kind} RDMA bw, EP {ep}, all ranks",
-                value,
-                deepep_normal_cluster_gbps(kind, ep),
-                "GB/s",
-                "S-N",
-                DEEPEP_README,
-                "calibration: the normal kernels keep rdma_efficiency 0.92 because these "
-                "figures hold it in range",
-                calibration=True,
+            rows.append(
+                rel_row(
+                    f"scale-deepep-normal-rdma-{kind}-ep{ep}",
+                    f"DeepEP normal {kind} RDMA bw, EP {ep}, all ranks",
+                    value,
+                    deepep_normal_cluster_gbps(kind, ep),
+                    "GB/s",
+                    "S-N",
+                    DEEPEP_README,
+                    f"calibration: the normal kernels keep rdma_efficiency "
+                    f"{H800.rdma_efficiency:g} because these figures hold it in range",
+                    calibration=True,
+                    twin=f"deepep-normal-rdma-{kind}-ep{ep}",
+                )
             )
-            rows.append(replace(row, twin=f"deepep-normal-rdma-{kind}-ep{ep}"))
     return rows
 
 
@@ -271,27 +272,30 @@ def _deepep_rows() -> list[FidelityRow]:
         for kind, value in zip(("dispatch", "combine"), published):
             calibration = deepep_ll_constant(ep, kind) is not None
             note = (
-                "calibration: ll_latency_us came off the EP 8 figure (read as if every pair "
-                "were equal), ll_rdma_efficiency off the EP 64 and 256 ones through this "
-                "replay; over the 30-run loop a rank that ends its combine early waits in its "
-                "next dispatch, whose puts land while a late rank still finishes"
+                f"calibration: ll_latency_us came off the {deepep_ll_figures('latency')} "
+                "figure (read as if every pair were equal), ll_rdma_efficiency off the "
+                f"{deepep_ll_figures('efficiency')} ones through this replay; over the 30-run "
+                "loop a rank that ends its combine early waits in its next dispatch, whose "
+                "puts land while a late rank still finishes"
                 if calibration
                 else "each rank waits for its slowest pair: under random routing the busiest "
                 "receiver of the dispatch sends the most back and starts last"
             )
             table = deepep_ll_table_note(ep, kind)
-            row = rel_row(
-                f"scale-deepep-ll-{kind}-ep{ep}",
-                f"DeepEP LL {kind}, EP {ep}, all ranks",
-                value,
-                times[kind],
-                "us",
-                "S-K",
-                DEEPEP_README,
-                f"{note}; {table}" if table else note,
-                calibration=calibration,
+            rows.append(
+                rel_row(
+                    f"scale-deepep-ll-{kind}-ep{ep}",
+                    f"DeepEP LL {kind}, EP {ep}, all ranks",
+                    value,
+                    times[kind],
+                    "us",
+                    "S-K",
+                    DEEPEP_README,
+                    f"{note}; {table}" if table else note,
+                    calibration=calibration,
+                    twin=f"deepep-ll-{kind}-ep{ep}",
+                )
             )
-            rows.append(replace(row, twin=f"deepep-ll-{kind}-ep{ep}"))
     return rows
 
 
@@ -313,9 +317,9 @@ def scale_rows(
             "each rank's own 16K-token batch leaves the busiest rank within a fraction of a "
             "percent of the mean: the replay's gain is the one-rank gain (see its note), not "
             "stragglers",
+            twin=f"sglang-prefill-{SCALE_PREFILL_TOKENS}",
         )
     ]
-    rows = [replace(rows[0], twin=f"sglang-prefill-{SCALE_PREFILL_TOKENS}")]
     if on_point:
         on_point("scale prefill")
     for tokens, published in SGLANG_DECODE_GAIN.items():
@@ -332,8 +336,9 @@ def scale_rows(
             "leaves the busiest rank above the mean; serial steps wait for it in every "
             "collective, TBO hides most of it, so the gain exceeds the one-rank row's, "
             "whose miss (per-ubatch cost) it keeps",
+            twin=f"sglang-decode-{tokens}",
         )
-        rows.append(replace(row, twin=f"sglang-decode-{tokens}"))
+        rows.append(row)
         if on_point:
             on_point(f"scale decode {tokens}")
     rows += _deepep_rows() + _deepep_normal_rows()
