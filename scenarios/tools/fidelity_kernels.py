@@ -48,8 +48,10 @@ def deepep_ll_us(
 
 def normal_bandwidth_gbps(kind: str, ep_size: int, profile: HardwareProfile) -> tuple[float, float]:
     """(simulated bandwidth in GB/s, bytes it counts) of a DeepEP normal dispatch/combine of
-    4096 tokens: NVLink bytes within a node; RDMA bytes (one copy per remote node, with
-    DeepEP's test routing: groups = nodes, top-4 groups) across nodes."""
+    4096 tokens, counted as DeepEP's tests count them: within a node the NVLink bytes; across
+    nodes one copy per (token, node) pair, the own node included, with DeepEP's test routing
+    (groups = nodes, top-4 groups). The time is the formula's: the RDMA link carries only the
+    remote nodes' copies."""
     per_copy = _dispatch_bytes_per_copy(DEEPEP_HIDDEN) if kind == "dispatch" else DEEPEP_HIDDEN * 2
     nbytes = DEEPEP_NORMAL_TOKENS * DEEPEP_TOPK * per_copy * (ep_size - 1) / ep_size
     if ep_size <= profile.gpus_per_node:
@@ -57,9 +59,11 @@ def normal_bandwidth_gbps(kind: str, ep_size: int, profile: HardwareProfile) -> 
     nodes = ep_size // profile.gpus_per_node
     share = node_dedup_share(DEEPEP_TOPK, ep_size, profile.gpus_per_node, nodes, min(nodes, 4))
     rdma = nbytes * (ep_size - profile.gpus_per_node) / (ep_size - 1) * share
-    return rdma / comm_time_us(
-        profile, kind, nbytes, ep_size, mode="ht", rdma_bytes=rdma
-    ) / 1e3, rdma
+    time_us = comm_time_us(profile, kind, nbytes, ep_size, mode="ht", rdma_bytes=rdma)
+    # every node is alike under balanced routing: a token reaches its own node as often as
+    # any other, so the pairs DeepEP counts are the remote ones times nodes / (nodes - 1)
+    counted = rdma * nodes / (nodes - 1)
+    return counted / time_us / 1e3, counted
 
 
 def deepep_rows(profile: HardwareProfile = H800) -> list[FidelityRow]:
@@ -134,8 +138,7 @@ def _normal_rows(profile: HardwareProfile) -> list[FidelityRow]:
                     DEEPEP_README,
                     f"calibration: the normal kernels keep rdma_efficiency "
                     f"{profile.rdma_efficiency:g} because DeepEP's internode bandwidths hold "
-                    "it in range (all ranks); this formula leaves out the own node's tokens, "
-                    "which DeepEP's test counts",
+                    "it in range (all ranks)",
                     calibration=True,
                 )
             )
