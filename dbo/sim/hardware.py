@@ -88,9 +88,9 @@ class HardwareProfile:
     # docs/legacy.md "Performance"): on H800 "~160 GB/s NVLink maximum bandwidth" of the 200 GB/s
     # one-way datasheet figure (its normal kernels reach 153-158 GB/s) -> 0.8; a CX7 400 Gb/s
     # NIC is "~50 GB/s maximum" -> 0.92 (46 GB/s), first read off its low-latency kernels'
-    # 39-46 GB/s at EP >= 64 by a balanced formula; the normal kernels keep it, and through
-    # the all-ranks replay their internode bandwidths (43-58 GB/s at EP 16/32/64, counted
-    # with the own node) come out within 10% of it.
+    # 39-46 GB/s at EP >= 64 by a balanced formula; the normal kernels keep it, and with it
+    # the all-ranks replay reads each of their internode bandwidths (43-58 GB/s at EP
+    # 16/32/64, counted with the own node) within 10% of DeepEP's figure.
     # Assumed to carry over to H100/H200/B200 (same NVLink protocol, same NIC).
     nvlink_efficiency: float = 0.8
     rdma_efficiency: float = 0.92

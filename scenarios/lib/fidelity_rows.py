@@ -74,9 +74,12 @@ def deepep_ll_constant(ep: int, kind: str) -> str | None:
 
 def deepep_ll_figures(constant: str) -> str:
     """The figures a low-latency constant ("latency" or "efficiency") is read off, in words."""
-    figures = [DEEPEP_LL_LATENCY_FIGURE] if constant == "latency" else DEEPEP_LL_EFFICIENCY_FIGURES
-    sizes = sorted({ep for ep, _ in figures})
-    return "EP " + " and ".join(map(str, sizes))
+    figures = {
+        "latency": (DEEPEP_LL_LATENCY_FIGURE,),
+        "efficiency": DEEPEP_LL_EFFICIENCY_FIGURES,
+    }[constant]
+    sizes = [str(ep) for ep in sorted({ep for ep, _ in figures})]
+    return "EP " + (sizes[0] if len(sizes) == 1 else ", ".join(sizes[:-1]) + " and " + sizes[-1])
 
 
 def deepep_ll_table_note(ep: int, kind: str) -> str:

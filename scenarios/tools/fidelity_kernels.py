@@ -48,15 +48,20 @@ def deepep_ll_us(
 
 def normal_bandwidth_gbps(kind: str, ep_size: int, profile: HardwareProfile) -> tuple[float, float]:
     """(simulated bandwidth in GB/s, bytes it counts) of a DeepEP normal dispatch/combine of
-    4096 tokens, counted as DeepEP's tests count them: within a node the NVLink bytes; across
-    nodes one copy per (token, node) pair, the own node included, with DeepEP's test routing
-    (groups = nodes, top-4 groups). The time is the formula's: the RDMA link carries only the
-    remote nodes' copies."""
+    4096 tokens: within a node the expert copies sent to other ranks; across whole nodes one
+    copy per (token, node) pair, the own node included, as DeepEP's internode test counts
+    them, with its routing (groups = nodes, top-4 groups). The time is the formula's: the
+    RDMA link carries only the remote nodes' copies."""
     per_copy = _dispatch_bytes_per_copy(DEEPEP_HIDDEN) if kind == "dispatch" else DEEPEP_HIDDEN * 2
     nbytes = DEEPEP_NORMAL_TOKENS * DEEPEP_TOPK * per_copy * (ep_size - 1) / ep_size
     if ep_size <= profile.gpus_per_node:
         return nbytes / comm_time_us(profile, kind, nbytes, ep_size, mode="ht") / 1e3, nbytes
-    nodes = ep_size // profile.gpus_per_node
+    nodes, rest = divmod(ep_size, profile.gpus_per_node)
+    if rest:
+        raise ValueError(
+            f"EP {ep_size} is not a whole number of {profile.gpus_per_node}-GPU nodes; "
+            "DeepEP's internode figures run whole nodes"
+        )
     share = node_dedup_share(DEEPEP_TOPK, ep_size, profile.gpus_per_node, nodes, min(nodes, 4))
     rdma = nbytes * (ep_size - profile.gpus_per_node) / (ep_size - 1) * share
     time_us = comm_time_us(profile, kind, nbytes, ep_size, mode="ht", rdma_bytes=rdma)
@@ -64,6 +69,10 @@ def normal_bandwidth_gbps(kind: str, ep_size: int, profile: HardwareProfile) -> 
     # any other, so the pairs DeepEP counts are the remote ones times nodes / (nodes - 1)
     counted = rdma * nodes / (nodes - 1)
     return counted / time_us / 1e3, counted
+
+
+# Over two nodes the formula's time is its NVLink forwarding's, not the NIC's.
+EP16_NOTE = "; over two nodes this formula's time is set by its NVLink forwarding, not the NIC"
 
 
 def deepep_rows(profile: HardwareProfile = H800) -> list[FidelityRow]:
@@ -119,8 +128,8 @@ def _normal_rows(profile: HardwareProfile) -> list[FidelityRow]:
                 "GB/s",
                 "H800",
                 DEEPEP_README,
-                "calibration: nvlink_efficiency 0.8 comes from DeepEP's '~160 GB/s NVLink "
-                "maximum', stated beside this figure",
+                f"calibration: nvlink_efficiency {profile.nvlink_efficiency:g} comes from "
+                "DeepEP's '~160 GB/s NVLink maximum', stated beside this figure",
                 calibration=True,
             )
         )
@@ -137,8 +146,9 @@ def _normal_rows(profile: HardwareProfile) -> list[FidelityRow]:
                     "H800",
                     DEEPEP_README,
                     f"calibration: the normal kernels keep rdma_efficiency "
-                    f"{profile.rdma_efficiency:g} because DeepEP's internode bandwidths hold "
-                    "it in range (all ranks)",
+                    f"{profile.rdma_efficiency:g} because with it the all-ranks replay reads "
+                    "DeepEP's internode bandwidths within 10%"
+                    + (EP16_NOTE if ep == 2 * profile.gpus_per_node else ""),
                     calibration=True,
                 )
             )

@@ -257,7 +257,8 @@ def _deepep_normal_rows() -> list[FidelityRow]:
                     "S-N",
                     DEEPEP_README,
                     f"calibration: the normal kernels keep rdma_efficiency "
-                    f"{H800.rdma_efficiency:g} because these figures hold it in range",
+                    f"{H800.rdma_efficiency:g} because with it this replay reads these figures "
+                    "within 10%",
                     calibration=True,
                     twin=f"deepep-normal-rdma-{kind}-ep{ep}",
                 )

@@ -20,6 +20,7 @@ from scenarios.lib.configs import CheckCase, check_cases
 from scenarios.lib.simulate import simulate_step
 from scenarios.model import Batch, MoEModel, preset
 from scenarios.tools import fidelity_run, gpu_check_run
+from scenarios.tools.fidelity_kernels import DEEPEP_BYTES
 from scenarios.tools.fidelity_scale import deepep_normal_cluster_gbps
 from workspace import init_workspace_manager, reset_workspace_manager
 
@@ -80,9 +81,15 @@ def test_the_one_rank_rdma_bandwidth_counts_the_own_node_as_deepep_s_test_does(e
     # DeepEP counts one copy per (token, node), its own node included; so does the replay.
     # Over two nodes a token reaches both: leaving the own node out would read half.
     formula, counted = fidelity_run.normal_bandwidth_gbps("dispatch", ep, H800)
-    assert counted > 0
+    # the formula's routing reaches every one of a token's top-4 node groups
+    assert counted == pytest.approx(4096 * DEEPEP_BYTES["dispatch"] * min(ep // 8, 4))
     replay = deepep_normal_cluster_gbps("dispatch", ep, random=False)
     assert formula == pytest.approx(replay, rel=0.05)
+
+
+def test_an_internode_figure_needs_whole_nodes() -> None:
+    with pytest.raises(ValueError, match="whole number of 8-GPU nodes"):
+        fidelity_run.normal_bandwidth_gbps("dispatch", 12, H800)
 
 
 def test_node_dedup_share_for_deepseek_routing() -> None:
