@@ -44,8 +44,8 @@ def link_time_us(
 ) -> np.ndarray:
     """Wire time of `total` bytes of which `rdma` cross nodes, NVLink and RDMA in parallel,
     under `mode`'s kernels."""
-    nvl_bw = profile.nvlink_gbps * 1e3 * profile.nvlink_efficiency  # bytes per us
-    return np.maximum((total - rdma) / nvl_bw, rdma / profile.rdma_bytes_per_us(mode))
+    nvl = (total - rdma) / profile.nvlink_bytes_per_us
+    return np.maximum(nvl, rdma / profile.rdma_bytes_per_us(mode))
 
 
 def collective_latency_us(profile: HardwareProfile, mode: str, multi_node: bool) -> float:

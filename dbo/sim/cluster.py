@@ -180,7 +180,7 @@ class _Links:
         self.ranks, self.g = program.ep_size, p.gpus_per_node
         multi_node = self.ranks > self.g
         self.latency = {m: collective_latency_us(p, m, multi_node) for m in ("ht", "ll")}
-        self.nvl_bw = p.nvlink_gbps * 1e3 * p.nvlink_efficiency  # bytes per us
+        self.nvl_bw = p.nvlink_bytes_per_us
         self.rdma_bw = {m: p.rdma_bytes_per_us(m) for m in ("ht", "ll")}
         self._bytes: dict[tuple, LayerBytes] = {}
         self._lags: dict[tuple, np.ndarray] = {}

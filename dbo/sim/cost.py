@@ -189,7 +189,7 @@ def comm_time_us(
     which = comm_link(profile, ep_size, link)
     if ep_size == 1 and link is None:
         return local_copy_us(profile, nbytes)
-    nvl_bw = profile.nvlink_gbps * 1e3 * profile.nvlink_efficiency  # bytes per us
+    nvl_bw = profile.nvlink_bytes_per_us
     rdma_bw = profile.rdma_bytes_per_us(mode)
     if link is not None:
         nvl, rdma = (float(nbytes), 0.0) if which == NVLINK else (0.0, float(nbytes))

@@ -208,6 +208,11 @@ class HardwareProfile:
         """One direction of NVLink: a rank's sends use half of the datasheet's total."""
         return self.nvlink_total_gbps / 2
 
+    @property
+    def nvlink_bytes_per_us(self) -> float:
+        """What a rank's NVLink moves one way, at its achieved share."""
+        return self.nvlink_gbps * 1e3 * self.nvlink_efficiency
+
     def rdma_bytes_per_us(self, mode: str) -> float:
         """What a rank's NIC moves under `mode`'s kernels: DeepEP's low-latency puts ("ll")
         or its normal kernels (any other mode)."""

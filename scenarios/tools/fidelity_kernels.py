@@ -87,8 +87,8 @@ def _ll_rows(profile: HardwareProfile) -> list[FidelityRow]:
             constant = deepep_ll_constant(ep, kind)
             if constant == "ll_latency_us":
                 note = (
-                    "calibration: ll_latency_us (35 us) is this figure minus its NVLink "
-                    "transfer time"
+                    f"calibration: ll_latency_us ({profile.ll_latency_us:g} us) is this figure "
+                    "minus its NVLink transfer time"
                 )
             elif constant:
                 note = (
@@ -98,7 +98,9 @@ def _ll_rows(profile: HardwareProfile) -> list[FidelityRow]:
                     "imbalance the replay sees"
                 )
             else:
-                note = deepep_ll_table_note(ep, kind)
+                note = ""
+            table = deepep_ll_table_note(ep, kind)
+            note = "; ".join(part for part in (note, table) if part)
             rows.append(
                 rel_row(
                     f"deepep-ll-{kind}-ep{ep}",
